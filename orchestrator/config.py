@@ -1,0 +1,26 @@
+from __future__ import annotations
+
+from pydantic import Field
+
+from specdec.config import ServiceConfig
+from specdec.runtime.models import DEFAULT_MODEL
+
+
+class OrchestratorConfig(ServiceConfig):
+    """specdec orchestrator: runs speculative decoding sessions over the draft and target services."""
+
+    port: int = Field(50051, ge=0, le=65535, description="Port of the public gRPC API (0 picks a free one).")
+    target: str = Field("127.0.0.1:50053", description="Address of the target service.")
+    draft: str = Field("127.0.0.1:50052", description="Address of the draft service; empty runs plain decoding only.")
+    redis_url: str = Field("redis://127.0.0.1:6390/0", description="Redis URL of the session store.")
+    model: str = Field(DEFAULT_MODEL, description="Tokenizer to use (must match the target's): model name or directory.")
+    draft_length: int = Field(4, ge=0, le=32, description="Default draft length k per round (0 = plain target decoding).")
+    max_draft_length: int = Field(16, ge=0, le=64, description="Largest k a request may ask for.")
+    default_max_new_tokens: int = Field(128, ge=1, description="max_new_tokens when a request leaves it unset.")
+    max_new_tokens_limit: int = Field(4096, ge=1, description="Largest max_new_tokens a request may ask for.")
+    max_stop_strings: int = Field(16, ge=0, description="Most stop strings per request.")
+    max_stop_length: int = Field(256, ge=1, description="Longest stop string, in characters.")
+    session_ttl_s: int = Field(3600, ge=1, description="Seconds a session is kept in Redis after its last use.")
+    draft_timeout_s: float = Field(10.0, gt=0, description="Deadline of one draft call; past it the round runs at k = 0.")
+    draft_retry_s: float = Field(2.0, gt=0, description="After a draft failure, seconds before speculation is tried again.")
+    target_timeout_s: float = Field(120.0, gt=0, description="Deadline of one verify call (includes a re-prefill).")

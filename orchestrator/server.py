@@ -1,0 +1,84 @@
+"""Build and run the orchestrator: check the backends, then serve the public API."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+from typing import Sequence
+
+import grpc
+
+from orchestrator.backends import DraftBackend, TargetBackend
+from orchestrator.config import OrchestratorConfig
+from orchestrator.generation import Generator
+from orchestrator.servicer import OrchestratorServicer
+from orchestrator.store import RedisSessionStore
+from specdec.runtime.models import load_tokenizer, tokenizer_fingerprint
+from specdec.serving import configure_logging, create_server, mark_serving, serve_until_signalled
+from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
+
+log = logging.getLogger("specdec.orchestrator")
+SERVICE_NAME = orchestrator_pb2.DESCRIPTOR.services_by_name["Orchestrator"].full_name
+
+
+class StartupError(RuntimeError):
+    """The orchestrator cannot serve with this configuration; the message says why."""
+
+
+async def build_generator(config: OrchestratorConfig) -> Generator:
+    store = RedisSessionStore(config.redis_url, config.session_ttl_s)
+    await store.ping()
+    target = TargetBackend(config.target, config.target_timeout_s)
+    try:
+        target_info = await target.info(timeout=60.0)
+    except grpc.aio.AioRpcError as exc:
+        raise StartupError(f"target service at {config.target} is not reachable: {exc.details()}") from exc
+    tokenizer = load_tokenizer(config.model)
+    if tokenizer_fingerprint(tokenizer) != target_info.tokenizer_fingerprint:
+        raise StartupError(
+            f"tokenizer of --model {config.model!r} does not match the target's ({target_info.model!r}); "
+            "pass the target's model as --model"
+        )
+    draft = None
+    if config.draft:
+        draft = DraftBackend(config.draft, config.draft_timeout_s, config.draft_retry_s)
+        try:
+            draft_info = await draft.info(timeout=60.0)
+        except grpc.aio.AioRpcError as exc:
+            raise StartupError(f"draft service at {config.draft} is not reachable: {exc.details()}") from exc
+        if draft_info.tokenizer_fingerprint != target_info.tokenizer_fingerprint:
+            raise StartupError(
+                f"draft model {draft_info.model!r} and target model {target_info.model!r} have different "
+                f"tokenizers ({draft_info.tokenizer_fingerprint} vs {target_info.tokenizer_fingerprint}); "
+                "speculative decoding needs a draft that shares the target's tokenizer"
+            )
+        log.info("draft %s: %s (%s, %s)", config.draft, draft_info.model, draft_info.kind, draft_info.dtype)
+    log.info("target %s: %s (%s)", config.target, target_info.model, target_info.dtype)
+    return Generator(config, store, target, draft, tokenizer, target_info)
+
+
+async def serve(config: OrchestratorConfig) -> None:
+    generator = await build_generator(config)
+    servicer = OrchestratorServicer(generator)
+    server, port, health = create_server(
+        config.address, [lambda s: orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(servicer, s)],
+        [SERVICE_NAME],
+    )
+    await server.start()
+    await mark_serving(health, [SERVICE_NAME])
+    log.info("orchestrator listening on %s:%d", config.host, port)
+    await serve_until_signalled(server)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    config = OrchestratorConfig.from_args(argv, prog="python -m orchestrator")
+    configure_logging(config.log_level)
+    try:
+        asyncio.run(serve(config))
+    except StartupError as exc:
+        log.error("cannot start: %s", exc)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        pass
+    sys.exit(0)

@@ -1,0 +1,37 @@
+"""gRPC translation for the public API; the logic lives in orchestrator.generation."""
+
+from __future__ import annotations
+
+from orchestrator.generation import Generator
+from specdec.errors import InvalidArgument, grpc_errors
+from specdec.v1 import orchestrator_pb2 as pb, orchestrator_pb2_grpc
+
+
+class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
+    def __init__(self, generator: Generator) -> None:
+        self.generator = generator
+
+    @grpc_errors
+    async def Generate(self, request: pb.GenerateRequest, context):
+        spec = self.generator.parse(request)
+        async for chunk in self.generator.generate(spec):
+            yield chunk
+
+    @grpc_errors
+    async def GenerateUnary(self, request: pb.GenerateRequest, context):
+        spec = self.generator.parse(request)
+        reply = pb.GenerateResponse()
+        async for chunk in self.generator.generate(spec):
+            reply.session_id = chunk.session_id
+            reply.token_ids.extend(chunk.token_ids)
+            reply.text += chunk.text
+            reply.finish_reason = chunk.finish_reason
+            if chunk.HasField("stats"):
+                reply.stats.CopyFrom(chunk.stats)
+        return reply
+
+    @grpc_errors
+    async def CloseSession(self, request: pb.CloseSessionRequest, context):
+        if not request.session_id:
+            raise InvalidArgument("session_id is empty")
+        return pb.CloseSessionResponse(closed=await self.generator.close_session(request.session_id))

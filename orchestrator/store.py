@@ -1,0 +1,113 @@
+"""Session state in Redis: the must-not-lose record of every session.
+
+Keys are namespaced, versioned and hash-tagged by session id, so a session's keys share a cluster
+slot: `specdec:v1:{<session>}:meta` (a hash: `version`, `state` as JSON) and
+`specdec:v1:{<session>}:tokens` (a list of token ids). Every write is one Lua script, atomic and
+checked against the version the writer read (optimistic concurrency), and refreshes both TTLs.
+Nothing is pickled.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import redis.asyncio as redis
+from redis.exceptions import RedisError
+
+from specdec.errors import Aborted, Unavailable
+
+PREFIX = "specdec:v1"
+
+# KEYS: meta, tokens. ARGV: expected version ("0" = must not exist), new state JSON, ttl, tokens...
+_APPEND = """
+local current = redis.call('HGET', KEYS[1], 'version')
+if current == false then current = '0' end
+if current ~= ARGV[1] then return -1 end
+local version = tonumber(current) + 1
+redis.call('HSET', KEYS[1], 'version', version, 'state', ARGV[2])
+if #ARGV > 3 then redis.call('RPUSH', KEYS[2], unpack(ARGV, 4)) end
+redis.call('EXPIRE', KEYS[1], ARGV[3])
+if redis.call('EXISTS', KEYS[2]) == 1 then redis.call('EXPIRE', KEYS[2], ARGV[3]) end
+return version
+"""
+
+
+def meta_key(session_id: str) -> str:
+    return f"{PREFIX}:{{{session_id}}}:meta"
+
+
+def tokens_key(session_id: str) -> str:
+    return f"{PREFIX}:{{{session_id}}}:tokens"
+
+
+@dataclass
+class SessionState:
+    """Everything needed to continue a session on any orchestrator replica."""
+
+    session_id: str
+    seed: int
+    tokens: list[int] = field(default_factory=list)  # the whole history: prompts and generated
+    version: int = 0
+    rounds: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    generated_tokens: int = 0
+    sampling: dict[str, float] = field(default_factory=dict)  # of the latest request
+    draft_length: int = 0  # of the latest request
+    created_at: float = field(default_factory=time.time)
+
+    def record(self) -> str:
+        data = asdict(self)
+        del data["tokens"], data["version"], data["session_id"]
+        return json.dumps(data, separators=(",", ":"))
+
+
+class RedisSessionStore:
+    def __init__(self, url: str, ttl_s: int) -> None:
+        self.url = url
+        self.ttl_s = ttl_s
+        self.redis = redis.Redis.from_url(url)
+        self._append = self.redis.register_script(_APPEND)
+
+    async def ping(self) -> None:
+        await self._call(self.redis.ping())
+
+    async def load(self, session_id: str) -> SessionState | None:
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hgetall(meta_key(session_id))
+        pipe.lrange(tokens_key(session_id), 0, -1)
+        meta, tokens = await self._call(pipe.execute())
+        if not meta:
+            return None
+        data: dict[str, Any] = json.loads(meta[b"state"])
+        return SessionState(session_id=session_id, version=int(meta[b"version"]),
+                            tokens=[int(t) for t in tokens], **data)
+
+    async def save(self, state: SessionState, new_tokens: list[int]) -> None:
+        """Append `new_tokens` and write the record, if nobody else wrote since we read.
+
+        `state.tokens` must already include `new_tokens`; `state.version` is bumped on success.
+        """
+        result = await self._call(self._append(
+            keys=[meta_key(state.session_id), tokens_key(state.session_id)],
+            args=[state.version, state.record(), self.ttl_s, *new_tokens],
+        ))
+        if result == -1:
+            raise Aborted(f"session {state.session_id} was changed by another request; retry")
+        state.version = int(result)
+
+    async def delete(self, session_id: str) -> bool:
+        removed = await self._call(self.redis.delete(meta_key(session_id), tokens_key(session_id)))
+        return removed > 0
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+
+    async def _call(self, awaitable):
+        try:
+            return await awaitable
+        except RedisError as exc:
+            raise Unavailable(f"session store unavailable (redis at {self.url}): {exc}") from exc

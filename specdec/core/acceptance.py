@@ -1,0 +1,165 @@
+"""The acceptance rule of speculative decoding: pure functions of tensors and a generator.
+
+Glossary (see DESIGN.md section 2): `p` is the target distribution, `q` the draft
+distribution, `k` the number of draft tokens. The target scores the block in one forward
+pass and returns `k + 1` rows: row `i` is the target's distribution for the token at draft
+position `i`, and row `k` the one after the last draft token.
+
+Sampling follows Leviathan et al. 2023 / Chen et al. 2023 and is lossless: the emitted
+tokens are distributed exactly as if the target had sampled them one at a time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from specdec.core.sampling import SamplingParams, logits_to_probs, sample
+
+_SUM_TOL = 1e-4  # how far a row of q may stray from summing to 1 (float32 on the wire)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The outcome of verifying one block of `k` draft tokens.
+
+    - *accepted*: the draft tokens kept, always a prefix `draft_tokens[:num_accepted]`.
+    - *recovered*: the target's token at the first rejection, replacing the rejected draft
+      token (`bonus=False`).
+    - *bonus*: the target's extra token after all `k` draft tokens were accepted
+      (`bonus=True`, `num_accepted == k`).
+
+    Each round therefore emits `num_accepted + 1` tokens: the accepted ones, then `token`.
+    """
+
+    num_accepted: int
+    token: int
+    """The recovered token, or the bonus token when `bonus` is true."""
+    bonus: bool
+
+    def emitted(self, draft_tokens: Sequence[int]) -> list[int]:
+        """The tokens this round adds to the sequence: accepted drafts then `token`."""
+        return [int(t) for t in draft_tokens[: self.num_accepted]] + [self.token]
+
+
+def _as_tokens(draft_tokens: torch.Tensor | Sequence[int]) -> torch.Tensor:
+    tokens = torch.as_tensor(draft_tokens, dtype=torch.long, device="cpu")
+    if tokens.ndim != 1:
+        raise ValueError(f"draft_tokens must be [k], got shape {tuple(tokens.shape)}")
+    return tokens
+
+
+def _check_block(target: torch.Tensor, tokens: torch.Tensor, name: str) -> tuple[int, int]:
+    """Check `target [k+1, V]` against `tokens [k]`; return (k, V)."""
+    if target.ndim != 2:
+        raise ValueError(f"{name} must be [k+1, V], got shape {tuple(target.shape)}")
+    k = tokens.shape[0]
+    rows, v = target.shape
+    if rows != k + 1:
+        raise ValueError(f"{name} has {rows} rows but there are k={k} draft tokens (want k+1)")
+    if k and not (0 <= int(tokens.min()) and int(tokens.max()) < v):
+        raise ValueError(f"draft token ids {tokens.tolist()} must be in [0, V={v})")
+    return k, v
+
+
+def verify_greedy(
+    target_logits: torch.Tensor, draft_tokens: torch.Tensor | Sequence[int]
+) -> Verdict:
+    """Greedy verification: accept `x_i` while `x_i == argmax p_i`.
+
+    target_logits: `[k+1, V]`; draft_tokens: `[k]`. Ties in the argmax go to the lowest id.
+    """
+    tokens = _as_tokens(draft_tokens)  # [k]
+    k, _ = _check_block(target_logits, tokens, "target_logits")
+    best = torch.argmax(target_logits, dim=1).to("cpu")  # [k+1]
+    for i in range(k):
+        if int(tokens[i]) != int(best[i]):
+            return Verdict(num_accepted=i, token=int(best[i]), bonus=False)
+    return Verdict(num_accepted=k, token=int(best[k]), bonus=True)
+
+
+def verify_sampling(
+    p: torch.Tensor,
+    q: torch.Tensor | None,
+    draft_tokens: torch.Tensor | Sequence[int],
+    generator: torch.Generator,
+) -> Verdict:
+    """Lossless rejection sampling over one block.
+
+    p: `[k+1, V]` target probabilities; q: `[k, V]` draft probabilities, or None when the
+    draft was deterministic (one-hot q at each draft token, e.g. prompt lookup);
+    draft_tokens: `[k]`, with `x_i ~ q_i`.
+
+    Draw `u ~ U[0, 1)^k` and accept `x_i` while `u_i < p_i(x_i) / q_i(x_i)`. At the first
+    rejection draw the recovered token from `norm(max(0, p_i - q_i))`; if all are accepted
+    draw the bonus from `p_k`. Randomness is consumed in a fixed order (the `k` uniforms,
+    then one draw for the emitted token), so a generator seed reproduces the verdict.
+    """
+    tokens = _as_tokens(draft_tokens)  # [k]
+    k, v = _check_block(p, tokens, "p")
+    p = p.detach().to("cpu", torch.float64)  # [k+1, V]
+    _check_rows_sum_to_one(p, "p")
+    rows = torch.arange(k)
+    p_x = p[rows, tokens]  # [k]
+    if q is None:
+        q_x = torch.ones(k, dtype=torch.float64)  # one-hot q at each draft token
+    else:
+        if tuple(q.shape) != (k, v):
+            raise ValueError(f"q must be [k={k}, V={v}], got shape {tuple(q.shape)}")
+        q = q.detach().to("cpu", torch.float64)  # [k, V]
+        _check_rows_sum_to_one(q, "q")
+        q_x = q[rows, tokens]  # [k]
+        if k and not bool((q_x > 0).all()):
+            raise ValueError(f"draft tokens {tokens.tolist()} must have q > 0 (x_i ~ q_i)")
+
+    u = torch.rand(k, generator=generator, dtype=torch.float64)  # [k]
+    rejected = (u * q_x >= p_x).tolist()  # accept with probability min(1, p/q)
+    if True not in rejected:
+        return Verdict(num_accepted=k, token=sample(p[k], generator), bonus=True)
+
+    i = rejected.index(True)
+    if q is None:
+        residual = p[i].clone()  # [V]
+        residual[int(tokens[i])] = 0.0  # max(0, p - onehot(x)): p with x removed
+    else:
+        residual = torch.clamp(p[i] - q[i], min=0.0)  # [V]
+    if not float(residual.sum()) > 0.0:  # only through rounding when p_i == q_i
+        residual = p[i]
+    return Verdict(num_accepted=i, token=sample(residual, generator), bonus=False)
+
+
+def verify(
+    target_logits: torch.Tensor,
+    draft_tokens: torch.Tensor | Sequence[int],
+    draft_probs: torch.Tensor | None,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+) -> Verdict:
+    """Verify a block: greedy when `params.greedy`, else lossless rejection sampling.
+
+    target_logits: `[k+1, V]`; draft_tokens: `[k]`; draft_probs: `[k, V]`, the draft's q
+    already processed with the same `params`, or None for a deterministic draft (ignored
+    when greedy). `generator` is required unless greedy.
+    """
+    if params.greedy:
+        return verify_greedy(target_logits, draft_tokens)
+    if generator is None:
+        raise ValueError("a generator is required when sampling (temperature > 0)")
+    tokens = _as_tokens(draft_tokens)  # [k]
+    _check_block(target_logits, tokens, "target_logits")
+    p = logits_to_probs(target_logits, params)  # [k+1, V]
+    return verify_sampling(p, draft_probs, tokens, generator)
+
+
+def _check_rows_sum_to_one(probs: torch.Tensor, name: str) -> None:
+    """Rows of `probs [rows, V]` must be non-negative and sum to 1 (NaN and inf fail)."""
+    if probs.shape[0] == 0:
+        return
+    sums = probs.sum(dim=1)  # [rows]
+    worst = float((sums - 1.0).abs().max())
+    if not worst <= _SUM_TOL:
+        raise ValueError(f"rows of {name} must sum to 1, got sums {sums.tolist()}")
+    if float(probs.min()) < 0:
+        raise ValueError(f"{name} must be non-negative")

