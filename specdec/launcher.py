@@ -15,7 +15,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specdec.runtime.models import DEFAULT_MODEL, cache_dir
+from specdec.defaults import DEFAULT_MODEL, cache_dir
 
 
 def redis_server_binary() -> str:

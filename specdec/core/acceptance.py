@@ -18,7 +18,7 @@ import torch
 
 from specdec.core.sampling import SamplingParams, logits_to_probs, sample
 
-_SUM_TOL = 1e-4  # how far a row of q may stray from summing to 1 (float32 on the wire)
+_SUM_TOL = 1e-4  # how far a row of p or q may stray from summing to 1 (float32 on the wire)
 
 
 @dataclass(frozen=True)
@@ -44,26 +44,6 @@ class Verdict:
         return [int(t) for t in draft_tokens[: self.num_accepted]] + [self.token]
 
 
-def _as_tokens(draft_tokens: torch.Tensor | Sequence[int]) -> torch.Tensor:
-    tokens = torch.as_tensor(draft_tokens, dtype=torch.long, device="cpu")
-    if tokens.ndim != 1:
-        raise ValueError(f"draft_tokens must be [k], got shape {tuple(tokens.shape)}")
-    return tokens
-
-
-def _check_block(target: torch.Tensor, tokens: torch.Tensor, name: str) -> tuple[int, int]:
-    """Check `target [k+1, V]` against `tokens [k]`; return (k, V)."""
-    if target.ndim != 2:
-        raise ValueError(f"{name} must be [k+1, V], got shape {tuple(target.shape)}")
-    k = tokens.shape[0]
-    rows, v = target.shape
-    if rows != k + 1:
-        raise ValueError(f"{name} has {rows} rows but there are k={k} draft tokens (want k+1)")
-    if k and not (0 <= int(tokens.min()) and int(tokens.max()) < v):
-        raise ValueError(f"draft token ids {tokens.tolist()} must be in [0, V={v})")
-    return k, v
-
-
 def verify_greedy(
     target_logits: torch.Tensor, draft_tokens: torch.Tensor | Sequence[int]
 ) -> Verdict:
@@ -73,11 +53,11 @@ def verify_greedy(
     """
     tokens = _as_tokens(draft_tokens)  # [k]
     k, _ = _check_block(target_logits, tokens, "target_logits")
-    best = torch.argmax(target_logits, dim=1).to("cpu")  # [k+1]
+    best = torch.argmax(target_logits, dim=1).tolist()  # [k+1]
     for i in range(k):
-        if int(tokens[i]) != int(best[i]):
-            return Verdict(num_accepted=i, token=int(best[i]), bonus=False)
-    return Verdict(num_accepted=k, token=int(best[k]), bonus=True)
+        if tokens[i] != best[i]:
+            return Verdict(num_accepted=i, token=best[i], bonus=False)
+    return Verdict(num_accepted=k, token=best[k], bonus=True)
 
 
 def verify_sampling(
@@ -100,34 +80,32 @@ def verify_sampling(
     tokens = _as_tokens(draft_tokens)  # [k]
     k, v = _check_block(p, tokens, "p")
     p = p.detach().to("cpu", torch.float64)  # [k+1, V]
-    _check_rows_sum_to_one(p, "p")
-    rows = torch.arange(k)
-    p_x = p[rows, tokens]  # [k]
+    _check_probs(p, "p")
+    p_x = [float(p[i, x]) for i, x in enumerate(tokens)]  # [k]: p_i(x_i)
     if q is None:
-        q_x = torch.ones(k, dtype=torch.float64)  # one-hot q at each draft token
+        q_x = [1.0] * k  # one-hot q at each draft token
     else:
         if tuple(q.shape) != (k, v):
             raise ValueError(f"q must be [k={k}, V={v}], got shape {tuple(q.shape)}")
         q = q.detach().to("cpu", torch.float64)  # [k, V]
-        _check_rows_sum_to_one(q, "q")
-        q_x = q[rows, tokens]  # [k]
-        if k and not bool((q_x > 0).all()):
-            raise ValueError(f"draft tokens {tokens.tolist()} must have q > 0 (x_i ~ q_i)")
+        _check_probs(q, "q")
+        q_x = [float(q[i, x]) for i, x in enumerate(tokens)]  # [k]: q_i(x_i)
+        if not all(qx > 0 for qx in q_x):
+            raise ValueError(f"draft tokens {tokens} must have q > 0 (x_i ~ q_i), got {q_x}")
 
-    u = torch.rand(k, generator=generator, dtype=torch.float64)  # [k]
-    rejected = (u * q_x >= p_x).tolist()  # accept with probability min(1, p/q)
-    if True not in rejected:
-        return Verdict(num_accepted=k, token=sample(p[k], generator), bonus=True)
-
-    i = rejected.index(True)
-    if q is None:
-        residual = p[i].clone()  # [V]
-        residual[int(tokens[i])] = 0.0  # max(0, p - onehot(x)): p with x removed
-    else:
-        residual = torch.clamp(p[i] - q[i], min=0.0)  # [V]
-    if not float(residual.sum()) > 0.0:  # only through rounding when p_i == q_i
-        residual = p[i]
-    return Verdict(num_accepted=i, token=sample(residual, generator), bonus=False)
+    u = torch.rand(k, generator=generator, dtype=torch.float64).tolist()  # [k]
+    for i in range(k):
+        if u[i] * q_x[i] < p_x[i]:  # accept with probability min(1, p/q)
+            continue
+        if q is None:
+            residual = p[i].clone()  # [V]
+            residual[tokens[i]] = 0.0  # max(0, p - onehot(x)): p with x removed
+        else:
+            residual = torch.clamp(p[i] - q[i], min=0.0)  # [V]
+        if not float(residual.sum()) > 0.0:  # only through rounding when p_i == q_i
+            residual = p[i]
+        return Verdict(num_accepted=i, token=sample(residual, generator), bonus=False)
+    return Verdict(num_accepted=k, token=sample(p[k], generator), bonus=True)
 
 
 def verify(
@@ -153,13 +131,37 @@ def verify(
     return verify_sampling(p, draft_probs, tokens, generator)
 
 
-def _check_rows_sum_to_one(probs: torch.Tensor, name: str) -> None:
+def _as_tokens(draft_tokens: torch.Tensor | Sequence[int]) -> list[int]:
+    """Draft token ids `[k]` as a list of ints (k is small; the bookkeeping is scalar)."""
+    if isinstance(draft_tokens, torch.Tensor):
+        if draft_tokens.ndim != 1:
+            raise ValueError(f"draft_tokens must be [k], got shape {tuple(draft_tokens.shape)}")
+        return [int(t) for t in draft_tokens.tolist()]
+    try:
+        return [int(t) for t in draft_tokens]
+    except TypeError as e:
+        raise ValueError(f"draft_tokens must be [k] token ids, got {draft_tokens!r}") from e
+
+
+def _check_block(target: torch.Tensor, tokens: list[int], name: str) -> tuple[int, int]:
+    """Check `target [k+1, V]` against `tokens [k]`; return (k, V)."""
+    if target.ndim != 2:
+        raise ValueError(f"{name} must be [k+1, V], got shape {tuple(target.shape)}")
+    k = len(tokens)
+    rows, v = target.shape
+    if rows != k + 1:
+        raise ValueError(f"{name} has {rows} rows but there are k={k} draft tokens (want k+1)")
+    if tokens and not (0 <= min(tokens) and max(tokens) < v):
+        raise ValueError(f"draft token ids {tokens} must be in [0, V={v})")
+    return k, v
+
+
+def _check_probs(probs: torch.Tensor, name: str) -> None:
     """Rows of `probs [rows, V]` must be non-negative and sum to 1 (NaN and inf fail)."""
     if probs.shape[0] == 0:
         return
-    sums = probs.sum(dim=1)  # [rows]
-    worst = float((sums - 1.0).abs().max())
-    if not worst <= _SUM_TOL:
-        raise ValueError(f"rows of {name} must sum to 1, got sums {sums.tolist()}")
+    lo, hi = (float(s) for s in probs.sum(dim=1).aminmax())  # smallest and largest row sum
+    if not (abs(lo - 1.0) <= _SUM_TOL and abs(hi - 1.0) <= _SUM_TOL):
+        raise ValueError(f"rows of {name} must sum to 1, got row sums in [{lo}, {hi}]")
     if float(probs.min()) < 0:
         raise ValueError(f"{name} must be non-negative")

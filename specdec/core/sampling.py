@@ -95,11 +95,11 @@ def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
     cdf = torch.cumsum(probs.detach().to("cpu", torch.float64), dim=0)  # [V]
     total = float(cdf[-1])
     assert total > 0 and math.isfinite(total), f"probs must have positive finite mass, got {total}"
-    u = torch.rand((), generator=generator, dtype=torch.float64)
+    u = float(torch.rand((), generator=generator, dtype=torch.float64))
     # The first index whose cdf exceeds u * total; it always has positive probability.
     token = int(torch.searchsorted(cdf, u * total, right=True))
     if token == cdf.shape[0]:  # u * total rounded up to total: take the last token with mass
-        token = int(torch.nonzero(cdf < total)[-1]) + 1 if bool(cdf[0] < total) else 0
+        token = int(torch.searchsorted(cdf, total, right=False))
     return token
 
 

@@ -7,9 +7,9 @@ checkpoint under `cache_dir()/models/` and loaded from there (~3 s) afterwards.
 A spec is one of:
 - `"default"` or `DEFAULT_MODEL`: the packaged model (converted on first use);
 - a local directory holding a transformers checkpoint: loaded as is;
-- anything else: passed to transformers as a hub id (this environment is offline, so only ids
-  already in the local Hugging Face cache can load; otherwise a `ModelLoadError` says what to
-  pass instead).
+- anything else: passed to transformers as a hub id, loaded from the local Hugging Face cache
+  only (set `SPECDEC_ALLOW_DOWNLOAD=1` to let transformers download); otherwise a
+  `ModelLoadError` says what to pass instead.
 """
 
 from __future__ import annotations
@@ -226,6 +226,14 @@ def parse_dtype(dtype: str) -> torch.dtype:
         raise ValueError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}") from None
 
 
+def _hub_options() -> dict[str, bool]:
+    """Hub ids load from the local Hugging Face cache only, unless SPECDEC_ALLOW_DOWNLOAD=1.
+
+    Without this, an unreachable hub costs ~50 s of retries before the error.
+    """
+    return {"local_files_only": os.environ.get("SPECDEC_ALLOW_DOWNLOAD", "") != "1"}
+
+
 def _wrap_load(spec: str, what: str, load: Callable[[], T]) -> T:
     try:
         return load()
@@ -233,8 +241,8 @@ def _wrap_load(spec: str, what: str, load: Callable[[], T]) -> T:
         raise
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
         raise ModelLoadError(
-            f"could not load {what} {spec!r} ({type(exc).__name__}: {exc}). Model hubs are not reachable "
-            f"here: pass {DEFAULT_MODEL!r} (or 'default') for the packaged model, or a local directory "
+            f"could not load {what} {spec!r} ({type(exc).__name__}: {exc}). Hub ids load only from the "
+            f"local Hugging Face cache (set SPECDEC_ALLOW_DOWNLOAD=1 to download): pass {DEFAULT_MODEL!r} (or 'default') for the packaged model, or a local directory "
             f"holding a transformers checkpoint"
         ) from exc
 
@@ -250,7 +258,7 @@ def _model_name(spec: str) -> str:
 def load_tokenizer(spec: str) -> PreTrainedTokenizerBase:
     """The tokenizer of a model spec (the default model is converted first if needed)."""
     path = resolve_model_path(spec)
-    return _wrap_load(spec, "tokenizer", lambda: AutoTokenizer.from_pretrained(path))
+    return _wrap_load(spec, "tokenizer", lambda: AutoTokenizer.from_pretrained(path, **_hub_options()))
 
 
 def load_model(spec: str, dtype: str = "float32", threads: int | None = None, progress: bool = True) -> LoadedModel:
@@ -261,8 +269,9 @@ def load_model(spec: str, dtype: str = "float32", threads: int | None = None, pr
             raise ValueError(f"threads must be >= 1, got {threads}")
         torch.set_num_threads(threads)
     path = resolve_model_path(spec, progress=progress)
-    tokenizer = _wrap_load(spec, "tokenizer", lambda: AutoTokenizer.from_pretrained(path))
-    model = _wrap_load(spec, "model", lambda: AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype))
+    hub = _hub_options()
+    tokenizer = _wrap_load(spec, "tokenizer", lambda: AutoTokenizer.from_pretrained(path, **hub))
+    model = _wrap_load(spec, "model", lambda: AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, **hub))
     model = model.to(device="cpu", dtype=torch_dtype).eval()
     _check_tied(model)
 

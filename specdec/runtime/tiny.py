@@ -12,27 +12,29 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     AutoModelForCausalLM,
+    AutoTokenizer,
     GenerationConfig,
     LlamaConfig,
     LlamaForCausalLM,
+    PreTrainedTokenizerBase,
     PreTrainedTokenizerFast,
 )
 
-from specdec.runtime.models import load_model
+from specdec.runtime.models import LoadedModel, load_model
 
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>"]  # ids 0, 1, 2
 CHAT_TEMPLATE = (
     "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}assistant: {% endif %}"
 )
-EOS_DAMPING = 0.5  # shrink the eos row of lm_head so eos is rare-ish
 
 
 def _char_vocab(swap: tuple[str, str] | None = None) -> dict[str, int]:
@@ -63,7 +65,7 @@ def make_char_tokenizer(out_dir: str | Path | None = None) -> PreTrainedTokenize
     return tokenizer
 
 
-def _save(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, out_dir: Path) -> Path:
+def _save(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerBase, out_dir: Path) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id,
@@ -114,8 +116,7 @@ def make_tiny_model(
                     continue
                 noise = torch.randn(tensor.shape, generator=generator, dtype=torch.float64)
                 tensor.add_((noise * perturb * tensor.double().std()).to(tensor.dtype))
-        tokenizer = _build_char_tokenizer()
-        return _save(model, tokenizer, out)
+        return _save(model, AutoTokenizer.from_pretrained(base), out)
 
     tokenizer = _build_char_tokenizer()
     config = LlamaConfig(
@@ -133,11 +134,11 @@ def make_tiny_model(
         tie_word_embeddings=False,
         dtype="float32",
     )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(torch.float32).eval()
-    head = model.lm_head.weight  # [V, H]; final-norm output has unit RMS, so logit std ≈ row std·sqrt(H)
-    head.normal_(0.0, logit_scale / math.sqrt(hidden))
-    head[tokenizer.eos_token_id] *= EOS_DAMPING
+    with torch.random.fork_rng(devices=[]):  # seed locally; leave the caller's RNG alone
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config).to(torch.float32).eval()
+        head = model.lm_head.weight  # [V, H]; final-norm output has unit RMS: logit std ≈ row std·sqrt(H)
+        head.normal_(0.0, logit_scale / math.sqrt(hidden))  # peaked: eos (like any one token) is rare
     return _save(model, tokenizer, out)
 
 
@@ -147,7 +148,17 @@ def make_mismatched_tokenizer_model(out_dir: str | Path, base: str | Path) -> Pa
     return _save(model, _build_char_tokenizer(swap=("a", "b")), Path(out_dir))
 
 
-@torch.no_grad()
+@contextmanager
+def _torch_threads(n: int) -> Iterator[None]:
+    """Run with n intra-op threads: tiny forwards are slower, and erratic, with a contended pool."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
 def greedy_agreement(
     target_dir: str | Path, draft_dir: str | Path, prompts: Sequence[str], n_tokens: int
 ) -> float:
@@ -158,6 +169,17 @@ def greedy_agreement(
     """
     target = load_model(str(target_dir), dtype="float64", progress=False)
     draft = load_model(str(draft_dir), dtype="float64", progress=False)
+    if draft.fingerprint != target.fingerprint:
+        raise ValueError(f"{draft_dir} and {target_dir} have different tokenizers; agreement is meaningless")
+    with _torch_threads(1):
+        matches, total = _count_agreement(target, draft, prompts, n_tokens)
+    return matches / total if total else float("nan")
+
+
+@torch.no_grad()
+def _count_agreement(
+    target: LoadedModel, draft: LoadedModel, prompts: Sequence[str], n_tokens: int
+) -> tuple[int, int]:
     matches = total = 0
     for prompt in prompts:
         ids = target.tokenizer.encode(prompt, add_special_tokens=False) or [target.tokenizer.bos_token_id]
@@ -176,4 +198,4 @@ def greedy_agreement(
         continuation = torch.tensor(ids[prompt_len:])  # [n]
         matches += int((draft_argmax == continuation).sum())
         total += len(continuation)
-    return matches / total if total else float("nan")
+    return matches, total

@@ -71,36 +71,43 @@ def test_greedy_is_temperature_zero() -> None:
 Q = 0.125  # probabilities below are exact binary fractions
 
 
+def _sp(temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> SamplingParams:
+    return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+
+
 @pytest.mark.parametrize(
     "logits, params, expected",
     [
         # temperature only
-        (_logits(1, 2, 4), SamplingParams(temperature=1.0), [1 / 7, 2 / 7, 4 / 7]),
-        (_logits(1, 2, 4), SamplingParams(temperature=2.0), np.sqrt([1, 2, 4]) / (3 + np.sqrt(2))),
-        (_logits(1, 2, 4), SamplingParams(temperature=0.5), [1 / 21, 4 / 21, 16 / 21]),
+        (_logits(1, 2, 4), _sp(), [1 / 7, 2 / 7, 4 / 7]),
+        (_logits(1, 2, 4), _sp(2.0), np.sqrt([1, 2, 4]) / (3 + np.sqrt(2))),
+        (_logits(1, 2, 4), _sp(0.5), [1 / 21, 4 / 21, 16 / 21]),
         # top-k keeps the k largest
-        (_logits(1, 2, 4, 1), SamplingParams(temperature=1.0, top_k=2), [0, 1 / 3, 2 / 3, 0]),
-        (_logits(1, 2, 4, 1), SamplingParams(temperature=1.0, top_k=1), [0, 0, 1, 0]),
-        (_logits(1, 2, 4, 1), SamplingParams(temperature=1.0, top_k=4), [1 / 8, 2 / 8, 4 / 8, 1 / 8]),
-        (_logits(1, 2, 4, 1), SamplingParams(temperature=1.0, top_k=99), [1 / 8, 2 / 8, 4 / 8, 1 / 8]),
+        (_logits(1, 2, 4, 1), _sp(top_k=2), [0, 1 / 3, 2 / 3, 0]),
+        (_logits(1, 2, 4, 1), _sp(top_k=1), [0, 0, 1, 0]),
+        (_logits(1, 2, 4, 1), _sp(top_k=4), [1 / 8, 2 / 8, 4 / 8, 1 / 8]),
+        (_logits(1, 2, 4, 1), _sp(top_k=99), [1 / 8, 2 / 8, 4 / 8, 1 / 8]),
         # top-p keeps the smallest prefix (by probability) whose mass reaches top_p
-        (_logits(4 * Q, 2 * Q, Q, Q), SamplingParams(temperature=1.0, top_p=0.6), [2 / 3, 1 / 3, 0, 0]),
-        (_logits(4 * Q, 2 * Q, Q, Q), SamplingParams(temperature=1.0, top_p=0.8), [4 / 7, 2 / 7, 1 / 7, 0]),
-        (_logits(Q, 2 * Q, 4 * Q, Q), SamplingParams(temperature=1.0, top_p=0.8), [1 / 7, 2 / 7, 4 / 7, 0]),
-        (_logits(4 * Q, 2 * Q, Q, Q), SamplingParams(temperature=1.0, top_p=0.01), [1, 0, 0, 0]),
-        (_logits(4 * Q, 2 * Q, Q, Q), SamplingParams(temperature=1.0, top_p=1.0), [4 * Q, 2 * Q, Q, Q]),
+        (_logits(4 * Q, 2 * Q, Q, Q), _sp(top_p=0.6), [2 / 3, 1 / 3, 0, 0]),
+        (_logits(4 * Q, 2 * Q, Q, Q), _sp(top_p=0.8), [4 / 7, 2 / 7, 1 / 7, 0]),
+        (_logits(Q, 2 * Q, 4 * Q, Q), _sp(top_p=0.8), [1 / 7, 2 / 7, 4 / 7, 0]),
+        (_logits(4 * Q, 2 * Q, Q, Q), _sp(top_p=0.01), [1, 0, 0, 0]),
+        (_logits(4 * Q, 2 * Q, Q, Q), _sp(top_p=1.0), [4 * Q, 2 * Q, Q, Q]),
         # top-k first, then top-p on the renormalised survivors: {1,2,3} -> 4/9, 7/9 >= 0.75
-        (_logits(0.1, 0.4, 0.3, 0.2), SamplingParams(1.0, top_k=3, top_p=0.75), [0, 4 / 7, 3 / 7, 0]),
+        (_logits(0.1, 0.4, 0.3, 0.2), _sp(top_k=3, top_p=0.75), [0, 4 / 7, 3 / 7, 0]),
         # same top-p without top-k keeps three tokens: 0.4, 0.7 < 0.75
-        (_logits(0.1, 0.4, 0.3, 0.2), SamplingParams(1.0, top_p=0.75), [0, 4 / 9, 3 / 9, 2 / 9]),
+        (_logits(0.1, 0.4, 0.3, 0.2), _sp(top_p=0.75), [0, 4 / 9, 3 / 9, 2 / 9]),
         # temperature applies before top-p: at T=0.5 the mass is 16/21, 4/21, 1/21
-        (_logits(4, 2, 1), SamplingParams(0.5, top_p=0.8), [0.8, 0.2, 0]),
+        (_logits(4, 2, 1), _sp(0.5, top_p=0.8), [0.8, 0.2, 0]),
     ],
 )
-def test_logits_to_probs_table(logits: torch.Tensor, params: SamplingParams, expected: list[float]) -> None:
+def test_logits_to_probs_table(
+    logits: torch.Tensor, params: SamplingParams, expected: list[float]
+) -> None:
     probs = logits_to_probs(logits, params)
     assert probs.dtype == torch.float64
-    torch.testing.assert_close(probs[0], torch.tensor(expected, dtype=torch.float64), atol=1e-12, rtol=0)
+    expected_t = torch.tensor(expected, dtype=torch.float64)
+    torch.testing.assert_close(probs[0], expected_t, atol=1e-12, rtol=0)
 
 
 def test_logits_to_probs_rows_are_independent() -> None:
@@ -207,7 +214,13 @@ def test_derive_generator_accepts_all_uint64_seeds(seed: int) -> None:
 
 
 @pytest.mark.parametrize(
-    "args, field", [((-1, 0, 1), "seed"), ((2**64, 0, 1), "seed"), ((0, -1, 1), "position"), ((0, 0, -2), "stream")]
+    "args, field",
+    [
+        ((-1, 0, 1), "seed"),
+        ((2**64, 0, 1), "seed"),
+        ((0, -1, 1), "position"),
+        ((0, 0, -2), "stream"),
+    ],
 )
 def test_derive_generator_rejects_out_of_range(args: tuple[int, int, int], field: str) -> None:
     with pytest.raises(ValueError, match=field):

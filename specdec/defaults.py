@@ -1,0 +1,14 @@
+"""Defaults that light modules (CLI, launcher, SDK) need without importing torch."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+def cache_dir() -> Path:
+    """`$SPECDEC_CACHE` if set, else `~/.cache/specdec`."""
+    env = os.environ.get("SPECDEC_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "specdec"

@@ -1,0 +1,186 @@
+"""Model loading (specdec.runtime.models) and the tiny offline models (specdec.runtime.tiny)."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from specdec.runtime.models import (
+    DEFAULT_MODEL,
+    ModelLoadError,
+    cache_dir,
+    load_model,
+    load_tokenizer,
+    resolve_model_path,
+    tokenizer_fingerprint,
+)
+from specdec.runtime.tiny import (
+    greedy_agreement,
+    make_char_tokenizer,
+    make_mismatched_tokenizer_model,
+    make_tiny_model,
+)
+
+PROMPTS = ["Once upon a time", "def f(x):"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    """Tiny forwards are erratic with a contended intra-op pool on a shared 2-core machine."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny")
+    base = make_tiny_model(root / "base", seed=0)
+    return {
+        "base": base,
+        "copy": make_tiny_model(root / "copy", base=base, perturb=0.0),
+        "near": make_tiny_model(root / "near", base=base, perturb=0.05, seed=1),
+        "far": make_tiny_model(root / "far", base=base, perturb=1.0, seed=1),
+        "mismatched": make_mismatched_tokenizer_model(root / "mismatched", base),
+    }
+
+
+def test_round_trip(models: dict[str, Path]) -> None:
+    loaded = load_model(str(models["base"]), progress=False)
+    assert loaded.dtype == torch.float32
+    assert not loaded.model.training
+    assert loaded.name == "base" and loaded.path == str(models["base"])
+    assert loaded.max_context == 512
+    assert loaded.eos_token_ids == [loaded.tokenizer.eos_token_id] == [2]
+    assert loaded.vocab_size == len(loaded.tokenizer) == 100
+    assert len(loaded.fingerprint) == 16
+    int(loaded.fingerprint, 16)
+    assert (models["base"] / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("name, dtype", [("float64", torch.float64), ("bfloat16", torch.bfloat16)])
+def test_dtype_selection(models: dict[str, Path], name: str, dtype: torch.dtype) -> None:
+    loaded = load_model(str(models["base"]), dtype=name, progress=False)
+    assert loaded.dtype == dtype
+    assert {p.dtype for p in loaded.model.parameters()} == {dtype}
+    ids = torch.tensor([loaded.tokenizer.encode("hi")])
+    with torch.no_grad():
+        assert loaded.model(ids).logits.dtype == dtype
+
+
+def test_bad_dtype_lists_allowed(models: dict[str, Path]) -> None:
+    with pytest.raises(ValueError, match="float32.*bfloat16.*float16.*float64"):
+        load_model(str(models["base"]), dtype="int8")
+
+
+def test_fingerprints(models: dict[str, Path]) -> None:
+    fingerprints = {name: load_model(str(path), progress=False).fingerprint for name, path in models.items()}
+    assert fingerprints["base"] == fingerprints["copy"] == fingerprints["near"] == fingerprints["far"]
+    assert fingerprints["mismatched"] != fingerprints["base"]
+    assert tokenizer_fingerprint(make_char_tokenizer()) == fingerprints["base"]
+    assert tokenizer_fingerprint(load_tokenizer(str(models["base"]))) == fingerprints["base"]
+
+
+def test_decode_round_trips_ascii(models: dict[str, Path]) -> None:
+    tokenizer = load_tokenizer(str(models["base"]))
+    text = "Hello,  world!\n\tdef f(x): return x ** 2  # ~`{}|\\"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert len(ids) == len(text)
+    assert tokenizer.decode(ids) == text
+    assert tokenizer.decode(ids + [tokenizer.eos_token_id], skip_special_tokens=True) == text
+
+
+def test_chat_template(models: dict[str, Path]) -> None:
+    tokenizer = load_tokenizer(str(models["base"]))
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text == "system: Be brief.\nuser: Hi\nassistant: "
+
+
+def test_perturb_zero_is_identical(models: dict[str, Path]) -> None:
+    base = load_model(str(models["base"]), progress=False)
+    copy = load_model(str(models["copy"]), progress=False)
+    ids = torch.tensor([base.tokenizer.encode("Once upon a time")])
+    with torch.no_grad():
+        assert torch.equal(base.model(ids).logits, copy.model(ids).logits)
+
+
+def test_same_seed_same_weights(models: dict[str, Path], tmp_path: Path) -> None:
+    again = make_tiny_model(tmp_path / "again", seed=0)
+    assert (again / "model.safetensors").read_bytes() == (models["base"] / "model.safetensors").read_bytes()
+
+
+def test_logits_are_peaked(models: dict[str, Path]) -> None:
+    base = load_model(str(models["base"]), dtype="float64", progress=False)
+    ids = torch.tensor([base.tokenizer.encode("Once upon a time, in a land far away")])
+    with torch.no_grad():
+        p = torch.softmax(base.model(ids).logits[0], dim=-1)  # [S, V]
+    entropy = -(p * p.clamp_min(1e-30).log()).sum(-1)
+    assert float(entropy.mean()) < 0.6 * torch.log(torch.tensor(100.0)).item()  # far from uniform
+    assert float(p.max(-1).values.mean()) > 0.3
+
+
+def test_greedy_agreement(models: dict[str, Path]) -> None:
+    assert greedy_agreement(models["base"], models["copy"], PROMPTS, 24) == 1.0
+    near = greedy_agreement(models["base"], models["near"], PROMPTS, 24)
+    far = greedy_agreement(models["base"], models["far"], PROMPTS, 24)
+    assert 1.0 > near > far
+    assert far < 0.3
+
+
+def test_agreement_refuses_mismatched_tokenizers(models: dict[str, Path]) -> None:
+    with pytest.raises(ValueError, match="different tokenizers"):
+        greedy_agreement(models["base"], models["mismatched"], PROMPTS, 4)
+
+
+def test_cache_dir_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    assert cache_dir() == tmp_path
+    monkeypatch.delenv("SPECDEC_CACHE")
+    assert cache_dir() == Path.home() / ".cache" / "specdec"
+
+
+def test_resolve_passes_through(models: dict[str, Path]) -> None:
+    assert resolve_model_path(str(models["base"])) == str(models["base"])
+    assert resolve_model_path("some-org/some-model") == "some-org/some-model"
+
+
+def test_missing_local_dir_is_a_model_load_error(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="default"):
+        load_model(str(tmp_path / "nope"))
+
+
+def test_non_model_dir_is_a_model_load_error(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="local directory"):
+        load_model(str(tmp_path))
+
+
+@pytest.mark.slow
+def test_default_model() -> None:
+    path = Path(resolve_model_path("default"))
+    assert path == cache_dir() / "models" / "SmolLM2-135M-Instruct"
+    assert json.loads((path / "specdec-conversion.json").read_text())["dtype"] == "float32"
+    assert not list(path.parent.glob(".tmp-*")), "a temporary conversion folder was left behind"
+    assert os.access(path / "model.safetensors", os.R_OK)
+
+    loaded = load_model(DEFAULT_MODEL, progress=False)
+    config = loaded.model.config
+    assert (config.num_hidden_layers, config.hidden_size, loaded.vocab_size) == (30, 576, 49152)
+    assert loaded.name == DEFAULT_MODEL and loaded.max_context == 8192
+    assert config.tie_word_embeddings
+    head, embed = loaded.model.get_output_embeddings().weight, loaded.model.get_input_embeddings().weight
+    assert head.data_ptr() == embed.data_ptr() or torch.equal(head, embed)
+    assert loaded.tokenizer.chat_template
+    assert loaded.fingerprint == tokenizer_fingerprint(load_tokenizer("default"))
+
+    ids = loaded.tokenizer("The capital of France is", return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = loaded.model.generate(ids, max_new_tokens=5, do_sample=False)
+    text = loaded.tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+    assert text.strip()
