@@ -43,13 +43,23 @@ class TextStream:
             self.text = self.text[:min(hits)]
             self.stopped = True
 
+    def _open_prefix(self) -> int:
+        """Length of the longest tail of the text that could still grow into a stop string."""
+        best = 0
+        for s in self.stop:
+            for n in range(min(len(s) - 1, len(self.text)), best, -1):
+                if self.text.endswith(s[:n]):
+                    best = n
+                    break
+        return best
+
     def release(self, final: bool = False) -> str:
         """The text not yet released; keeps back a possible stop-string prefix unless final."""
         if final and not self.stopped and self._read_offset < len(self._ids):
             prefix = self._decode(self._ids[self._prefix_offset:self._read_offset])
             self.text += self._decode(self._ids[self._prefix_offset:])[len(prefix):]
             self._read_offset = len(self._ids)
-        end = len(self.text) if final or self.stopped else max(self._emitted, len(self.text) - self._holdback)
+        end = len(self.text) if final or self.stopped else max(self._emitted, len(self.text) - self._open_prefix())
         delta = self.text[self._emitted:end]
         self._emitted = end
         return delta

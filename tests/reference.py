@@ -18,7 +18,10 @@ class Reference:
 
     def greedy(self, prompt: str, max_new_tokens: int) -> list[int]:
         """transformers `generate` with the target alone, greedy, stopping at EOS like the pipeline."""
-        ids = torch.tensor([self.encode(prompt)])
+        return self.greedy_ids(self.encode(prompt), max_new_tokens)
+
+    def greedy_ids(self, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+        ids = torch.tensor([prompt_ids])
         with torch.inference_mode():
             out = self.loaded.model.generate(
                 ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,

