@@ -30,9 +30,10 @@ run: install
 	$(VENV)/bin/specdec up --detach
 	$(VENV)/bin/specdec generate "$(PROMPT)"; status=$$?; $(VENV)/bin/specdec down; exit $$status
 
-## test: install and run the whole test suite
+## test: install and run the whole test suite (pytest's exit 5, "no tests collected", is a failure)
 test: install
-	$(PY) -m pytest -q -p no:cacheprovider
+	@$(PY) -m pytest -q -p no:cacheprovider --durations=15; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: treating as a failure"; exit 1; fi; exit $$rc
 
 ## test-fast: the tests that do not load the real model
 test-fast: install

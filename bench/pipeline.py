@@ -55,7 +55,8 @@ def bench_pipeline(proposer: str, ks: list[int], prompts, max_new: int, expected
     plan = Plan(proposer=proposer, draft_dtype=args.draft_dtype, log_dir=tempfile.mkdtemp(prefix="bench-logs-"),
                 orchestrator_port=args.base_port, draft_port=args.base_port + 1,
                 target_port=args.base_port + 2, redis_port=args.base_port + 3,
-                target_threads=args.target_threads, draft_threads=args.draft_threads)
+                target_threads=args.target_threads, draft_threads=args.draft_threads,
+                ngram_min=args.ngram_min, ngram_max=args.ngram_max)
     pipeline = Pipeline(plan)
     pipeline.start(echo=lambda *_: None)
     runs: dict[int, list[dict]] = {k: [] for k in ks}
@@ -116,6 +117,9 @@ def main() -> None:
     parser.add_argument("--target-threads", type=int, default=None)
     parser.add_argument("--draft-threads", type=int, default=None)
     parser.add_argument("--base-port", type=int, default=51051)
+    parser.add_argument("--ngram-min", type=int, default=1)
+    parser.add_argument("--ngram-max", type=int, default=3)
+    parser.add_argument("--skip-model-draft", action="store_true")
     args = parser.parse_args()
     ks = [int(k) for k in args.ks.split(",")]
     prompts = bundled_prompts()[: args.prompts]
@@ -129,12 +133,14 @@ def main() -> None:
         "machine": {"cpus": torch.get_num_threads(), "platform": platform.platform(), "torch": torch.__version__},
         "config": vars(args), "prompts": [p["id"] for p in prompts],
         "transformers_in_process": hf,
-        "pipeline_model_draft": bench_pipeline("model", ks, prompts, args.max_new_tokens, expected, args),
     }
+    if not args.skip_model_draft:
+        result["pipeline_model_draft"] = bench_pipeline("model", ks, prompts, args.max_new_tokens, expected, args)
     if args.ngram_ks:
         ngram_ks = [int(k) for k in args.ngram_ks.split(",")]
         result["pipeline_ngram_draft"] = bench_pipeline("ngram", ngram_ks, prompts, args.max_new_tokens, expected, args)
-    base = result["pipeline_model_draft"]["0"]["summary"]["tokens_per_s"]
+    first = result.get("pipeline_model_draft") or result["pipeline_ngram_draft"]
+    base = first["0"]["summary"]["tokens_per_s"]
     table = {}
     for name in ("pipeline_model_draft", "pipeline_ngram_draft"):
         for k, v in result.get(name, {}).items():

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import logging
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
@@ -16,10 +13,9 @@ from specdec.runtime.info import model_info
 from specdec.runtime.kv import SessionCaches
 from specdec.runtime.models import load_model, load_tokenizer, tokenizer_fingerprint
 from specdec.runtime.proposers import ModelProposer, NgramProposer, Proposer
-from specdec.serving import configure_logging, create_server, mark_serving, serve_until_signalled
+from specdec.serving import run_main, serve_servicer
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
-log = logging.getLogger("specdec.draft")
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
 
 
@@ -40,20 +36,9 @@ def build_proposer(config: DraftConfig) -> tuple[Proposer, common_pb2.ModelInfo]
 async def serve(config: DraftConfig) -> None:
     proposer, info = build_proposer(config)
     servicer = DraftServicer(proposer, info, ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft"))
-    server, port, health = create_server(
-        config.address, [lambda s: draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, s)], [SERVICE_NAME]
-    )
-    await server.start()
-    await mark_serving(health, [SERVICE_NAME])
-    log.info("draft service (%s, %s %s) listening on %s:%d", info.kind, info.model, info.dtype, config.host, port)
-    await serve_until_signalled(server)
+    await serve_servicer(config.address, lambda s: draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, s),
+                         SERVICE_NAME, f"draft service ({info.kind}, {info.model} {info.dtype})")
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    config = DraftConfig.from_args(argv, prog="python -m draft_service")
-    configure_logging(config.log_level)
-    try:
-        asyncio.run(serve(config))
-    except KeyboardInterrupt:
-        pass
-    sys.exit(0)
+    run_main(DraftConfig, serve, prog="python -m draft_service", argv=argv)

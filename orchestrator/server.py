@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import sys
 from typing import Sequence
 
 import grpc
@@ -15,7 +13,7 @@ from orchestrator.generation import Generator
 from orchestrator.servicer import OrchestratorServicer
 from orchestrator.store import RedisSessionStore
 from specdec.runtime.models import load_tokenizer, tokenizer_fingerprint
-from specdec.serving import configure_logging, create_server, mark_serving, serve_until_signalled
+from specdec.serving import run_main, serve_servicer
 from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
 log = logging.getLogger("specdec.orchestrator")
@@ -59,26 +57,10 @@ async def build_generator(config: OrchestratorConfig) -> Generator:
 
 
 async def serve(config: OrchestratorConfig) -> None:
-    generator = await build_generator(config)
-    servicer = OrchestratorServicer(generator)
-    server, port, health = create_server(
-        config.address, [lambda s: orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(servicer, s)],
-        [SERVICE_NAME],
-    )
-    await server.start()
-    await mark_serving(health, [SERVICE_NAME])
-    log.info("orchestrator listening on %s:%d", config.host, port)
-    await serve_until_signalled(server)
+    servicer = OrchestratorServicer(await build_generator(config))
+    await serve_servicer(config.address, lambda s: orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(servicer, s),
+                         SERVICE_NAME, "orchestrator")
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    config = OrchestratorConfig.from_args(argv, prog="python -m orchestrator")
-    configure_logging(config.log_level)
-    try:
-        asyncio.run(serve(config))
-    except StartupError as exc:
-        log.error("cannot start: %s", exc)
-        sys.exit(2)
-    except KeyboardInterrupt:
-        pass
-    sys.exit(0)
+    run_main(OrchestratorConfig, serve, prog="python -m orchestrator", argv=argv, startup_errors=(StartupError,))

@@ -21,6 +21,7 @@ def _add_plan_flags(parser: argparse.ArgumentParser) -> None:
         "draft_dtype": "draft weight dtype", "draft_threads": "torch threads of the draft process",
         "proposer": "draft source: model, ngram (prompt lookup) or none (plain decoding)",
         "draft_length": "default draft length k (0 = plain target decoding)",
+        "ngram_min": "shortest suffix n-gram prompt lookup matches", "ngram_max": "longest suffix n-gram it matches",
         "host": "interface every service binds", "log_dir": "where the service logs go",
     }
     for f in fields(Plan):

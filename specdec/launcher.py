@@ -43,6 +43,8 @@ class Plan:
     draft_threads: int | None = None
     proposer: str = "model"  # "model", "ngram" or "none" (plain decoding, no draft service)
     draft_length: int = 4
+    ngram_min: int = 1
+    ngram_max: int = 3
     host: str = "127.0.0.1"
     orchestrator_port: int = 50051
     draft_port: int = 50052
@@ -63,7 +65,8 @@ class Plan:
             cmds["target"] += ["--threads", str(self.target_threads)]
         if self.proposer != "none":
             cmds["draft"] = [py, "-m", "draft_service", "--host", self.host, "--port", str(self.draft_port),
-                             "--proposer", self.proposer, "--model", self.draft_model, "--dtype", self.draft_dtype]
+                             "--proposer", self.proposer, "--model", self.draft_model, "--dtype", self.draft_dtype,
+                             "--ngram-min", str(self.ngram_min), "--ngram-max", str(self.ngram_max)]
             if self.draft_threads:
                 cmds["draft"] += ["--threads", str(self.draft_threads)]
         cmds["orchestrator"] = [

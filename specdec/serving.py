@@ -71,3 +71,28 @@ def configure_logging(level: str = "INFO") -> None:
         level=getattr(logging, level.upper(), logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+
+
+async def serve_servicer(address: str, register: Callable[[grpc.aio.Server], None], service_name: str,
+                         description: str) -> None:
+    """Start a server for one servicer (plus health and reflection), mark it SERVING, run until signalled."""
+    server, port, health_servicer = create_server(address, [register], [service_name])
+    await server.start()
+    await mark_serving(health_servicer, [service_name])
+    log.info("%s listening on %s", description, f"{address.rsplit(':', 1)[0]}:{port}")
+    await serve_until_signalled(server)
+
+
+def run_main(config_cls, serve, prog: str, argv=None, startup_errors: tuple[type[Exception], ...] = ()) -> None:
+    """The entry point of every service: flags → config → logging → asyncio.run(serve(config))."""
+    import sys
+
+    config = config_cls.from_args(argv, prog=prog)
+    configure_logging(config.log_level)
+    try:
+        asyncio.run(serve(config))
+    except startup_errors as exc:
+        log.error("cannot start: %s", exc)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        pass

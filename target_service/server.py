@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import logging
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
@@ -12,12 +9,11 @@ from specdec.runtime.info import model_info
 from specdec.runtime.kv import SessionCaches
 from specdec.runtime.models import load_model
 from specdec.runtime.verifier import Verifier
-from specdec.serving import configure_logging, create_server, mark_serving, serve_until_signalled
+from specdec.serving import run_main, serve_servicer
 from specdec.v1 import target_pb2, target_pb2_grpc
 from target_service.config import TargetConfig
 from target_service.servicer import TargetServicer
 
-log = logging.getLogger("specdec.target")
 SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
 
 
@@ -27,20 +23,9 @@ async def serve(config: TargetConfig) -> None:
     info = model_info(loaded, "model")
     servicer = TargetServicer(Verifier(caches, loaded.vocab_size), info,
                               ThreadPoolExecutor(max_workers=1, thread_name_prefix="target"))
-    server, port, health = create_server(
-        config.address, [lambda s: target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, s)], [SERVICE_NAME]
-    )
-    await server.start()
-    await mark_serving(health, [SERVICE_NAME])
-    log.info("target service (%s %s) listening on %s:%d", info.model, info.dtype, config.host, port)
-    await serve_until_signalled(server)
+    await serve_servicer(config.address, lambda s: target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, s),
+                         SERVICE_NAME, f"target service ({info.model} {info.dtype})")
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    config = TargetConfig.from_args(argv, prog="python -m target_service")
-    configure_logging(config.log_level)
-    try:
-        asyncio.run(serve(config))
-    except KeyboardInterrupt:
-        pass
-    sys.exit(0)
+    run_main(TargetConfig, serve, prog="python -m target_service", argv=argv)

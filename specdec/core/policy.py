@@ -1,0 +1,594 @@
+"""Draft-length policy: choose `k` each round to maximise expected goodput `E(k) / T(k)`. Pure.
+
+Glossary (DESIGN.md section 2): `k` is the draft length; a round proposes `k` draft tokens, of
+which a prefix is *accepted*, and the target adds one token of its own (*recovered* or *bonus*),
+so a round yields between 1 and `k + 1` tokens. `k = 0` is plain target decoding: no draft
+call at all.
+
+The model, with per-token acceptance `alpha`:
+
+- tokens per round `E(k) = (1 - alpha^(k+1)) / (1 - alpha)`, `E(0) = 1` (`k + 1` at `alpha = 1`);
+- sequential round time `T(k) = rtt_d + k*t_d + rtt_t + t_v(k)` for `k >= 1` and
+  `T(0) = rtt_t + t_v(0)`, where `rtt_*` is a call's wall time minus the compute time its
+  server reports, `t_d` the draft's compute per token and `t_v(k)` the target's compute to
+  verify `k` draft tokens (`k + 1` positions);
+- overlapped round time (`PolicyConfig.overlap`: the draft of block i+1 runs during the verify
+  of block i, guessing that block i is fully accepted):
+  `T(k) = rtt_t + t_v(k) + (1 - alpha^k)*(rtt_d + k*t_d) + alpha^k*max(0, rtt_d + k*t_d - t_v(k))`.
+  With probability `alpha^k` the guess holds and only the part of the draft that outlasts the
+  verify is paid; otherwise the next draft starts fresh after the verdict and is paid in full.
+  It is an approximation: it ignores the draft compute wasted on a failed guess (that falls on
+  the draft server only) and any contention between the two.
+
+All of `alpha`, the round trips, `t_d` and `t_v(k)` (per `k`) are EWMAs of online
+measurements (`update`); `choose_k` takes the argmax over `0..k_max`, with a hysteresis band
+(`min_gain`) between `k = 0` and speculation judged at an optimistic acceptance (`best_k`), a
+deterministic exploration schedule and a back-off after draft failures.
+`next_k(state, observation) -> (k, state)` is the whole per-round step. Everything here is a
+deterministic function of its arguments: no I/O, clocks or global state; the state is JSON
+(`PolicyState.to_dict`) so that it can live in Redis with the session.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any, Mapping, Sequence
+
+ALPHA_MAX = 0.999  # acceptance estimates are clamped to [0, ALPHA_MAX]
+STATE_VERSION = 1  # bump when PolicyState.to_dict changes incompatibly
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """How the policy steers; validated on construction (ValueError on a bad field)."""
+
+    k_max: int = 8
+    """Upper bound on the draft length `k`."""
+    ewma: float = 0.2
+    """Weight of a new observation in every EWMA, in (0, 1]."""
+    explore_every: int = 16
+    """Every N-th round probes a neighbour of the best `k` so its estimates stay fresh (>= 2)."""
+    min_gain: float = 1.02
+    """Hysteresis band against noise (>= 1): start speculating only when the best `k > 0` beats
+    `k = 0` goodput by this factor, and stop only when `k = 0` beats the best `k > 0` by it
+    (both judged at an optimistic acceptance, see `best_k`)."""
+    overlap: bool = False
+    """The draft of the next block overlaps the verify of this one (see the module docstring)."""
+    draft_failure_backoff: int = 8
+    """After a draft failure, stay at `k = 0` for this many rounds, then probe `k = 1`."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.k_max, bool) or not isinstance(self.k_max, int) or self.k_max < 0:
+            raise ValueError(f"k_max={self.k_max!r} is invalid: must be an int >= 0")
+        if not (isinstance(self.ewma, (int, float)) and 0.0 < self.ewma <= 1.0):
+            raise ValueError(f"ewma={self.ewma!r} is invalid: must be in (0, 1]")
+        if (
+            isinstance(self.explore_every, bool)
+            or not isinstance(self.explore_every, int)
+            or self.explore_every < 2
+        ):
+            raise ValueError(f"explore_every={self.explore_every!r} is invalid: must be an int >= 2")
+        if not (isinstance(self.min_gain, (int, float)) and math.isfinite(self.min_gain)
+                and self.min_gain >= 1.0):
+            raise ValueError(f"min_gain={self.min_gain!r} is invalid: must be a finite number >= 1")
+        if (
+            isinstance(self.draft_failure_backoff, bool)
+            or not isinstance(self.draft_failure_backoff, int)
+            or self.draft_failure_backoff < 0
+        ):
+            raise ValueError(
+                f"draft_failure_backoff={self.draft_failure_backoff!r} is invalid: must be an int >= 0"
+            )
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What one round measured, as seen by the orchestrator. Times in seconds."""
+
+    k: int
+    """Draft length requested for the round."""
+    proposed: int
+    """Draft tokens actually proposed (`<= k`; a prompt-lookup proposer may propose fewer)."""
+    accepted: int
+    """Draft tokens accepted (`<= proposed`)."""
+    draft_wall_s: float
+    """Wall time of the draft call (0 when `k = 0`)."""
+    draft_compute_s: float
+    """Draft server compute time for the whole block."""
+    verify_wall_s: float
+    """Wall time of the verify call."""
+    verify_compute_s: float
+    """Target server compute time for the verify."""
+    draft_failed: bool = False
+    """The draft call failed or timed out (the round fell back to `k = 0`)."""
+
+    def __post_init__(self) -> None:
+        if self.k < 0:
+            raise ValueError(f"k={self.k} is invalid: must be >= 0")
+        if not 0 <= self.proposed <= self.k:
+            raise ValueError(f"proposed={self.proposed} is invalid: need 0 <= proposed <= k={self.k}")
+        if not 0 <= self.accepted <= self.proposed:
+            raise ValueError(
+                f"accepted={self.accepted} is invalid: need 0 <= accepted <= proposed={self.proposed}"
+            )
+        for name in ("draft_wall_s", "draft_compute_s", "verify_wall_s", "verify_compute_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0.0):
+                raise ValueError(f"{name}={value!r} is invalid: must be a finite time >= 0")
+
+
+@dataclass(frozen=True)
+class PolicyState:
+    """A session's policy state: the `k` for the next round plus EWMA estimates (None = unknown).
+
+    JSON-serialisable via `to_dict` / `from_dict`; the orchestrator stores it per session.
+    """
+
+    rounds: int = 0
+    """How many times `next_k` has chosen a `k` in this session (drives exploration)."""
+    k: int = 0
+    """The `k` chosen for the next round."""
+    alpha: float | None = None
+    """Per-token acceptance estimate, `accepted_ewma / (accepted_ewma + rejected_ewma)`."""
+    accepted_ewma: float | None = None
+    """EWMA of accepted draft tokens per round (rounds with proposed > 0 only)."""
+    rejected_ewma: float | None = None
+    """EWMA of rejections per round: 1 when the block was cut short, else 0."""
+    rtt_draft_s: float | None = None
+    """EWMA of the draft call's wall time minus its compute time."""
+    rtt_target_s: float | None = None
+    """EWMA of the verify call's wall time minus its compute time."""
+    draft_token_s: float | None = None
+    """EWMA of draft compute per proposed token."""
+    verify_s: tuple[float | None, ...] = ()
+    """EWMA of target verify compute, indexed by the number of draft tokens verified."""
+    backoff: int = 0
+    """Rounds left at `k = 0` after a draft failure."""
+    resume_probe: bool = False
+    """Probe `k = 1` once the back-off has run out."""
+    speculating: bool = False
+    """The last regular (not probe, not back-off) choice was `k > 0`: the side of the `min_gain` band."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "verify_s", tuple(self.verify_s))
+        if self.rounds < 0 or self.k < 0 or self.backoff < 0:
+            raise ValueError(
+                f"rounds={self.rounds}, k={self.k}, backoff={self.backoff}: all must be >= 0"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-compatible dict (lists, floats, ints, bools and None only)."""
+        return {
+            "version": STATE_VERSION,
+            "rounds": self.rounds,
+            "k": self.k,
+            "alpha": self.alpha,
+            "accepted_ewma": self.accepted_ewma,
+            "rejected_ewma": self.rejected_ewma,
+            "rtt_draft_s": self.rtt_draft_s,
+            "rtt_target_s": self.rtt_target_s,
+            "draft_token_s": self.draft_token_s,
+            "verify_s": list(self.verify_s),
+            "backoff": self.backoff,
+            "resume_probe": self.resume_probe,
+            "speculating": self.speculating,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> PolicyState:
+        """Inverse of `to_dict`; missing fields take their defaults, unknown keys are ignored."""
+        version = d.get("version", STATE_VERSION)
+        if version != STATE_VERSION:
+            raise ValueError(f"policy state version {version!r} is not supported (want {STATE_VERSION})")
+        return cls(
+            rounds=int(d.get("rounds", 0)),
+            k=int(d.get("k", 0)),
+            alpha=_opt_float(d.get("alpha")),
+            accepted_ewma=_opt_float(d.get("accepted_ewma")),
+            rejected_ewma=_opt_float(d.get("rejected_ewma")),
+            rtt_draft_s=_opt_float(d.get("rtt_draft_s")),
+            rtt_target_s=_opt_float(d.get("rtt_target_s")),
+            draft_token_s=_opt_float(d.get("draft_token_s")),
+            verify_s=tuple(_opt_float(v) for v in d.get("verify_s", ())),
+            backoff=int(d.get("backoff", 0)),
+            resume_probe=bool(d.get("resume_probe", False)),
+            speculating=bool(d.get("speculating", False)),
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# The model: E(k), t_v(k), T(k), goodput
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """`E(k) = (1 - alpha^(k+1)) / (1 - alpha)`: expected tokens per round; `k + 1` at alpha = 1."""
+    if k < 0:
+        raise ValueError(f"k={k} is invalid: must be >= 0")
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha={alpha!r} is invalid: must be in [0, 1]")
+    if alpha > 1.0 - 1e-9:  # the closed form loses precision here; sum the series instead
+        return math.fsum(alpha**i for i in range(k + 1))
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+def verify_time(verify_s: Sequence[float | None], k: int) -> float | None:
+    """Target verify compute for `k` draft tokens from the per-`k` EWMAs, or None if none observed.
+
+    An observed `k` returns its own EWMA. Otherwise a line is fitted by least squares through
+    the observed points, constrained to a slope >= 0 (verifying more tokens never costs less;
+    a negative unconstrained slope becomes flat at the mean), and read at `k`. One observed
+    point means flat. The result is never negative.
+    """
+    return _verify_at(verify_s, _verify_line(verify_s), k)
+
+
+def round_time(state: PolicyState, k: int, config: PolicyConfig) -> float | None:
+    """Estimated wall time of a round at draft length `k`, or None if an estimate is missing."""
+    if k < 0:
+        raise ValueError(f"k={k} is invalid: must be >= 0")
+    return _round_time(state, config, k, state.alpha, verify_time(state.verify_s, k))
+
+
+def goodput(state: PolicyState, k: int, config: PolicyConfig) -> float | None:
+    """Estimated tokens per second `E(k) / T(k)` at draft length `k`, or None if unknown.
+
+    None too when the estimated round time is not positive (nothing measured yet costs time).
+    """
+    if k < 0:
+        raise ValueError(f"k={k} is invalid: must be >= 0")
+    return _goodput(state, config, k, state.alpha, verify_time(state.verify_s, k))
+
+
+def goodput_curve(
+    state: PolicyState, config: PolicyConfig, alpha: float | None = None
+) -> list[float | None]:
+    """`goodput` for `k = 0..k_max` (at `alpha` instead of the estimate when given), one fit."""
+    return _curve(state, config, state.alpha if alpha is None else alpha, _verify_times(state, config))
+
+
+def _verify_times(state: PolicyState, config: PolicyConfig) -> list[float | None]:
+    line = _verify_line(state.verify_s)
+    return [_verify_at(state.verify_s, line, k) for k in range(config.k_max + 1)]
+
+
+def _curve(
+    state: PolicyState, config: PolicyConfig, alpha: float | None, t_vs: list[float | None]
+) -> list[float | None]:
+    return [_goodput(state, config, k, alpha, t_v) for k, t_v in enumerate(t_vs)]
+
+
+def _round_time(
+    state: PolicyState, config: PolicyConfig, k: int, alpha: float | None, t_v: float | None
+) -> float | None:
+    if t_v is None or state.rtt_target_s is None:
+        return None
+    if k == 0:
+        return state.rtt_target_s + t_v
+    if state.rtt_draft_s is None or state.draft_token_s is None:
+        return None
+    draft = state.rtt_draft_s + k * state.draft_token_s
+    if not config.overlap:
+        return draft + state.rtt_target_s + t_v
+    if alpha is None:
+        return None
+    hit = alpha**k  # the whole block is accepted, so the overlapped guess holds
+    return state.rtt_target_s + t_v + (1.0 - hit) * draft + hit * max(0.0, draft - t_v)
+
+
+def _goodput(
+    state: PolicyState, config: PolicyConfig, k: int, alpha: float | None, t_v: float | None
+) -> float | None:
+    t = _round_time(state, config, k, alpha, t_v)
+    if t is None or t <= 0.0:
+        return None
+    if k == 0:
+        return 1.0 / t
+    if alpha is None:
+        return None
+    return expected_tokens(alpha, k) / t
+
+
+def _verify_line(verify_s: Sequence[float | None]) -> tuple[float, float, float] | None:
+    """`(mean_k, mean_t, slope)` of the constrained least-squares line, None if nothing observed."""
+    points = [(j, float(v)) for j, v in enumerate(verify_s) if v is not None]
+    if not points:
+        return None
+    n = len(points)
+    mean_x = sum(x for x, _ in points) / n
+    mean_y = sum(y for _, y in points) / n
+    sxx = sum((x - mean_x) ** 2 for x, _ in points)
+    sxy = sum((x - mean_x) * (y - mean_y) for x, y in points)
+    slope = max(0.0, sxy / sxx) if sxx > 0.0 else 0.0
+    return mean_x, mean_y, slope
+
+
+def _verify_at(
+    verify_s: Sequence[float | None], line: tuple[float, float, float] | None, k: int
+) -> float | None:
+    observed = verify_s[k] if k < len(verify_s) else None
+    if observed is not None:
+        return max(0.0, float(observed))
+    if line is None:
+        return None
+    mean_x, mean_y, slope = line
+    return max(0.0, mean_y + slope * (k - mean_x))
+
+
+# ---------------------------------------------------------------------------------------------
+# Learning: fold observations into the EWMAs
+
+
+def update(state: PolicyState, obs: Observation, config: PolicyConfig) -> PolicyState:
+    """Fold one round's observation into the estimates (does not choose `k` or count the round).
+
+    - Acceptance: a round with `proposed = n > 0` and `accepted = a` counts `a` successes and
+      one failure if `a < n` (the block was cut short), none otherwise; the EWMAs of both give
+      `alpha = S / (S + F)`, the estimator of a geometric acceptance run truncated at `n`.
+      Rounds that proposed nothing say nothing about `alpha`.
+    - Round trips are wall minus compute, clamped at 0. The draft's are learnt only from
+      rounds that called it (`k >= 1`) and did not fail; `t_d` only when tokens were proposed.
+    - Verify compute goes to the EWMA for the number of tokens the target actually verified.
+    - A draft failure starts the back-off (`draft_failure_backoff` rounds at `k = 0`).
+    """
+    w = config.ewma
+    accepted, rejected, alpha = state.accepted_ewma, state.rejected_ewma, state.alpha
+    if obs.proposed > 0:
+        # Both start from 0 rather than from the first round: their ratio then weighs every
+        # round by (1 - ewma)^age, instead of letting the first round count for 1/ewma rounds.
+        accepted = _ewma(accepted or 0.0, float(obs.accepted), w)
+        rejected = _ewma(rejected or 0.0, 1.0 if obs.accepted < obs.proposed else 0.0, w)
+        alpha = _alpha(accepted, rejected, alpha)
+    elif accepted is not None and rejected is not None:
+        accepted, rejected = accepted * (1 - w), rejected * (1 - w)
+
+    rtt_draft, draft_token = state.rtt_draft_s, state.draft_token_s
+    if obs.k > 0 and not obs.draft_failed:
+        rtt_draft = _ewma(rtt_draft, max(0.0, obs.draft_wall_s - obs.draft_compute_s), w)
+        if obs.proposed > 0:
+            draft_token = _ewma(draft_token, obs.draft_compute_s / obs.proposed, w)
+
+    rtt_target = _ewma(state.rtt_target_s, max(0.0, obs.verify_wall_s - obs.verify_compute_s), w)
+    verify = list(_padded(state.verify_s, max(config.k_max, obs.proposed) + 1))
+    verify[obs.proposed] = _ewma(verify[obs.proposed], obs.verify_compute_s, w)
+
+    return replace(
+        state,
+        alpha=alpha,
+        accepted_ewma=accepted,
+        rejected_ewma=rejected,
+        rtt_draft_s=rtt_draft,
+        rtt_target_s=rtt_target,
+        draft_token_s=draft_token,
+        verify_s=tuple(verify),
+        backoff=config.draft_failure_backoff if obs.draft_failed else state.backoff,
+        resume_probe=True if obs.draft_failed else state.resume_probe,
+        speculating=False if obs.draft_failed else state.speculating,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Deciding: argmax with hysteresis, exploration and back-off
+
+
+def is_exploration_round(rounds: int, config: PolicyConfig) -> bool:
+    """True on the rounds that probe a neighbour of the best `k`: the last of every `explore_every`."""
+    return rounds % config.explore_every == config.explore_every - 1
+
+
+def best_k(state: PolicyState, config: PolicyConfig) -> int | None:
+    """The estimated goodput argmax over `0..k_max` with hysteresis; None if nothing is known.
+
+    The best `k > 0` is the argmax of the estimated goodput (ties: the smaller `k`); `k`s
+    whose goodput is unknown (no draft or acceptance estimate yet) are skipped, so an unknown
+    draft gives 0 and exploration then probes `k = 1`. Whether it replaces `k = 0` is judged
+    at an optimistic acceptance (`alpha_upper`), with the `min_gain` band around it:
+
+    - not speculating: speculate when the optimistic best goodput is `>= min_gain * g(0)`;
+    - speculating: stop only when `g(0) > min_gain *` the optimistic best goodput.
+
+    Why optimistic: `alpha` is an EWMA over a handful of rounds, hence noisy, and while at
+    `k = 0` it is refreshed only by exploration probes; judged at the bare estimate, a few
+    unlucky rounds would park a profitable draft at 0 for a long time. A draft that clearly
+    does not pay (low acceptance, slow draft) still falls to 0: the bound is tight once the
+    estimate rests on many draft tokens, and no acceptance can rescue a draft that is too slow.
+    """
+    return _best(state, config)[0]
+
+
+def best_positive_k(state: PolicyState, config: PolicyConfig) -> int | None:
+    """The `k` in `1..k_max` with the highest estimated goodput (ties: smaller), None if unknown."""
+    return _argmax_positive(goodput_curve(state, config))
+
+
+def alpha_upper(state: PolicyState, config: PolicyConfig) -> float | None:
+    """An optimistic acceptance: the Wilson upper bound at one standard error on `alpha`.
+
+    The draft tokens judged behind the estimate are counted as `(S + F) * (2 - ewma) / ewma`:
+    tokens judged per round times the effective number of rounds an EWMA averages over.
+    """
+    s, f, a = state.accepted_ewma, state.rejected_ewma, state.alpha
+    if a is None or s is None or f is None or s + f <= 0.0:
+        return a
+    n = (s + f) * (2.0 - config.ewma) / config.ewma
+    upper = (a + 0.5 / n + math.sqrt(a * (1.0 - a) / n + 0.25 / (n * n))) / (1.0 + 1.0 / n)
+    return min(ALPHA_MAX, max(a, upper))
+
+
+def choose_k(state: PolicyState, config: PolicyConfig) -> int:
+    """The draft length for the round `state.rounds` (0-based). In order of precedence:
+
+    1. back-off after a draft failure: 0 while `state.backoff > 0`, then one probe at `k = 1`;
+    2. nothing measured yet: keep `state.k` (a new session's `k0`) to gather data;
+    3. exploration: on rounds where `rounds % explore_every == explore_every - 1`, a neighbour of
+       the best `k`: `best + 1` on even exploration rounds and `best - 1` on odd ones
+       (`(rounds // explore_every) % 2`), the other one at the ends of `[0, k_max]`; when the
+       best is `0`, the best `k > 0` by estimated goodput (`1` while that is unknown), so a
+       dead, unknown or unhelpful draft keeps being retried at the length that would replace 0;
+    4. otherwise the best `k` (`best_k`).
+    """
+    return _choose(state, config)[0]
+
+
+def _argmax_positive(curve: Sequence[float | None]) -> int | None:
+    best, best_g = None, None
+    for k in range(1, len(curve)):
+        g = curve[k]
+        if g is not None and (best_g is None or g > best_g):
+            best, best_g = k, g
+    return best
+
+
+def _best(state: PolicyState, config: PolicyConfig) -> tuple[int | None, int | None]:
+    """`(best_k, best_positive_k)`, sharing one goodput curve."""
+    t_vs = _verify_times(state, config)
+    curve = _curve(state, config, state.alpha, t_vs)
+    base, best = curve[0], _argmax_positive(curve)
+    if best is None:
+        return (None if base is None else 0), None
+    if base is None:
+        return best, best
+    optimistic = _curve(state, config, alpha_upper(state, config), t_vs)
+    probe = _argmax_positive(optimistic)
+    upper = optimistic[probe]
+    if state.speculating:
+        return (best if upper * config.min_gain >= base else 0), probe
+    return (best if upper >= config.min_gain * base else 0), probe
+
+
+def _choose(state: PolicyState, config: PolicyConfig) -> tuple[int, bool | None]:
+    """`(k, speculating)`: the choice and the `speculating` flag it leaves (None = unchanged)."""
+    if config.k_max == 0:
+        return 0, False
+    if state.backoff > 0:
+        return 0, False
+    if state.resume_probe:
+        return 1, False
+    best, best_positive = _best(state, config)
+    if best is None:
+        return min(state.k, config.k_max), None
+    if is_exploration_round(state.rounds, config):
+        if best == 0:
+            return best_positive or 1, None
+        up = (state.rounds // config.explore_every) % 2 == 0
+        if best == config.k_max or not up:
+            return best - 1, None
+        return best + 1, None
+    return best, best > 0
+
+
+def next_k(
+    state: PolicyState, obs: Observation | None, config: PolicyConfig
+) -> tuple[int, PolicyState]:
+    """One policy step: fold in the last round's observation (if any), then choose the next `k`.
+
+    Returns `(k, state)` with `state.k = k`, the round counted, one back-off round spent and
+    the post-back-off probe consumed when it was taken.
+    """
+    s = update(state, obs, config) if obs is not None else state
+    k, speculating = _choose(s, config)
+    in_backoff = s.backoff > 0
+    return k, replace(
+        s,
+        k=k,
+        rounds=s.rounds + 1,
+        backoff=s.backoff - 1 if in_backoff else 0,
+        resume_probe=s.resume_probe and in_backoff,
+        speculating=s.speculating if speculating is None else speculating,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Sessions and the global prior
+
+
+def initial_state(
+    config: PolicyConfig, prior: PolicyState | None = None, k0: int = 2
+) -> PolicyState:
+    """A new session's state: the prior's estimates (if any) with rounds and back-off reset.
+
+    With no prior (or a prior that knows nothing yet) the first round uses `k0` (clamped to
+    `k_max`) to gather data; with one, the first `k` is the prior's best.
+    """
+    if k0 < 0:
+        raise ValueError(f"k0={k0} is invalid: must be >= 0")
+    k0 = min(k0, config.k_max)
+    if prior is None:
+        return PolicyState(k=k0, verify_s=(None,) * (config.k_max + 1))
+    state = replace(
+        prior,
+        rounds=0,
+        k=k0,
+        verify_s=_padded(prior.verify_s, config.k_max + 1),
+        backoff=0,
+        resume_probe=False,
+        speculating=False,
+    )
+    k, speculating = _choose(state, config)
+    return replace(state, k=k, speculating=bool(speculating))
+
+
+def merge_prior(
+    prior: PolicyState | None, session: PolicyState, weight: float = 0.1
+) -> PolicyState:
+    """Fold a finished session's estimates into the global prior: `prior + weight*(session - prior)`.
+
+    Per estimate: an unknown on one side takes the other side's value; with no prior the
+    session's estimates become the prior. `alpha` is recomputed from the merged acceptance
+    EWMAs. `rounds` adds up (rounds of experience behind the prior); back-off is not carried.
+    """
+    if not 0.0 < weight <= 1.0:
+        raise ValueError(f"weight={weight!r} is invalid: must be in (0, 1]")
+    if prior is None:
+        return replace(session, backoff=0, resume_probe=False, speculating=False)
+    n = max(len(prior.verify_s), len(session.verify_s))
+    verify = tuple(
+        _mix(p, s, weight)
+        for p, s in zip(_padded(prior.verify_s, n), _padded(session.verify_s, n))
+    )
+    accepted = _mix(prior.accepted_ewma, session.accepted_ewma, weight)
+    rejected = _mix(prior.rejected_ewma, session.rejected_ewma, weight)
+    return PolicyState(
+        rounds=prior.rounds + session.rounds,
+        k=session.k,
+        alpha=_alpha(accepted, rejected, _mix(prior.alpha, session.alpha, weight)),
+        accepted_ewma=accepted,
+        rejected_ewma=rejected,
+        rtt_draft_s=_mix(prior.rtt_draft_s, session.rtt_draft_s, weight),
+        rtt_target_s=_mix(prior.rtt_target_s, session.rtt_target_s, weight),
+        draft_token_s=_mix(prior.draft_token_s, session.draft_token_s, weight),
+        verify_s=verify,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers
+
+
+def _ewma(old: float | None, new: float, weight: float) -> float:
+    """EWMA step; the first observation initialises it."""
+    return new if old is None else old + weight * (new - old)
+
+
+def _mix(prior: float | None, session: float | None, weight: float) -> float | None:
+    if session is None:
+        return prior
+    if prior is None:
+        return session
+    return prior + weight * (session - prior)
+
+
+def _alpha(accepted: float | None, rejected: float | None, fallback: float | None) -> float | None:
+    """`S / (S + F)` clamped to [0, ALPHA_MAX]; `fallback` when the EWMAs say nothing."""
+    if accepted is None or rejected is None or accepted + rejected <= 0.0:
+        return fallback
+    return min(ALPHA_MAX, max(0.0, accepted / (accepted + rejected)))
+
+
+def _padded(values: Sequence[float | None], n: int) -> tuple[float | None, ...]:
+    """`values` extended with None to at least length `n` (never truncated)."""
+    return tuple(values) + (None,) * max(0, n - len(values))
+
+
+def _opt_float(value: Any) -> float | None:
+    return None if value is None else float(value)

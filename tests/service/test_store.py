@@ -1,0 +1,52 @@
+"""The Redis session store against a real redis-server."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import redis
+
+from orchestrator.store import RedisSessionStore, SessionState, meta_key, tokens_key
+from specdec.errors import Aborted, Unavailable
+
+
+async def test_save_load_round_trip_with_ttl_and_hash_tag(redis_url):
+    store = RedisSessionStore(redis_url, ttl_s=120)
+    state = SessionState(session_id="rt", seed=42, sampling={"temperature": 0.5, "top_k": 0, "top_p": 0.9})
+    state.tokens.extend([1, 2, 3])
+    await store.save(state, [1, 2, 3])
+    state.tokens.extend([4, 5])
+    state.rounds = 1
+    await store.save(state, [4, 5])
+    assert state.version == 2
+    loaded = await store.load("rt")
+    assert loaded == state
+    raw = redis.Redis.from_url(redis_url)
+    assert meta_key("rt") == "specdec:v1:{rt}:meta" and tokens_key("rt") == "specdec:v1:{rt}:tokens"
+    assert 0 < raw.ttl(meta_key("rt")) <= 120 and 0 < raw.ttl(tokens_key("rt")) <= 120
+    record = json.loads(raw.hget(meta_key("rt"), "state"))  # plain JSON, never pickle
+    assert record["seed"] == 42 and "tokens" not in record
+    assert await store.delete("rt") and await store.load("rt") is None
+    await store.close()
+
+
+async def test_a_stale_writer_is_refused(redis_url):
+    store = RedisSessionStore(redis_url, ttl_s=60)
+    state = SessionState(session_id="race", seed=1, tokens=[1])
+    await store.save(state, [1])
+    a, b = await store.load("race"), await store.load("race")
+    a.tokens.append(2)
+    await store.save(a, [2])
+    b.tokens.append(3)
+    with pytest.raises(Aborted, match="changed by another request"):
+        await store.save(b, [3])
+    assert (await store.load("race")).tokens == [1, 2]  # never interleaved
+    await store.close()
+
+
+async def test_redis_down_is_unavailable_with_the_url():
+    store = RedisSessionStore("redis://127.0.0.1:1/0", ttl_s=60)
+    with pytest.raises(Unavailable, match="redis at redis://127.0.0.1:1/0"):
+        await store.load("x")
+    await store.close()
