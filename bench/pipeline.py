@@ -117,7 +117,7 @@ def main() -> None:
     parser.add_argument("--target-threads", type=int, default=None)
     parser.add_argument("--draft-threads", type=int, default=None)
     parser.add_argument("--base-port", type=int, default=51051)
-    parser.add_argument("--ngram-min", type=int, default=1)
+    parser.add_argument("--ngram-min", type=int, default=2)
     parser.add_argument("--ngram-max", type=int, default=3)
     parser.add_argument("--skip-model-draft", action="store_true")
     args = parser.parse_args()

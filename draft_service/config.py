@@ -13,7 +13,7 @@ class DraftConfig(ServiceConfig):
 
     port: int = Field(50052, ge=0, le=65535, description="Port to listen on (0 picks a free one).")
     proposer: Literal["model", "ngram"] = Field(
-        "model", description="Draft source: a causal LM ('model') or prompt lookup ('ngram', no model)."
+        "ngram", description="Draft source: a causal LM ('model') or prompt lookup ('ngram', no model; the measured default on CPU)."
     )
     model: str = Field(DEFAULT_MODEL, description="Draft model: the packaged default name, a local directory or a transformers id.")
     dtype: Literal["float32", "bfloat16", "float16", "float64"] = Field(
@@ -22,5 +22,8 @@ class DraftConfig(ServiceConfig):
     threads: int | None = Field(None, ge=1, description="torch intra-op threads (default: torch's choice).")
     max_sessions: int = Field(256, ge=1, description="KV caches kept at most (least recently used evicted first).")
     idle_ttl_s: float = Field(900.0, gt=0, description="Seconds an unused session cache is kept.")
+    emulate_draft_per_token_ms: float = Field(
+        0.0, ge=0, description="BENCHMARK SIMULATION: pad each draft step to this many ms (0 = off)."
+    )
     ngram_max: int = Field(3, ge=1, description="Longest suffix n-gram prompt lookup matches.")
-    ngram_min: int = Field(1, ge=1, description="Shortest suffix n-gram prompt lookup matches.")
+    ngram_min: int = Field(2, ge=1, description="Shortest suffix n-gram prompt lookup matches.")

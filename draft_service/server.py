@@ -11,6 +11,7 @@ from draft_service.config import DraftConfig
 from draft_service.servicer import DraftServicer
 from specdec.runtime.info import model_info
 from specdec.runtime.kv import SessionCaches
+from specdec.runtime.latency import LatencyProfile
 from specdec.runtime.models import load_model, load_tokenizer, tokenizer_fingerprint
 from specdec.runtime.proposers import ModelProposer, NgramProposer, Proposer
 from specdec.serving import run_main, serve_servicer
@@ -30,7 +31,8 @@ def build_proposer(config: DraftConfig) -> tuple[Proposer, common_pb2.ModelInfo]
         return NgramProposer(config.ngram_max, config.ngram_min), info
     loaded = load_model(config.model, dtype=config.dtype, threads=config.threads)
     caches = SessionCaches(loaded.model, loaded.max_context, config.max_sessions, config.idle_ttl_s)
-    return ModelProposer(caches), model_info(loaded, "model")
+    profile = LatencyProfile(per_token_s=config.emulate_draft_per_token_ms / 1e3)
+    return ModelProposer(caches, profile), model_info(loaded, "model", profile)
 
 
 async def serve(config: DraftConfig) -> None:

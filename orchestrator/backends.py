@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
@@ -57,19 +58,23 @@ class DraftBackend:
         return await self.stub.GetInfo(common_pb2.GetInfoRequest(), timeout=timeout, wait_for_ready=True)
 
     async def propose(self, session_id: str, history: list[int], k: int, params: SamplingParams,
-                      seed: int, fingerprint: str) -> Proposal:
+                      seed: int, fingerprint: str, into: Proposal | None = None,
+                      first_token: asyncio.Event | None = None) -> Proposal:
+        """Collect the streamed proposals (into `into`, as they arrive, if given)."""
         start = time.perf_counter_ns()
         request = draft_pb2.ProposeRequest(
             session_id=session_id, history=history, num_tokens=k, sampling=sampling_to_pb(params),
             seed=seed, tokenizer_fingerprint=fingerprint,
         )
-        proposal = Proposal()
+        proposal = into if into is not None else Proposal()
         try:
             async for msg in self.stub.Propose(request, timeout=self.timeout_s):
                 proposal.tokens.append(msg.token_id)
                 if msg.probs:
                     proposal.probs.append(msg.probs)
                 proposal.compute_ns += msg.compute_ns
+                if first_token is not None:
+                    first_token.set()
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
                 raise FailedPrecondition(exc.details()) from exc

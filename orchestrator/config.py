@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from specdec.config import ServiceConfig
@@ -14,8 +16,15 @@ class OrchestratorConfig(ServiceConfig):
     draft: str = Field("127.0.0.1:50052", description="Address of the draft service; empty runs plain decoding only.")
     redis_url: str = Field("redis://127.0.0.1:6390/0", description="Redis URL of the session store.")
     model: str = Field(DEFAULT_MODEL, description="Tokenizer to use (must match the target's): model name or directory.")
-    draft_length: int = Field(4, ge=0, le=32, description="Default draft length k per round (0 = plain target decoding).")
-    max_draft_length: int = Field(16, ge=0, le=64, description="Largest k a request may ask for.")
+    draft_length: int | Literal["auto"] = Field(
+        "auto", description="Default draft length: 'auto' (chosen per round from measured costs) or a fixed k (0 = plain decoding)."
+    )
+    max_draft_length: int = Field(16, ge=0, le=64, description="Largest k a request may ask for, and the bound of 'auto'.")
+    overlap: bool = Field(
+        False, description="Draft the next block while the target verifies this one (pays when draft and target do not share compute)."
+    )
+    policy_explore_every: int = Field(16, ge=2, description="'auto' tries a neighbouring k every this many rounds.")
+    policy_ewma: float = Field(0.2, gt=0, le=1, description="Weight of a new measurement in the controller's averages.")
     default_max_new_tokens: int = Field(128, ge=1, description="max_new_tokens when a request leaves it unset.")
     max_new_tokens_limit: int = Field(4096, ge=1, description="Largest max_new_tokens a request may ask for.")
     max_stop_strings: int = Field(16, ge=0, description="Most stop strings per request.")

@@ -13,15 +13,17 @@ from typing import AsyncIterator
 
 from orchestrator.backends import DraftBackend, TargetBackend
 from orchestrator.config import OrchestratorConfig
-from orchestrator.loop import speculative_round
+from orchestrator.loop import Speculator
 from orchestrator.store import RedisSessionStore, SessionState
 from orchestrator.text import TextStream
+from specdec.core.policy import Observation, PolicyConfig, PolicyState, initial_state, merge_prior, next_k
 from specdec.core.sampling import SamplingParams
 from specdec.errors import FailedPrecondition, InvalidArgument, NotFound
 from specdec.v1 import common_pb2, orchestrator_pb2 as pb
 
 log = logging.getLogger("specdec.orchestrator")
 MAX_SEED = 2**63 - 1
+AUTO = -1  # draft_length value that selects the controller
 
 
 @dataclass(frozen=True)
@@ -33,7 +35,7 @@ class GenerationSpec:
     params: SamplingParams
     seed: int | None
     stop: tuple[str, ...]
-    draft_length: int
+    draft_length: int  # AUTO (-1) lets the controller choose k every round
     session_id: str
 
 
@@ -43,7 +45,18 @@ class Totals:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     fallbacks: int = 0
+    overlapped: int = 0
     tokens: list[int] = field(default_factory=list)
+
+
+def observation(stats: pb.RoundStats) -> Observation:
+    """What the controller learns from one round."""
+    return Observation(
+        k=stats.draft_length if not stats.draft_fallback else 0, proposed=stats.proposed, accepted=stats.accepted,
+        draft_wall_s=stats.draft_ns / 1e9, draft_compute_s=stats.draft_compute_ns / 1e9,
+        verify_wall_s=stats.verify_ns / 1e9, verify_compute_s=stats.verify_compute_ns / 1e9,
+        draft_failed=stats.draft_fallback,
+    )
 
 
 class Generator:
@@ -59,6 +72,8 @@ class Generator:
         self.fingerprint = target_info.tokenizer_fingerprint
         self.max_context = target_info.max_context
         self.eos_ids = set(target_info.eos_token_ids)
+        self.policy_config = PolicyConfig(k_max=config.max_draft_length, ewma=config.policy_ewma,
+                                          explore_every=config.policy_explore_every, overlap=config.overlap)
 
     # -- validation -------------------------------------------------------------------------
 
@@ -76,9 +91,12 @@ class Generator:
             raise InvalidArgument(f"top_p must lie in (0, 1] (1 disables it), got {top_p}")
         if top_k < 0:
             raise InvalidArgument(f"top_k must be >= 0 (0 disables it), got {top_k}")
-        k = request.draft_length if request.HasField("draft_length") else cfg.draft_length
-        if not 0 <= k <= cfg.max_draft_length:
-            raise InvalidArgument(f"draft_length must be between 0 and {cfg.max_draft_length}, got {k}")
+        default_k = AUTO if cfg.draft_length == "auto" else cfg.draft_length
+        k = request.draft_length if request.HasField("draft_length") else default_k
+        if not (k == AUTO or 0 <= k <= cfg.max_draft_length):
+            raise InvalidArgument(
+                f"draft_length must be -1 (auto) or between 0 and {cfg.max_draft_length}, got {k}"
+            )
         stop = tuple(request.stop)
         if len(stop) > cfg.max_stop_strings:
             raise InvalidArgument(f"at most {cfg.max_stop_strings} stop strings are allowed, got {len(stop)}")
@@ -168,17 +186,25 @@ class Generator:
         totals = Totals()
         first_token_s = 0.0
         finish = pb.FINISH_REASON_UNSPECIFIED
+        auto = spec.draft_length == AUTO and self.draft is not None
+        policy = await self._policy(state) if auto else None
+        speculator = Speculator(state.session_id, spec.params, state.seed, self.draft, self.target,
+                                self.fingerprint, overlap=self.config.overlap)
         try:
             while finish == pb.FINISH_REASON_UNSPECIFIED:
                 remaining = min(spec.max_new_tokens - len(totals.tokens), self.max_context - len(state.tokens))
-                k = max(0, min(spec.draft_length, remaining - 1))
-                rnd = await speculative_round(state.session_id, state.tokens, k, spec.params, state.seed,
-                                              self.draft, self.target, self.fingerprint)
+                wanted = policy.k if policy is not None else max(spec.draft_length, 0)
+                k = max(0, min(wanted, remaining - 1)) if self.draft is not None else 0
+                rnd = await speculator.round(state.tokens, k)
+                if policy is not None:
+                    _, policy = next_k(policy, observation(rnd.stats), self.policy_config)
+                    state.policy = policy.to_dict()
                 kept, finish = self._apply_stops(rnd.emitted, remaining, text)
                 totals.rounds += 1
                 totals.draft_tokens += rnd.stats.proposed
                 totals.accepted_tokens += rnd.stats.accepted
                 totals.fallbacks += rnd.stats.draft_fallback
+                totals.overlapped += rnd.stats.overlapped
                 totals.tokens.extend(kept)
                 state.tokens.extend(kept)
                 state.rounds += 1
@@ -191,6 +217,8 @@ class Generator:
                 chunk = pb.GenerateChunk(session_id=state.session_id, token_ids=kept, round=rnd.stats,
                                          finish_reason=finish)
                 if finish != pb.FINISH_REASON_UNSPECIFIED:
+                    if policy is not None:
+                        await self._merge_prior(policy)
                     chunk.text = text.release(final=True)
                     chunk.stats.CopyFrom(self._stats(prompt_tokens, totals, start, first_token_s, state.seed))
                 else:
@@ -200,6 +228,21 @@ class Generator:
             # The client went away: free the services' caches for this session (the record stays).
             asyncio.get_running_loop().create_task(self._release_caches(state.session_id))
             raise
+        finally:
+            speculator.close()
+
+    async def _policy(self, state: SessionState) -> PolicyState:
+        """The session's controller state, or a fresh one started from the global prior."""
+        if state.policy:
+            return PolicyState.from_dict(state.policy)
+        prior = await self.store.load_prior()
+        return initial_state(self.policy_config, PolicyState.from_dict(prior) if prior else None)
+
+    async def _merge_prior(self, policy: PolicyState) -> None:
+        """Fold a finished session's estimates into the prior new sessions start from."""
+        raw = await self.store.load_prior()
+        prior = merge_prior(PolicyState.from_dict(raw) if raw else None, policy)
+        await self.store.save_prior(prior.to_dict())
 
     def _apply_stops(self, emitted: list[int], remaining: int, text: TextStream) -> tuple[list[int], int]:
         kept: list[int] = []
@@ -223,4 +266,5 @@ class Generator:
             mean_accepted_length=n / totals.rounds if totals.rounds else 0.0,
             elapsed_s=elapsed, tokens_per_second=n / elapsed if elapsed > 0 else 0.0,
             time_to_first_token_s=first_token_s, seed=seed, draft_fallbacks=totals.fallbacks,
+            overlapped_rounds=totals.overlapped,
         )

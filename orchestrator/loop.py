@@ -1,13 +1,22 @@
-"""One speculative round: the draft proposes k tokens, the target verifies them in one pass.
+"""The speculative rounds of one request: the draft proposes k tokens, the target verifies them
+in one forward pass.
 
 Every round yields between 1 and k + 1 tokens: the accepted draft tokens plus the target's own
 token (recovered at the first rejection, or the bonus when all k were accepted). With k = 0, or
 when the draft is down, the round is plain target decoding through the same verify call.
+
+Hiding the draft (overlap): while the target verifies block i, the draft already extends
+block i on the guess that it is fully accepted, proposing first its own guess for the bonus
+token and then block i + 1. If the verdict accepts all of block i and the bonus equals that
+guess, block i + 1 is ready when the verdict arrives; otherwise it is cancelled and drafted
+afresh. Lossless either way: the kept proposals were sampled from the draft's q for exactly the
+context they extend, with randomness independent of the target's acceptance test.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import asyncio
+from dataclasses import dataclass, field
 
 from orchestrator.backends import DraftBackend, DraftUnavailable, Proposal, TargetBackend
 from specdec.core.sampling import SamplingParams
@@ -20,27 +29,99 @@ class Round:
     stats: orchestrator_pb2.RoundStats
 
 
-async def speculative_round(
-    session_id: str,
-    history: list[int],
-    k: int,
-    params: SamplingParams,
-    seed: int,
-    draft: DraftBackend | None,
-    target: TargetBackend,
-    fingerprint: str,
-) -> Round:
-    proposal, fallback = Proposal(), False
-    if k > 0 and draft is not None and draft.available:
+@dataclass
+class _Ahead:
+    """A draft running during a verify, on the guess that its block is fully accepted."""
+
+    base_len: int  # len(history + block) it extends
+    block: list[int]  # the block under verification
+    task: asyncio.Task
+    proposal: Proposal = field(default_factory=Proposal)  # filled as tokens arrive
+    first: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class Speculator:
+    """Runs the rounds of one request against one draft and one target."""
+
+    def __init__(self, session_id: str, params: SamplingParams, seed: int, draft: DraftBackend | None,
+                 target: TargetBackend, fingerprint: str, overlap: bool = False) -> None:
+        self.session_id = session_id
+        self.params = params
+        self.seed = seed
+        self.draft = draft
+        self.target = target
+        self.fingerprint = fingerprint
+        self.overlap = overlap
+        self._ahead: _Ahead | None = None
+
+    async def round(self, history: list[int], k: int, k_next: int | None = None) -> Round:
+        """One round at draft length k; with overlap, start drafting the next block (of k_next)."""
+        proposal, fallback, overlapped = Proposal(), False, False
+        if k > 0 and self.draft is not None:
+            ahead = await self._take_ahead(history, k)
+            if ahead is not None:
+                proposal, overlapped = ahead, True
+            else:
+                try:
+                    if not self.draft.available:
+                        raise DraftUnavailable("in back-off after a failure")
+                    proposal = await self.draft.propose(self.session_id, history, k, self.params, self.seed,
+                                                        self.fingerprint)
+                except DraftUnavailable:
+                    fallback = True  # the session goes on at k = 0; no client-visible error
+        else:
+            self.close()
+        verify = asyncio.ensure_future(self.target.verify(self.session_id, history, proposal, self.params, self.seed))
+        k_next = k if k_next is None else k_next
+        if self.overlap and k_next > 0 and self.draft is not None and self.draft.available:
+            self._start_ahead(history, proposal.tokens, k_next)
         try:
-            proposal = await draft.propose(session_id, history, k, params, seed, fingerprint)
-        except DraftUnavailable:
-            fallback = True  # the session goes on at k = 0; no client-visible error
-    verdict = await target.verify(session_id, history, proposal, params, seed)
-    emitted = proposal.tokens[:verdict.num_accepted] + [verdict.token_id]
-    stats = orchestrator_pb2.RoundStats(
-        draft_length=k, proposed=len(proposal.tokens), accepted=verdict.num_accepted,
-        draft_ns=proposal.wall_ns, draft_compute_ns=proposal.compute_ns,
-        verify_ns=verdict.wall_ns, verify_compute_ns=verdict.compute_ns, draft_fallback=fallback,
-    )
-    return Round(emitted, stats)
+            verdict = await verify
+        except BaseException:
+            self.close()
+            raise
+        emitted = proposal.tokens[:verdict.num_accepted] + [verdict.token_id]
+        stats = orchestrator_pb2.RoundStats(
+            draft_length=k, proposed=len(proposal.tokens), accepted=verdict.num_accepted,
+            draft_ns=proposal.wall_ns, draft_compute_ns=proposal.compute_ns,
+            verify_ns=verdict.wall_ns, verify_compute_ns=verdict.compute_ns, draft_fallback=fallback,
+            overlapped=overlapped,
+        )
+        return Round(emitted, stats)
+
+    def _start_ahead(self, history: list[int], block: list[int], k_next: int) -> None:
+        self.close()
+        ahead = _Ahead(base_len=len(history) + len(block), block=list(block), task=None)  # type: ignore[arg-type]
+        ahead.task = asyncio.ensure_future(self.draft.propose(
+            self.session_id, history + block, k_next + 1, self.params, self.seed, self.fingerprint,
+            into=ahead.proposal, first_token=ahead.first))
+        ahead.task.add_done_callback(lambda t: t.cancelled() or t.exception())  # never "unretrieved"
+        self._ahead = ahead
+
+    async def _take_ahead(self, history: list[int], k: int) -> Proposal | None:
+        """The overlapped draft's block if its guess held (history = guessed base + bonus)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return None
+        n, b = ahead.base_len, len(ahead.block)
+        if len(history) != n + 1 or history[n - b:n] != ahead.block:
+            ahead.task.cancel()
+            return None  # a draft token was rejected: the guess failed
+        waiter = asyncio.ensure_future(ahead.first.wait())
+        await asyncio.wait([waiter, ahead.task], return_when=asyncio.FIRST_COMPLETED)
+        waiter.cancel()
+        if not ahead.proposal.tokens or ahead.proposal.tokens[0] != history[-1]:
+            ahead.task.cancel()
+            return None  # the bonus token differs from the draft's guess
+        try:
+            done = await ahead.task
+        except (DraftUnavailable, asyncio.CancelledError):
+            return None
+        return Proposal(tokens=done.tokens[1:1 + k], probs=done.probs[1:1 + k], wall_ns=done.wall_ns,
+                        compute_ns=done.compute_ns)
+
+    def close(self) -> None:
+        """Cancel an overlapped draft still in flight."""
+        if self._ahead is not None:
+            self._ahead.task.cancel()
+            self._ahead = None

@@ -35,6 +35,10 @@ return version
 """
 
 
+PRIOR_KEY = f"{PREFIX}:policy-prior"
+PRIOR_TTL_S = 7 * 24 * 3600
+
+
 def meta_key(session_id: str) -> str:
     return f"{PREFIX}:{{{session_id}}}:meta"
 
@@ -56,7 +60,8 @@ class SessionState:
     accepted_tokens: int = 0
     generated_tokens: int = 0
     sampling: dict[str, float] = field(default_factory=dict)  # of the latest request
-    draft_length: int = 0  # of the latest request
+    draft_length: int = 0  # of the latest request (-1 = auto)
+    policy: dict = field(default_factory=dict)  # draft-length controller state (PolicyState.to_dict)
     created_at: float = field(default_factory=time.time)
 
     def record(self) -> str:
@@ -98,6 +103,14 @@ class RedisSessionStore:
         if result == -1:
             raise Aborted(f"session {state.session_id} was changed by another request; retry")
         state.version = int(result)
+
+    async def load_prior(self) -> dict | None:
+        """The global draft-length prior that new sessions start from (evictable; JSON)."""
+        raw = await self._call(self.redis.get(PRIOR_KEY))
+        return json.loads(raw) if raw else None
+
+    async def save_prior(self, prior: dict) -> None:
+        await self._call(self.redis.set(PRIOR_KEY, json.dumps(prior, separators=(",", ":")), ex=PRIOR_TTL_S))
 
     async def delete(self, session_id: str) -> bool:
         removed = await self._call(self.redis.delete(meta_key(session_id), tokens_key(session_id)))

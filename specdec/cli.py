@@ -20,7 +20,7 @@ def _add_plan_flags(parser: argparse.ArgumentParser) -> None:
         "draft_model": "draft model (for --proposer model); its tokenizer must match the target's",
         "draft_dtype": "draft weight dtype", "draft_threads": "torch threads of the draft process",
         "proposer": "draft source: model, ngram (prompt lookup) or none (plain decoding)",
-        "draft_length": "default draft length k (0 = plain target decoding)",
+        "draft_length": "default draft length: auto (the controller picks k per round) or a fixed k (0 = plain decoding)",
         "ngram_min": "shortest suffix n-gram prompt lookup matches", "ngram_max": "longest suffix n-gram it matches",
         "host": "interface every service binds", "log_dir": "where the service logs go",
     }
@@ -144,7 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=None)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
-    gen.add_argument("--draft-length", type=int, default=None, help="k for this request (0 = plain decoding)")
+    gen.add_argument("--draft-length", default=None,
+                     help="k for this request: auto, or a number (0 = plain decoding); default: the server's")
     gen.add_argument("--session", default=None, help="continue this session id")
     gen.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")

@@ -52,10 +52,12 @@ class Generation:
 def build_request(prompt: str | None = None, *, messages: Sequence[dict[str, str]] | None = None,
                   max_new_tokens: int | None = None, temperature: float | None = None,
                   top_p: float | None = None, top_k: int | None = None, seed: int | None = None,
-                  stop: Sequence[str] = (), draft_length: int | None = None,
+                  stop: Sequence[str] = (), draft_length: int | str | None = None,
                   session_id: str = "") -> pb.GenerateRequest:
     if (prompt is None) == (messages is None):
         raise ValueError("pass exactly one of prompt or messages")
+    if isinstance(draft_length, str):
+        draft_length = -1 if draft_length == "auto" else int(draft_length)  # -1 selects the controller
     req = pb.GenerateRequest(stop=list(stop), session_id=session_id)
     if prompt is not None:
         req.prompt = prompt

@@ -41,9 +41,9 @@ class Plan:
     draft_model: str = DEFAULT_MODEL
     draft_dtype: str = "bfloat16"
     draft_threads: int | None = None
-    proposer: str = "model"  # "model", "ngram" or "none" (plain decoding, no draft service)
-    draft_length: int = 4
-    ngram_min: int = 1
+    proposer: str = "ngram"  # "model", "ngram" or "none" (plain decoding, no draft service)
+    draft_length: str = "auto"  # "auto" or a fixed k
+    ngram_min: int = 2
     ngram_max: int = 3
     host: str = "127.0.0.1"
     orchestrator_port: int = 50051
@@ -52,6 +52,15 @@ class Plan:
     redis_port: int = 6390
     log_dir: str = ""
     extra_orchestrator_args: list[str] = field(default_factory=list)
+    extra_target_args: list[str] = field(default_factory=list)
+    extra_draft_args: list[str] = field(default_factory=list)
+    # Where the orchestrator reaches draft and target (default: their own ports); a benchmark
+    # points these at a latency relay.
+    target_via: str = ""
+    draft_via: str = ""
+    # CPU pinning (`taskset -c LIST`), e.g. target on core 0 and draft on core 1.
+    target_cpus: str = ""
+    draft_cpus: str = ""
 
     def commands(self) -> dict[str, list[str]]:
         py = sys.executable
@@ -63,16 +72,21 @@ class Plan:
         }
         if self.target_threads:
             cmds["target"] += ["--threads", str(self.target_threads)]
+        cmds["target"] += self.extra_target_args
         if self.proposer != "none":
             cmds["draft"] = [py, "-m", "draft_service", "--host", self.host, "--port", str(self.draft_port),
                              "--proposer", self.proposer, "--model", self.draft_model, "--dtype", self.draft_dtype,
                              "--ngram-min", str(self.ngram_min), "--ngram-max", str(self.ngram_max)]
             if self.draft_threads:
                 cmds["draft"] += ["--threads", str(self.draft_threads)]
+            cmds["draft"] += self.extra_draft_args
+        for name, cpus in (("target", self.target_cpus), ("draft", self.draft_cpus)):
+            if cpus and name in cmds:
+                cmds[name] = ["taskset", "-c", cpus, *cmds[name]]
         cmds["orchestrator"] = [
             py, "-m", "orchestrator", "--host", self.host, "--port", str(self.orchestrator_port),
-            "--target", f"{self.host}:{self.target_port}",
-            "--draft", f"{self.host}:{self.draft_port}" if self.proposer != "none" else "",
+            "--target", self.target_via or f"{self.host}:{self.target_port}",
+            "--draft", (self.draft_via or f"{self.host}:{self.draft_port}") if self.proposer != "none" else "",
             "--redis-url", f"redis://{self.host}:{self.redis_port}/0",
             "--model", self.target_model, "--draft-length", str(self.draft_length),
             *self.extra_orchestrator_args,
@@ -84,6 +98,15 @@ class Plan:
         if self.proposer != "none":
             names["draft"] = self.draft_port
         return {name: f"{self.host}:{port}" for name, port in names.items()}
+
+
+def free_port() -> int:
+    """A TCP port that is free on 127.0.0.1 right now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def run_dir() -> Path:

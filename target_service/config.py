@@ -17,3 +17,5 @@ class TargetConfig(ServiceConfig):
     threads: int | None = Field(None, ge=1, description="torch intra-op threads (default: torch's choice).")
     max_sessions: int = Field(256, ge=1, description="KV caches kept at most (least recently used evicted first).")
     idle_ttl_s: float = Field(900.0, gt=0, description="Seconds an unused session cache is kept.")
+    emulate_verify_ms: float = Field(0.0, ge=0, description="BENCHMARK SIMULATION: pad each verify to this many ms ...")
+    emulate_verify_per_token_ms: float = Field(0.0, ge=0, description="... plus this many ms per scored position (0 = off).")

@@ -7,6 +7,7 @@ from typing import Sequence
 
 from specdec.runtime.info import model_info
 from specdec.runtime.kv import SessionCaches
+from specdec.runtime.latency import LatencyProfile
 from specdec.runtime.models import load_model
 from specdec.runtime.verifier import Verifier
 from specdec.serving import run_main, serve_servicer
@@ -20,8 +21,9 @@ SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
 async def serve(config: TargetConfig) -> None:
     loaded = load_model(config.model, dtype=config.dtype, threads=config.threads)
     caches = SessionCaches(loaded.model, loaded.max_context, config.max_sessions, config.idle_ttl_s)
-    info = model_info(loaded, "model")
-    servicer = TargetServicer(Verifier(caches, loaded.vocab_size), info,
+    profile = LatencyProfile(config.emulate_verify_ms / 1e3, config.emulate_verify_per_token_ms / 1e3)
+    info = model_info(loaded, "model", profile)
+    servicer = TargetServicer(Verifier(caches, loaded.vocab_size, profile), info,
                               ThreadPoolExecutor(max_workers=1, thread_name_prefix="target"))
     await serve_servicer(config.address, lambda s: target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, s),
                          SERVICE_NAME, f"target service ({info.model} {info.dtype})")

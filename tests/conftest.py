@@ -2,18 +2,11 @@
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
 
-from specdec.launcher import Pipeline, Plan
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from specdec.launcher import Pipeline, Plan, free_port
 
 
 @pytest.fixture(scope="session")

@@ -142,7 +142,8 @@ class PolicyState:
     draft_token_s: float | None = None
     """EWMA of draft compute per proposed token."""
     verify_s: tuple[float | None, ...] = ()
-    """EWMA of target verify compute, indexed by the number of draft tokens verified."""
+    """EWMA of target verify compute, indexed by the number of draft tokens verified
+    (`k_max + 1` long from `initial_state`; longer if `k_max` shrank since)."""
     backoff: int = 0
     """Rounds left at `k = 0` after a draft failure."""
     resume_probe: bool = False
@@ -255,7 +256,19 @@ def _verify_times(state: PolicyState, config: PolicyConfig) -> list[float | None
 def _curve(
     state: PolicyState, config: PolicyConfig, alpha: float | None, t_vs: list[float | None]
 ) -> list[float | None]:
-    return [_goodput(state, config, k, alpha, t_v) for k, t_v in enumerate(t_vs)]
+    """`_goodput` for each `k` in turn, with `E(k)` built up as `E(k-1) + alpha^k` (hot path)."""
+    curve: list[float | None] = []
+    tokens, power = 1.0, 1.0  # E(k), alpha^k
+    for k, t_v in enumerate(t_vs):
+        if k > 0:
+            if alpha is None:
+                curve.append(None)
+                continue
+            power *= alpha
+            tokens += power
+        t = _round_time(state, config, k, alpha, t_v)
+        curve.append(None if t is None or t <= 0.0 else tokens / t)
+    return curve
 
 
 def _round_time(
@@ -339,8 +352,6 @@ def update(state: PolicyState, obs: Observation, config: PolicyConfig) -> Policy
         accepted = _ewma(accepted or 0.0, float(obs.accepted), w)
         rejected = _ewma(rejected or 0.0, 1.0 if obs.accepted < obs.proposed else 0.0, w)
         alpha = _alpha(accepted, rejected, alpha)
-    elif accepted is not None and rejected is not None:
-        accepted, rejected = accepted * (1 - w), rejected * (1 - w)
 
     rtt_draft, draft_token = state.rtt_draft_s, state.draft_token_s
     if obs.k > 0 and not obs.draft_failed:
@@ -449,11 +460,10 @@ def _best(state: PolicyState, config: PolicyConfig) -> tuple[int | None, int | N
     if base is None:
         return best, best
     optimistic = _curve(state, config, alpha_upper(state, config), t_vs)
-    probe = _argmax_positive(optimistic)
-    upper = optimistic[probe]
+    upper = max((g for g in optimistic[1:] if g is not None), default=0.0)
     if state.speculating:
-        return (best if upper * config.min_gain >= base else 0), probe
-    return (best if upper >= config.min_gain * base else 0), probe
+        return (best if upper * config.min_gain >= base else 0), best
+    return (best if upper >= config.min_gain * base else 0), best
 
 
 def _choose(state: PolicyState, config: PolicyConfig) -> tuple[int, bool | None]:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from specdec.runtime.latency import LatencyProfile
 from specdec.runtime.models import LoadedModel
 from specdec.v1 import common_pb2
 
 
-def model_info(loaded: LoadedModel, kind: str) -> common_pb2.ModelInfo:
+def model_info(loaded: LoadedModel, kind: str, profile: LatencyProfile = LatencyProfile()) -> common_pb2.ModelInfo:
     return common_pb2.ModelInfo(
         model=loaded.name,
         dtype=str(loaded.dtype).removeprefix("torch."),
@@ -15,5 +16,5 @@ def model_info(loaded: LoadedModel, kind: str) -> common_pb2.ModelInfo:
         max_context=loaded.max_context,
         eos_token_ids=loaded.eos_token_ids,
         kind=kind,
-        device="cpu",
+        device="cpu" + (f" ({profile.describe()})" if profile.enabled else ""),
     )

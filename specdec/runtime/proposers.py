@@ -18,6 +18,7 @@ import torch
 from specdec.core.ngram import propose_ngram
 from specdec.core.sampling import DRAFT_STREAM, SamplingParams, derive_generator, logits_to_probs, sample
 from specdec.runtime.kv import SessionCaches
+from specdec.runtime.latency import LatencyProfile
 
 
 @dataclass(frozen=True)
@@ -46,8 +47,9 @@ class ModelProposer:
 
     kind = "model"
 
-    def __init__(self, caches: SessionCaches) -> None:
+    def __init__(self, caches: SessionCaches, profile: LatencyProfile = LatencyProfile()) -> None:
         self.caches = caches
+        self.profile = profile
 
     def propose(self, session_id: str, history: list[int], k: int, params: SamplingParams,
                 seed: int) -> Iterator[DraftToken]:
@@ -63,6 +65,7 @@ class ModelProposer:
                 token = sample(q64, generator)
                 q = q64.to(torch.float32).numpy()
             context.append(token)
+            self.profile.pad(start, 1)
             yield DraftToken(token, q, time.perf_counter_ns() - start, prefilled)
 
     def rollback(self, session_id: str, length: int) -> int:

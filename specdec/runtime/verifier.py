@@ -12,6 +12,7 @@ from specdec.core.acceptance import Verdict, verify
 from specdec.core.sampling import TARGET_STREAM, SamplingParams, derive_generator
 from specdec.errors import InvalidArgument
 from specdec.runtime.kv import SessionCaches
+from specdec.runtime.latency import LatencyProfile
 
 
 @dataclass(frozen=True)
@@ -22,9 +23,10 @@ class Verification:
 
 
 class Verifier:
-    def __init__(self, caches: SessionCaches, vocab_size: int) -> None:
+    def __init__(self, caches: SessionCaches, vocab_size: int, profile: LatencyProfile = LatencyProfile()) -> None:
         self.caches = caches
         self.vocab_size = vocab_size
+        self.profile = profile
 
     def verify(self, session_id: str, history: list[int], draft_tokens: list[int],
                draft_probs: np.ndarray | None, params: SamplingParams, seed: int) -> Verification:
@@ -41,4 +43,5 @@ class Verifier:
         verdict = verify(logits, torch.tensor(draft_tokens, dtype=torch.long), q, params, generator)
         # Keep only the accepted prefix; the emitted token is fed at the start of the next round.
         self.caches.rollback(session_id, len(history) + verdict.num_accepted)
+        self.profile.pad(start, k + 1)
         return Verification(verdict, time.perf_counter_ns() - start, prefilled)
