@@ -33,7 +33,7 @@ CASES = [
     ("top_p zero", dict(top_p=0.0), errors.InvalidArgument, "top_p must lie in (0, 1]"),
     ("top_p above one", dict(top_p=1.5), errors.InvalidArgument, "top_p must lie in (0, 1]"),
     ("negative top_k", dict(top_k=-1), errors.InvalidArgument, "top_k must be >= 0"),
-    ("draft length too large", dict(draft_length=99), errors.InvalidArgument, "draft_length must be between 0 and 16"),
+    ("draft length too large", dict(draft_length=99), errors.InvalidArgument, "draft_length must be -1 (auto) or between 0 and 16"),
     ("unknown session", dict(session_id="no-such-session"), errors.NotFound, "does not exist"),
 ]
 
