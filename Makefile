@@ -28,7 +28,7 @@ specdec/v1/%_pb2.py: protos/specdec/v1/%.proto $(VENV)/.installed
 ## run: start Redis, draft, target and orchestrator locally and generate text
 run: install
 	$(VENV)/bin/specdec up --detach
-	$(VENV)/bin/specdec generate "$(PROMPT)"; status=$$?; $(VENV)/bin/specdec down; exit $$status
+	$(VENV)/bin/specdec generate --chat "$(PROMPT)"; status=$$?; $(VENV)/bin/specdec down; exit $$status
 
 ## test: install and run the whole test suite (pytest's exit 5, "no tests collected", is a failure)
 test: install

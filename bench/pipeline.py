@@ -51,7 +51,7 @@ def summarise(runs: list[dict]) -> dict:
     }
 
 
-def bench_pipeline(proposer: str, ks: list[int], prompts, max_new: int, expected, args) -> dict:
+def bench_pipeline(proposer: str, ks: list[str], prompts, max_new: int, expected, args) -> dict:
     plan = Plan(proposer=proposer, draft_dtype=args.draft_dtype, log_dir=tempfile.mkdtemp(prefix="bench-logs-"),
                 orchestrator_port=args.base_port, draft_port=args.base_port + 1,
                 target_port=args.base_port + 2, redis_port=args.base_port + 3,
@@ -59,20 +59,21 @@ def bench_pipeline(proposer: str, ks: list[int], prompts, max_new: int, expected
                 ngram_min=args.ngram_min, ngram_max=args.ngram_max)
     pipeline = Pipeline(plan)
     pipeline.start(echo=lambda *_: None)
-    runs: dict[int, list[dict]] = {k: [] for k in ks}
+    runs: dict[str, list[dict]] = {k: [] for k in ks}
     try:
         with Client(f"127.0.0.1:{args.base_port}") as client:
-            client.generate("Warm up.", max_new_tokens=8, draft_length=max(ks))
+            client.generate("Warm up.", max_new_tokens=8, draft_length=2)
             for p in prompts:
                 for k in ks:
-                    out = client.generate(messages=p["messages"], max_new_tokens=max_new, draft_length=k)
+                    out = client.generate(messages=p["messages"], max_new_tokens=max_new,
+                                          draft_length=k if k == "auto" else int(k))
                     s = out.stats
                     runs[k].append({
                         "prompt": p["id"], "tokens": s["completion_tokens"], "elapsed_s": s["elapsed_s"],
                         "rounds": s["rounds"], "draft_tokens": s["draft_tokens"],
                         "accepted_tokens": s["accepted_tokens"], "identical": out.token_ids == expected[p["id"]],
                     })
-                    print(f"{proposer:6} k={k:<2} {p['id']:18} {s['tokens_per_second']:6.2f} tok/s "
+                    print(f"{proposer:6} k={k:<4} {p['id']:18} {s['tokens_per_second']:6.2f} tok/s "
                           f"acc {s['acceptance_rate']:.2f} same={runs[k][-1]['identical']}", flush=True)
     finally:
         pipeline.stop()
@@ -81,7 +82,7 @@ def bench_pipeline(proposer: str, ks: list[int], prompts, max_new: int, expected
 
 def bench_hf(target, draft, prompts, max_new: int, ks: list[int]) -> tuple[dict, dict]:
     """transformers in-process: plain greedy generate and assisted generation with the draft."""
-    expected, plain, assisted = {}, [], {k: [] for k in ks}
+    expected, plain, assisted, lookup = {}, [], {k: [] for k in ks}, {k: [] for k in ks}
     for p in prompts:
         ids = torch.tensor([encode_chat(target.tokenizer, p["messages"])])
         kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
@@ -92,6 +93,11 @@ def bench_hf(target, draft, prompts, max_new: int, ks: list[int]) -> tuple[dict,
             plain.append({"prompt": p["id"], "tokens": len(out), "elapsed_s": time.perf_counter() - start})
             expected[p["id"]] = out
             for k in ks:
+                start = time.perf_counter()
+                got = target.model.generate(ids, prompt_lookup_num_tokens=k, max_matching_ngram_size=3, **kw)
+                got = got[0, ids.shape[1]:].tolist()
+                lookup[k].append({"prompt": p["id"], "tokens": len(got), "elapsed_s": time.perf_counter() - start,
+                                  "identical": got == out})
                 draft.model.generation_config.num_assistant_tokens = k
                 draft.model.generation_config.num_assistant_tokens_schedule = "constant"
                 start = time.perf_counter()
@@ -102,6 +108,7 @@ def bench_hf(target, draft, prompts, max_new: int, ks: list[int]) -> tuple[dict,
     result = {"plain": {"summary": summarise(plain), "runs": plain}}
     for k in ks:
         result[f"assisted_k{k}"] = {"summary": summarise(assisted[k]), "runs": assisted[k]}
+        result[f"prompt_lookup_k{k}"] = {"summary": summarise(lookup[k]), "runs": lookup[k]}
     return result, expected
 
 
@@ -121,7 +128,7 @@ def main() -> None:
     parser.add_argument("--ngram-max", type=int, default=3)
     parser.add_argument("--skip-model-draft", action="store_true")
     args = parser.parse_args()
-    ks = [int(k) for k in args.ks.split(",")]
+    ks = args.ks.split(",")
     prompts = bundled_prompts()[: args.prompts]
 
     target = load_model(DEFAULT_MODEL, dtype="float32")
@@ -137,7 +144,7 @@ def main() -> None:
     if not args.skip_model_draft:
         result["pipeline_model_draft"] = bench_pipeline("model", ks, prompts, args.max_new_tokens, expected, args)
     if args.ngram_ks:
-        ngram_ks = [int(k) for k in args.ngram_ks.split(",")]
+        ngram_ks = args.ngram_ks.split(",")
         result["pipeline_ngram_draft"] = bench_pipeline("ngram", ngram_ks, prompts, args.max_new_tokens, expected, args)
     first = result.get("pipeline_model_draft") or result["pipeline_ngram_draft"]
     base = first["0"]["summary"]["tokens_per_s"]

@@ -59,7 +59,7 @@ class DraftBackend:
 
     async def propose(self, session_id: str, history: list[int], k: int, params: SamplingParams,
                       seed: int, fingerprint: str, into: Proposal | None = None,
-                      first_token: asyncio.Event | None = None) -> Proposal:
+                      progress: asyncio.Event | None = None) -> Proposal:
         """Collect the streamed proposals (into `into`, as they arrive, if given)."""
         start = time.perf_counter_ns()
         request = draft_pb2.ProposeRequest(
@@ -73,8 +73,8 @@ class DraftBackend:
                 if msg.probs:
                     proposal.probs.append(msg.probs)
                 proposal.compute_ns += msg.compute_ns
-                if first_token is not None:
-                    first_token.set()
+                if progress is not None:
+                    progress.set()
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
                 raise FailedPrecondition(exc.details()) from exc

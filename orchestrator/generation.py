@@ -16,7 +16,9 @@ from orchestrator.config import OrchestratorConfig
 from orchestrator.loop import Speculator
 from orchestrator.store import RedisSessionStore, SessionState
 from orchestrator.text import TextStream
-from specdec.core.policy import Observation, PolicyConfig, PolicyState, initial_state, merge_prior, next_k
+from specdec.core.policy import (
+    Observation, PolicyConfig, PolicyState, choose_k, initial_state, merge_prior, next_k,
+)
 from specdec.core.sampling import SamplingParams
 from specdec.errors import FailedPrecondition, InvalidArgument, NotFound
 from specdec.v1 import common_pb2, orchestrator_pb2 as pb
@@ -195,7 +197,13 @@ class Generator:
                 remaining = min(spec.max_new_tokens - len(totals.tokens), self.max_context - len(state.tokens))
                 wanted = policy.k if policy is not None else max(spec.draft_length, 0)
                 k = max(0, min(wanted, remaining - 1)) if self.draft is not None else 0
-                rnd = await speculator.round(state.tokens, k)
+                # With overlap, the next block is drafted during this verify: as long as the
+                # controller would choose now (so a probe after k = 0 rounds also runs in the
+                # shadow of a verify, catching the draft's cache up for free), and no longer than
+                # the tokens still wanted if this whole block is accepted.
+                upcoming = choose_k(policy, self.policy_config) if policy is not None else wanted
+                k_next = max(0, min(upcoming, remaining - k - 2)) if self.draft is not None else 0
+                rnd = await speculator.round(state.tokens, k, k_next)
                 if policy is not None:
                     _, policy = next_k(policy, observation(rnd.stats), self.policy_config)
                     state.policy = policy.to_dict()

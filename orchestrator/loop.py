@@ -16,6 +16,7 @@ context they extend, with randomness independent of the target's acceptance test
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 
 from orchestrator.backends import DraftBackend, DraftUnavailable, Proposal, TargetBackend
@@ -37,7 +38,8 @@ class _Ahead:
     block: list[int]  # the block under verification
     task: asyncio.Task
     proposal: Proposal = field(default_factory=Proposal)  # filled as tokens arrive
-    first: asyncio.Event = field(default_factory=asyncio.Event)
+    progress: asyncio.Event = field(default_factory=asyncio.Event)  # set on every new token
+    started_ns: int = field(default_factory=time.perf_counter_ns)
 
 
 class Speculator:
@@ -54,7 +56,7 @@ class Speculator:
         self.overlap = overlap
         self._ahead: _Ahead | None = None
 
-    async def round(self, history: list[int], k: int, k_next: int | None = None) -> Round:
+    async def round(self, history: list[int], k: int, k_next: int) -> Round:
         """One round at draft length k; with overlap, start drafting the next block (of k_next)."""
         proposal, fallback, overlapped = Proposal(), False, False
         if k > 0 and self.draft is not None:
@@ -72,7 +74,6 @@ class Speculator:
         else:
             self.close()
         verify = asyncio.ensure_future(self.target.verify(self.session_id, history, proposal, self.params, self.seed))
-        k_next = k if k_next is None else k_next
         if self.overlap and k_next > 0 and self.draft is not None and self.draft.available:
             self._start_ahead(history, proposal.tokens, k_next)
         try:
@@ -94,7 +95,7 @@ class Speculator:
         ahead = _Ahead(base_len=len(history) + len(block), block=list(block), task=None)  # type: ignore[arg-type]
         ahead.task = asyncio.ensure_future(self.draft.propose(
             self.session_id, history + block, k_next + 1, self.params, self.seed, self.fingerprint,
-            into=ahead.proposal, first_token=ahead.first))
+            into=ahead.proposal, progress=ahead.progress))
         ahead.task.add_done_callback(lambda t: t.cancelled() or t.exception())  # never "unretrieved"
         self._ahead = ahead
 
@@ -107,18 +108,21 @@ class Speculator:
         if len(history) != n + 1 or history[n - b:n] != ahead.block:
             ahead.task.cancel()
             return None  # a draft token was rejected: the guess failed
-        waiter = asyncio.ensure_future(ahead.first.wait())
-        await asyncio.wait([waiter, ahead.task], return_when=asyncio.FIRST_COMPLETED)
-        waiter.cancel()
-        if not ahead.proposal.tokens or ahead.proposal.tokens[0] != history[-1]:
+        tokens = ahead.proposal.tokens
+        while not ahead.task.done() and len(tokens) < k + 1 and (not tokens or tokens[0] == history[-1]):
+            ahead.progress.clear()
+            waiter = asyncio.ensure_future(ahead.progress.wait())
+            await asyncio.wait([waiter, ahead.task], return_when=asyncio.FIRST_COMPLETED)
+            waiter.cancel()
+        if not tokens or tokens[0] != history[-1]:
             ahead.task.cancel()
-            return None  # the bonus token differs from the draft's guess
-        try:
-            done = await ahead.task
-        except (DraftUnavailable, asyncio.CancelledError):
-            return None
-        return Proposal(tokens=done.tokens[1:1 + k], probs=done.probs[1:1 + k], wall_ns=done.wall_ns,
-                        compute_ns=done.compute_ns)
+            return None  # the bonus token differs from the draft's guess (or the draft failed)
+        if not ahead.task.done():
+            ahead.task.cancel()  # we have the k tokens we need: stop the draft here
+        proposal = ahead.proposal
+        return Proposal(tokens=tokens[1:1 + k], probs=proposal.probs[1:1 + k],
+                        wall_ns=proposal.wall_ns or time.perf_counter_ns() - ahead.started_ns,
+                        compute_ns=proposal.compute_ns)
 
     def close(self) -> None:
         """Cancel an overlapped draft still in flight."""

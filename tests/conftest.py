@@ -34,15 +34,18 @@ def start_pipeline(log_dir: Path, **plan_fields) -> Pipeline:
     return pipeline
 
 
+def start_tiny_pipeline(log_dir: Path, tiny_models: dict[str, Path], draft: str, **plan_fields) -> Pipeline:
+    """The tiny float64 target with one of the tiny drafts, one thread each, and a real Redis."""
+    fields = dict(target_model=str(tiny_models["target"]), target_dtype="float64", target_threads=1,
+                  draft_model=str(tiny_models[draft]), draft_dtype="float64", draft_threads=1,
+                  proposer="model", draft_length=4)
+    return start_pipeline(log_dir, **{**fields, **plan_fields})
+
+
 @pytest.fixture(scope="session")
 def tiny_pipeline(tiny_models, tmp_path_factory):
-    """Target (float64) + model draft (poor draft, so rejections are common), real Redis."""
-    pipeline = start_pipeline(
-        tmp_path_factory.mktemp("logs-tiny"),
-        target_model=str(tiny_models["target"]), target_dtype="float64", target_threads=1,
-        draft_model=str(tiny_models["poor_draft"]), draft_dtype="float64", draft_threads=1,
-        proposer="model", draft_length=4,
-    )
+    """Target + poor model draft (so rejections are common)."""
+    pipeline = start_tiny_pipeline(tmp_path_factory.mktemp("logs-tiny"), tiny_models, "poor_draft")
     yield pipeline
     pipeline.stop()
 

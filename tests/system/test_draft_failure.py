@@ -6,15 +6,12 @@ import os
 import signal
 
 from specdec import Client
-from tests.conftest import orchestrator_address, start_pipeline
+from tests.conftest import orchestrator_address, start_tiny_pipeline
 from tests.reference import Reference
 
 
 def test_draft_killed_mid_stream_falls_back_to_plain_decoding(tiny_models, tmp_path):
-    pipeline = start_pipeline(
-        tmp_path, target_model=str(tiny_models["target"]), target_dtype="float64", target_threads=1,
-        draft_model=str(tiny_models["good_draft"]), draft_dtype="float64", draft_threads=1, draft_length=4,
-    )
+    pipeline = start_tiny_pipeline(tmp_path, tiny_models, "good_draft")
     try:
         prompt = "The quick brown fox"
         expected = Reference(str(tiny_models["target"])).greedy(prompt, 40)

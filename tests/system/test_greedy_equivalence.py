@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from specdec import Client
-from tests.conftest import orchestrator_address, start_pipeline
+from tests.conftest import orchestrator_address, start_tiny_pipeline
 from tests.reference import Reference
 
 PROMPTS = [
@@ -55,11 +55,7 @@ def test_streamed_chunks_add_up_to_the_unary_result(tiny_pipeline, expected):
 
 @pytest.fixture(scope="module")
 def ngram_pipeline(tiny_models, tmp_path_factory):
-    pipeline = start_pipeline(
-        tmp_path_factory.mktemp("logs-ngram"),
-        target_model=str(tiny_models["target"]), target_dtype="float64", target_threads=1,
-        draft_model=str(tiny_models["target"]), proposer="ngram", draft_length=4,
-    )
+    pipeline = start_tiny_pipeline(tmp_path_factory.mktemp("logs-ngram"), tiny_models, "target", proposer="ngram")
     yield pipeline
     pipeline.stop()
 

@@ -7,7 +7,7 @@ import pytest
 
 from specdec import Client
 from specdec.core.sampling import SamplingParams
-from tests.conftest import orchestrator_address, start_pipeline
+from tests.conftest import orchestrator_address, start_tiny_pipeline
 from tests.reference import Reference
 from tests.system.test_greedy_equivalence import MAX_NEW, PROMPTS
 from tests.system.test_pipeline_sampling import _pooled_chisquare
@@ -15,12 +15,8 @@ from tests.system.test_pipeline_sampling import _pooled_chisquare
 
 @pytest.fixture(scope="module")
 def overlap_pipeline(tiny_models, tmp_path_factory):
-    pipeline = start_pipeline(
-        tmp_path_factory.mktemp("logs-overlap"),
-        target_model=str(tiny_models["target"]), target_dtype="float64", target_threads=1,
-        draft_model=str(tiny_models["good_draft"]), draft_dtype="float64", draft_threads=1,
-        proposer="model", draft_length="auto", extra_orchestrator_args=["--overlap"],
-    )
+    pipeline = start_tiny_pipeline(tmp_path_factory.mktemp("logs-overlap"), tiny_models, "good_draft",
+                                   draft_length="auto", extra_orchestrator_args=["--overlap"])
     yield pipeline
     pipeline.stop()
 
