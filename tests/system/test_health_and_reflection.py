@@ -1,0 +1,29 @@
+"""Every service answers the standard gRPC health check and lists its services by reflection."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+EXPECTED = {
+    "orchestrator": "specdec.v1.Orchestrator",
+    "draft": "specdec.v1.DraftService",
+    "target": "specdec.v1.TargetService",
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_health_and_reflection(tiny_pipeline, name):
+    address = tiny_pipeline.plan.grpc_addresses()[name]
+    with grpc.insecure_channel(address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for service in ("", EXPECTED[name]):
+            reply = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
+        request = reflection_pb2.ServerReflectionRequest(list_services="")
+        reply = next(iter(reflection.ServerReflectionInfo(iter([request]), timeout=5)))
+        names = {s.name for s in reply.list_services_response.service}
+    assert {EXPECTED[name], "grpc.health.v1.Health"} <= names
