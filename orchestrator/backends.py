@@ -39,23 +39,36 @@ class DraftUnavailable(Exception):
     """The draft failed or timed out; the round falls back to plain decoding."""
 
 
-class DraftBackend:
+class _ModelBackend:
+    """What draft and target clients share: a channel, GetInfo, Release and close."""
+
+    def __init__(self, address: str, timeout_s: float, stub_class) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self._channel = channel(address)
+        self.stub = stub_class(self._channel)
+
+    async def info(self, timeout: float = 10.0) -> common_pb2.ModelInfo:
+        return await self.stub.GetInfo(common_pb2.GetInfoRequest(), timeout=timeout, wait_for_ready=True)
+
+    async def release(self, session_id: str) -> None:
+        await self.stub.Release(common_pb2.ReleaseRequest(session_id=session_id), timeout=self.timeout_s)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+
+class DraftBackend(_ModelBackend):
     """Calls the draft service; after a failure it is skipped for `retry_s` (k falls to 0)."""
 
     def __init__(self, address: str, timeout_s: float, retry_s: float) -> None:
-        self.address = address
-        self.timeout_s = timeout_s
+        super().__init__(address, timeout_s, draft_pb2_grpc.DraftServiceStub)
         self.retry_s = retry_s
-        self._channel = channel(address)
-        self.stub = draft_pb2_grpc.DraftServiceStub(self._channel)
         self._down_until = 0.0
 
     @property
     def available(self) -> bool:
         return time.monotonic() >= self._down_until
-
-    async def info(self, timeout: float = 10.0) -> common_pb2.ModelInfo:
-        return await self.stub.GetInfo(common_pb2.GetInfoRequest(), timeout=timeout, wait_for_ready=True)
 
     async def propose(self, session_id: str, history: list[int], k: int, params: SamplingParams,
                       seed: int, fingerprint: str, into: Proposal | None = None,
@@ -85,22 +98,11 @@ class DraftBackend:
         proposal.wall_ns = time.perf_counter_ns() - start
         return proposal
 
-    async def release(self, session_id: str) -> None:
-        await self.stub.Release(common_pb2.ReleaseRequest(session_id=session_id), timeout=self.timeout_s)
-
-    async def close(self) -> None:
-        await self._channel.close()
 
 
-class TargetBackend:
+class TargetBackend(_ModelBackend):
     def __init__(self, address: str, timeout_s: float) -> None:
-        self.address = address
-        self.timeout_s = timeout_s
-        self._channel = channel(address)
-        self.stub = target_pb2_grpc.TargetServiceStub(self._channel)
-
-    async def info(self, timeout: float = 10.0) -> common_pb2.ModelInfo:
-        return await self.stub.GetInfo(common_pb2.GetInfoRequest(), timeout=timeout, wait_for_ready=True)
+        super().__init__(address, timeout_s, target_pb2_grpc.TargetServiceStub)
 
     async def verify(self, session_id: str, history: list[int], proposal: Proposal, params: SamplingParams,
                      seed: int) -> Verdict:
@@ -121,8 +123,3 @@ class TargetBackend:
         return Verdict(reply.num_accepted, reply.token_id, reply.bonus,
                        time.perf_counter_ns() - start, reply.compute_ns)
 
-    async def release(self, session_id: str) -> None:
-        await self.stub.Release(common_pb2.ReleaseRequest(session_id=session_id), timeout=self.timeout_s)
-
-    async def close(self) -> None:
-        await self._channel.close()

@@ -37,8 +37,8 @@ class _Ahead:
     base_len: int  # len(history + block) it extends
     block: list[int]  # the block under verification
     task: asyncio.Task
-    proposal: Proposal = field(default_factory=Proposal)  # filled as tokens arrive
-    progress: asyncio.Event = field(default_factory=asyncio.Event)  # set on every new token
+    proposal: Proposal  # filled as tokens arrive
+    progress: asyncio.Event  # set on every new token
     started_ns: int = field(default_factory=time.perf_counter_ns)
 
 
@@ -92,10 +92,11 @@ class Speculator:
 
     def _start_ahead(self, history: list[int], block: list[int], k_next: int) -> None:
         self.close()
-        ahead = _Ahead(base_len=len(history) + len(block), block=list(block), task=None)  # type: ignore[arg-type]
-        ahead.task = asyncio.ensure_future(self.draft.propose(
+        proposal, progress = Proposal(), asyncio.Event()
+        task = asyncio.ensure_future(self.draft.propose(
             self.session_id, history + block, k_next + 1, self.params, self.seed, self.fingerprint,
-            into=ahead.proposal, progress=ahead.progress))
+            into=proposal, progress=progress))
+        ahead = _Ahead(len(history) + len(block), list(block), task, proposal, progress)
         ahead.task.add_done_callback(lambda t: t.cancelled() or t.exception())  # never "unretrieved"
         self._ahead = ahead
 

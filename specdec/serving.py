@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import sys
 from typing import Callable, Iterable
 
 import grpc
@@ -85,8 +86,6 @@ async def serve_servicer(address: str, register: Callable[[grpc.aio.Server], Non
 
 def run_main(config_cls, serve, prog: str, argv=None, startup_errors: tuple[type[Exception], ...] = ()) -> None:
     """The entry point of every service: flags → config → logging → asyncio.run(serve(config))."""
-    import sys
-
     config = config_cls.from_args(argv, prog=prog)
     configure_logging(config.log_level)
     try:

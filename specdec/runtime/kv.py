@@ -72,9 +72,6 @@ class SessionCaches:
                 f"context of {total} tokens exceeds the model's limit of {self.max_context}; "
                 "shorten the prompt or lower max_new_tokens"
             )
-        top = max(max(history), max(new_tokens, default=0))
-        if top >= self.vocab_size:
-            raise InvalidArgument(f"token id {top} is outside the vocabulary (size {self.vocab_size})")
         with self._lock:
             self._evict_idle()
             entry = self._entries.pop(session_id, None)
@@ -86,6 +83,12 @@ class SessionCaches:
                 entry.cache.crop(keep - len(entry.tokens))
                 del entry.tokens[keep:]
             feed = history[keep:] + new_tokens
+            # Only tokens not already in the cache reach the model (the rest were checked when fed).
+            top = max(feed)
+            if top >= self.vocab_size:
+                if entry.tokens:
+                    self._entries[session_id] = entry  # still consistent: keep it
+                raise InvalidArgument(f"token id {top} is outside the vocabulary (size {self.vocab_size})")
             # The entry is out of the LRU while the forward runs: if it raises, the cache is in
             # an unknown state and is simply forgotten (rebuilt from the history next time).
             with torch.inference_mode():
