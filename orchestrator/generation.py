@@ -77,6 +77,13 @@ class Generator:
         self.policy_config = PolicyConfig(k_max=config.max_draft_length, ewma=config.policy_ewma,
                                           explore_every=config.policy_explore_every, overlap=config.overlap)
 
+    def backends(self) -> list[tuple[str, object]]:
+        """Every draft and target replica as (role, backend); each has `.address` and `info()`."""
+        out: list[tuple[str, object]] = [("target", self.target)]
+        if self.draft is not None:
+            out.append(("draft", self.draft))
+        return out
+
     # -- validation -------------------------------------------------------------------------
 
     def parse(self, request: pb.GenerateRequest) -> GenerationSpec:
