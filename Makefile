@@ -6,7 +6,7 @@ PROTOS := $(wildcard protos/specdec/v1/*.proto)
 STUBS := $(patsubst protos/%.proto,%_pb2.py,$(PROTOS))
 PROMPT ?= Write a haiku about speculative decoding.
 
-.PHONY: install proto run test test-fast bench clean
+.PHONY: install proto run test test-fast helm-check bench clean
 
 ## install: create the virtualenv, install the package and generate the gRPC stubs
 install: $(VENV)/.installed proto
@@ -38,6 +38,10 @@ test: install
 ## test-fast: the tests that do not load the real model
 test-fast: install
 	$(PY) -m pytest -q -m "not slow"
+
+## helm-check: lint, render and validate the Helm chart and check the Dockerfile (tests/deploy)
+helm-check: install
+	$(PY) -m pytest -q -p no:cacheprovider tests/deploy
 
 clean:
 	rm -rf $(VENV) specdec/v1/*_pb2*.py*

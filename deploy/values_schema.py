@@ -1,0 +1,264 @@
+"""Write helm/specdec/values.schema.json, the JSON schema of the chart's values.
+
+    python deploy/values_schema.py          # rewrite the schema after changing values.yaml
+    python deploy/values_schema.py --check  # exit 1 if the committed schema is stale (tests do this)
+
+Kept as code so the shared parts (a component's probes, GPU, scheduling) are written once.
+Kubernetes objects passed through unchanged (affinity, tolerations, env, security contexts)
+are only checked for their JSON type here; the rendered objects are validated against the
+Kubernetes schemas by tests/deploy.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+SCHEMA_PATH = Path(__file__).resolve().parents[1] / "helm" / "specdec" / "values.schema.json"
+
+
+def obj(props: dict, required: list[str] | None = None, extra: bool = False, desc: str | None = None) -> dict:
+    """An object with these properties; unknown keys are rejected unless `extra`."""
+    o = {"type": "object", "properties": props, "additionalProperties": extra}
+    if required:
+        o["required"] = required
+    if desc:
+        o["description"] = desc
+    return o
+
+
+def typed(kind: str, desc: str | None, **kw) -> dict:
+    return {"type": kind, **({"description": desc} if desc else {}), **kw}
+
+
+# Short names keep the tables below readable.
+def S(desc: str | None = None, **kw) -> dict:
+    return typed("string", desc, **kw)
+
+
+def I(desc: str | None = None, **kw) -> dict:
+    return typed("integer", desc, **kw)
+
+
+def B(desc: str | None = None) -> dict:
+    return typed("boolean", desc)
+
+
+string_map = {"type": "object", "additionalProperties": {"type": "string"}}
+int_or_percent = {"oneOf": [{"type": "integer", "minimum": 0}, {"type": "string", "pattern": "^[0-9]+%$"}]}
+
+defs = {
+    "imageOverride": obj({
+        "repository": S("Image repository.", minLength=1),
+        "tag": S("Image tag."),
+        "pullPolicy": {"enum": ["Always", "IfNotPresent", "Never"]},
+    }, desc="Overrides of the global image for one component."),
+    "quantities": {"type": "object", "additionalProperties": {"type": ["string", "number"]}},
+    "resources": obj({
+        "requests": {"$ref": "#/definitions/quantities"},
+        "limits": {"$ref": "#/definitions/quantities"},
+        "claims": {"type": "array"},
+    }, desc="Container resources (GPUs are added from `gpu`)."),
+    "gpu": obj({
+        "count": I("GPUs per replica (0: CPU only).", minimum=0),
+        "resourceName": S("Extended resource name of the GPU.", minLength=1),
+        "type": S("GPU type (value of the node label `typeLabel`); empty: any."),
+        "typeLabel": S("Node label that names the GPU type.", minLength=1),
+    }, required=["count", "resourceName", "type", "typeLabel"]),
+    "probe": obj({
+        "initialDelaySeconds": I(minimum=0),
+        "periodSeconds": I(minimum=1),
+        "timeoutSeconds": I(minimum=1),
+        "failureThreshold": I(minimum=1),
+        "successThreshold": I(minimum=1),
+        "terminationGracePeriodSeconds": I(minimum=1),
+    }, required=["periodSeconds", "failureThreshold"]),
+    "probes": obj({
+        "startup": {"$ref": "#/definitions/probe", "description": "Startup probe: period × failureThreshold is the model-load budget."},
+        "readiness": {"$ref": "#/definitions/probe"},
+        "liveness": {"$ref": "#/definitions/probe"},
+    }, required=["startup", "readiness", "liveness"]),
+    "pdb": obj({
+        "enabled": B("Create a PodDisruptionBudget."),
+        "maxUnavailable": {**int_or_percent, "description": "Pods a voluntary disruption may take down at once."},
+    }, required=["enabled", "maxUnavailable"]),
+    "rollingUpdate": obj({"maxUnavailable": int_or_percent, "maxSurge": int_or_percent}),
+    "port": I("A TCP port.", minimum=1, maximum=65535),
+    "dtype": {"enum": ["float32", "bfloat16", "float16", "float64"], "description": "Weight dtype."},
+    "threads": {"type": ["integer", "null"], "minimum": 1, "description": "torch intra-op threads; null: torch's choice."},
+    "args": {"type": "array", "items": {"type": "string"}, "description": "Extra command-line flags."},
+    "env": {"type": "array", "items": {"type": "object", "required": ["name"], "properties": {"name": {"type": "string", "minLength": 1}}}},
+    "tolerations": {"type": "array", "items": {"type": "object"}},
+    "affinity": {"type": "object"},
+    "spread": {"type": "array", "items": {"type": "object"}},
+}
+
+
+def scheduling() -> dict:
+    """Values every service component shares: scheduling, rollout, probes, image, args."""
+    return {
+        "nodeSelector": string_map,
+        "tolerations": {"$ref": "#/definitions/tolerations"},
+        "affinity": {"$ref": "#/definitions/affinity"},
+        "topologySpreadConstraints": {"$ref": "#/definitions/spread"},
+        "priorityClassName": S("Priority class of the pods."),
+        "podAnnotations": string_map,
+        "podLabels": string_map,
+        "rollingUpdate": {"$ref": "#/definitions/rollingUpdate"},
+        "terminationGracePeriodSeconds": I(minimum=0),
+        "probes": {"$ref": "#/definitions/probes"},
+        "pdb": {"$ref": "#/definitions/pdb"},
+        "image": {"$ref": "#/definitions/imageOverride"},
+        "extraArgs": {"$ref": "#/definitions/args"},
+        "env": {"$ref": "#/definitions/env"},
+        "resources": {"$ref": "#/definitions/resources"},
+    }
+
+
+def model_service() -> dict:
+    """Values of draft and target (the model services)."""
+    return {
+        "replicas": I("Replicas.", minimum=0),
+        "model": S("Model: packaged default name, a directory in the model cache or a transformers id.", minLength=1),
+        "dtype": {"$ref": "#/definitions/dtype"},
+        "threads": {"$ref": "#/definitions/threads"},
+        "maxSessions": I("KV caches kept at most per replica.", minimum=1),
+        "idleTtlS": {"type": "number", "exclusiveMinimum": 0, "description": "Seconds an unused session cache is kept."},
+        "port": {"$ref": "#/definitions/port"},
+        "gpu": {"$ref": "#/definitions/gpu"},
+        **scheduling(),
+    }
+
+
+common_required = ["replicas", "port", "resources", "probes", "pdb", "rollingUpdate"]
+
+target = obj(model_service(), required=common_required + ["model", "dtype", "gpu"], desc="The target service (large model).")
+draft_props = model_service()
+draft_props.update({
+    "enabled": B("Run a draft service (false: plain decoding, k = 0)."),
+    "proposer": {"enum": ["ngram", "model"], "description": "Draft source."},
+    "ngramMin": I(minimum=1), "ngramMax": I(minimum=1),
+})
+draft = obj(draft_props, required=common_required + ["enabled", "proposer", "model", "dtype", "gpu"], desc="The draft service (small model or prompt lookup).")
+
+orch_props = {
+    "replicas": I("Replicas (when not autoscaled).", minimum=0),
+    "model": S("Tokenizer model; empty: target.model."),
+    "draftLength": {"oneOf": [{"const": "auto"}, {"type": "integer", "minimum": 0}], "description": "'auto' or a fixed k."},
+    "maxDraftLength": I(minimum=0, maximum=64),
+    "overlap": B("Draft the next block during the verify."),
+    "sessionTtlS": I(minimum=1),
+    "port": {"$ref": "#/definitions/port"},
+    "service": obj({
+        "type": {"enum": ["ClusterIP", "NodePort", "LoadBalancer"]},
+        "port": {"$ref": "#/definitions/port"},
+        "annotations": string_map,
+    }, required=["type", "port"]),
+    "autoscaling": obj({
+        "enabled": B(), "minReplicas": I(minimum=1), "maxReplicas": I(minimum=1),
+        "targetCPUUtilizationPercentage": I(minimum=1, maximum=100),
+    }, required=["enabled", "minReplicas", "maxReplicas", "targetCPUUtilizationPercentage"]),
+    "preStopSleepSeconds": I("Seconds to keep serving after the stop request.", minimum=0),
+    **scheduling(),
+}
+orchestrator = obj(orch_props, required=common_required + ["service", "autoscaling"], desc="The orchestrator (public API, the loop, sessions in Redis).")
+
+redis_url = "^rediss?://[^@/\\s]+(/[0-9]+)?$"
+redis = obj({
+    "enabled": B("Run Redis in the chart; false: use external.url."),
+    "external": obj({"url": S("URL of an external Redis without credentials.", pattern=f"({redis_url})|^$")}, required=["url"]),
+    "auth": obj({
+        "enabled": B(),
+        "password": S("URL-safe password; empty: generated (in-chart Redis).", pattern="^[A-Za-z0-9._~-]*$"),
+        "existingSecret": S(),
+        "existingSecretPasswordKey": S(minLength=1),
+    }, required=["enabled", "password", "existingSecret", "existingSecretPasswordKey"]),
+    "image": obj({
+        "repository": S(minLength=1), "tag": S(minLength=1),
+        "pullPolicy": {"enum": ["Always", "IfNotPresent", "Never"]},
+    }, required=["repository", "tag"]),
+    "port": {"$ref": "#/definitions/port"},
+    "persistence": obj({"enabled": B(), "storageClass": S(), "size": S(minLength=1)}, required=["enabled"]),
+    "extraArgs": {"$ref": "#/definitions/args"},
+    "resources": {"$ref": "#/definitions/resources"},
+    "podSecurityContext": {"type": "object"},
+    "nodeSelector": string_map,
+    "tolerations": {"$ref": "#/definitions/tolerations"},
+    "affinity": {"$ref": "#/definitions/affinity"},
+}, required=["enabled", "external", "auth", "image", "port", "persistence"], desc="The session store.")
+redis["allOf"] = [
+    {"if": {"properties": {"enabled": {"const": False}}},
+     "then": {"properties": {"external": {"properties": {"url": {"minLength": 1}}}}}},
+    {"if": {"properties": {"enabled": {"const": False}, "auth": {"properties": {"enabled": {"const": True}}}}},
+     "then": {"properties": {"auth": {"anyOf": [
+         {"properties": {"existingSecret": {"minLength": 1}}},
+         {"properties": {"password": {"minLength": 1}}}]}}}},
+]
+
+schema = {
+    "$schema": "http://json-schema.org/draft-07/schema#",
+    "title": "specdec chart values",
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["image", "target", "draft", "orchestrator", "redis", "modelCache", "networkPolicy"],
+    "definitions": defs,
+    "properties": {
+        "global": {"type": "object", "description": "Helm's global values (unused)."},
+        "nameOverride": S("Replaces the chart name in resource names."),
+        "fullnameOverride": S("Replaces <release>-<chart> in resource names."),
+        "clusterDomain": S("DNS domain of the cluster.", minLength=1),
+        "image": obj({
+            "repository": S(minLength=1), "tag": S(),
+            "pullPolicy": {"enum": ["Always", "IfNotPresent", "Never"]},
+        }, required=["repository", "tag", "pullPolicy"]),
+        "imagePullSecrets": {"type": "array", "items": {"type": "object", "required": ["name"]}},
+        "serviceAccount": obj({"create": B(), "name": S(), "annotations": string_map}, required=["create"]),
+        "podSecurityContext": {"type": "object", "description": "Pod security context of the services."},
+        "containerSecurityContext": {"type": "object", "description": "Container security context of the services."},
+        "modelCache": obj({
+            "mountPath": S(pattern="^/"),
+            "allowDownload": B("Let transformers download missing hub ids."),
+            "persistence": obj({
+                "enabled": B(), "existingClaim": S(), "storageClass": S(),
+                "accessModes": {"type": "array", "minItems": 1, "items": {"enum": ["ReadWriteOnce", "ReadOnlyMany", "ReadWriteMany", "ReadWriteOncePod"]}},
+                "size": S(minLength=1),
+            }, required=["enabled"]),
+            "emptyDir": obj({"sizeLimit": S(minLength=1)}),
+        }, required=["mountPath", "persistence"]),
+        "tmpSizeLimit": S(minLength=1),
+        "target": target,
+        "draft": draft,
+        "orchestrator": orchestrator,
+        "redis": redis,
+        "metrics": obj({
+            "enabled": B("Pass --metrics-port to every service and expose it."),
+            "port": {"$ref": "#/definitions/port"},
+            "serviceMonitor": obj({
+                "enabled": B("Create a Prometheus Operator ServiceMonitor."),
+                "interval": S(pattern="^[0-9]+(ms|s|m|h)$"),
+                "labels": string_map,
+            }, required=["enabled"]),
+        }, required=["enabled", "port"]),
+        "networkPolicy": obj({
+            "enabled": B("Create NetworkPolicies."),
+            "orchestratorFrom": {"type": "array", "items": {"type": "object"}, "description": "Peers allowed to reach the orchestrator; empty: anyone."},
+            "metricsFrom": {"type": "array", "items": {"type": "object"}, "description": "Peers allowed to scrape metrics; empty: anyone."},
+        }, required=["enabled"]),
+        "tests": obj({
+            "prompt": S(minLength=1), "maxNewTokens": I(minimum=1), "timeoutSeconds": I(minimum=1),
+        }),
+    },
+}
+
+
+def render() -> str:
+    return json.dumps(schema, indent=2) + "\n"
+
+
+if __name__ == "__main__":
+    if "--check" in sys.argv[1:]:
+        if SCHEMA_PATH.read_text() != render():
+            sys.exit(f"{SCHEMA_PATH} is stale: run python deploy/values_schema.py")
+    else:
+        SCHEMA_PATH.write_text(render())

@@ -1,0 +1,364 @@
+{{/* ------------------------------------------------------------------ names and labels */}}
+
+{{- define "specdec.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* "<release>-<chart>", or the release name alone when it already contains the chart name. */}}
+{{- define "specdec.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* Name of one component's objects: (dict "root" $ "component" "target") */}}
+{{- define "specdec.componentName" -}}
+{{- printf "%s-%s" (include "specdec.fullname" .root | trunc 50 | trimSuffix "-") .component }}
+{{- end }}
+
+{{- define "specdec.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Labels that select one component's pods: (dict "root" $ "component" "target") */}}
+{{- define "specdec.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "specdec.name" .root }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{/* Every label of one component's objects: (dict "root" $ "component" "target") */}}
+{{- define "specdec.labels" -}}
+helm.sh/chart: {{ include "specdec.chart" .root }}
+{{ include "specdec.selectorLabels" . }}
+app.kubernetes.io/part-of: specdec
+app.kubernetes.io/version: {{ .root.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .root.Release.Service }}
+{{- end }}
+
+{{- define "specdec.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "specdec.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/* ------------------------------------------------------------------ addresses */}}
+
+{{/* "dns:///<headless service>.<namespace>.svc.<domain>:<port>": one name, every ready replica. */}}
+{{- define "specdec.dnsAddress" -}}
+{{- printf "dns:///%s.%s.svc.%s:%d" (include "specdec.componentName" .) .root.Release.Namespace .root.Values.clusterDomain (int .port) }}
+{{- end }}
+
+{{- define "specdec.redisSecretName" -}}
+{{- if .Values.redis.auth.existingSecret }}
+{{- .Values.redis.auth.existingSecret }}
+{{- else }}
+{{- include "specdec.componentName" (dict "root" . "component" "redis") }}
+{{- end }}
+{{- end }}
+
+{{- define "specdec.redisSecretKey" -}}
+{{- if .Values.redis.auth.existingSecret }}
+{{- .Values.redis.auth.existingSecretPasswordKey }}
+{{- else -}}
+redis-password
+{{- end }}
+{{- end }}
+
+{{/*
+The orchestrator's --redis-url. With auth, the password is the container's $(REDIS_PASSWORD)
+(Kubernetes expands it in args from the env var the Secret fills), so it is never in a value.
+*/}}
+{{- define "specdec.redisUrl" -}}
+{{- $url := "" }}
+{{- if .Values.redis.enabled }}
+{{- $url = printf "redis://%s.%s.svc.%s:%d/0" (include "specdec.componentName" (dict "root" . "component" "redis")) .Release.Namespace .Values.clusterDomain (int .Values.redis.port) }}
+{{- else }}
+{{- $url = required "redis.external.url is required when redis.enabled is false" .Values.redis.external.url }}
+{{- end }}
+{{- if .Values.redis.auth.enabled }}
+{{- if contains "@" $url }}
+{{- fail "redis.external.url must not hold credentials: the password comes from redis.auth.existingSecret" }}
+{{- end }}
+{{- $url = regexReplaceAll "^(rediss?://)" $url "${1}:$(REDIS_PASSWORD)@" }}
+{{- end }}
+{{- $url }}
+{{- end }}
+
+{{/* ------------------------------------------------------------------ pods */}}
+
+{{/* image reference of a component: (dict "root" $ "image" .Values.target.image) */}}
+{{- define "specdec.image" -}}
+{{- $image := merge (deepCopy (default (dict) .image)) .root.Values.image }}
+{{- printf "%s:%s" $image.repository (default .root.Chart.AppVersion $image.tag) }}
+{{- end }}
+
+{{- define "specdec.imagePullPolicy" -}}
+{{- $image := merge (deepCopy (default (dict) .image)) .root.Values.image }}
+{{- $image.pullPolicy }}
+{{- end }}
+
+{{/* Native gRPC startup, readiness and liveness probes on the standard health service. */}}
+{{- define "specdec.grpcProbes" -}}
+startupProbe:
+  grpc:
+    port: {{ .port }}
+  {{- toYaml .probes.startup | nindent 2 }}
+readinessProbe:
+  grpc:
+    port: {{ .port }}
+  {{- toYaml .probes.readiness | nindent 2 }}
+livenessProbe:
+  grpc:
+    port: {{ .port }}
+  {{- toYaml .probes.liveness | nindent 2 }}
+{{- end }}
+
+{{/* requests/limits with the component's GPUs added: (the component's values) */}}
+{{- define "specdec.resources" -}}
+{{- $resources := deepCopy (default (dict) .resources) }}
+{{- if and .gpu (gt (int .gpu.count) 0) }}
+{{- $limits := default (dict) $resources.limits }}
+{{- $requests := default (dict) $resources.requests }}
+{{- $_ := set $limits .gpu.resourceName (int .gpu.count) }}
+{{- $_ = set $requests .gpu.resourceName (int .gpu.count) }}
+{{- $_ = set $resources "limits" $limits }}
+{{- $_ = set $resources "requests" $requests }}
+{{- end }}
+{{- toYaml $resources }}
+{{- end }}
+
+{{/* nodeSelector with the GPU type added: (the component's values) */}}
+{{- define "specdec.nodeSelector" -}}
+{{- $selector := deepCopy (default (dict) .nodeSelector) }}
+{{- if and .gpu .gpu.type }}
+{{- $_ := set $selector .gpu.typeLabel .gpu.type }}
+{{- end }}
+{{- if $selector }}
+{{- toYaml $selector }}
+{{- end }}
+{{- end }}
+
+{{- define "specdec.modelCacheClaimName" -}}
+{{- if .Values.modelCache.persistence.existingClaim }}
+{{- .Values.modelCache.persistence.existingClaim }}
+{{- else }}
+{{- include "specdec.componentName" (dict "root" . "component" "model-cache") }}
+{{- end }}
+{{- end }}
+
+{{/*
+One Deployment of a specdec service. Arguments:
+  root: $;  component: "draft" | "target" | "orchestrator";  values: that component's values;
+  module: the Python module to run;  args: its flags (list);  env: extra EnvVars (list);
+  port: its gRPC port;  lifecycle: a container lifecycle (map) or nil.
+*/}}
+{{- define "specdec.deployment" -}}
+{{- $root := .root }}
+{{- $v := .values }}
+{{- $ctx := dict "root" $root "component" .component }}
+apiVersion: apps/v1
+kind: Deployment
+metadata:
+  name: {{ include "specdec.componentName" $ctx }}
+  namespace: {{ $root.Release.Namespace }}
+  labels:
+    {{- include "specdec.labels" $ctx | nindent 4 }}
+spec:
+  {{- if not (and $v.autoscaling $v.autoscaling.enabled) }}
+  replicas: {{ $v.replicas }}
+  {{- end }}
+  revisionHistoryLimit: 5
+  selector:
+    matchLabels:
+      {{- include "specdec.selectorLabels" $ctx | nindent 6 }}
+  strategy:
+    type: RollingUpdate
+    rollingUpdate:
+      {{- toYaml $v.rollingUpdate | nindent 6 }}
+  template:
+    metadata:
+      labels:
+        {{- include "specdec.labels" $ctx | nindent 8 }}
+        {{- with $v.podLabels }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+      {{- with $v.podAnnotations }}
+      annotations:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+    spec:
+      serviceAccountName: {{ include "specdec.serviceAccountName" $root }}
+      automountServiceAccountToken: false
+      enableServiceLinks: false
+      securityContext:
+        {{- toYaml $root.Values.podSecurityContext | nindent 8 }}
+      {{- with $root.Values.imagePullSecrets }}
+      imagePullSecrets:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with $v.priorityClassName }}
+      priorityClassName: {{ . }}
+      {{- end }}
+      terminationGracePeriodSeconds: {{ $v.terminationGracePeriodSeconds }}
+      {{- with (include "specdec.nodeSelector" $v) }}
+      nodeSelector:
+        {{- . | nindent 8 }}
+      {{- end }}
+      {{- with $v.tolerations }}
+      tolerations:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with $v.affinity }}
+      affinity:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with $v.topologySpreadConstraints }}
+      topologySpreadConstraints:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      containers:
+        - name: {{ .component }}
+          image: {{ include "specdec.image" (dict "root" $root "image" $v.image) }}
+          imagePullPolicy: {{ include "specdec.imagePullPolicy" (dict "root" $root "image" $v.image) }}
+          command: ["python", "-m", {{ .module | quote }}]
+          args:
+            {{- if $root.Values.metrics.enabled }}
+            - "--metrics-port"
+            - {{ $root.Values.metrics.port | quote }}
+            {{- end }}
+            {{- range .args }}
+            - {{ . | quote }}
+            {{- end }}
+          ports:
+            - name: grpc
+              containerPort: {{ .port }}
+              protocol: TCP
+            {{- if $root.Values.metrics.enabled }}
+            - name: metrics
+              containerPort: {{ $root.Values.metrics.port }}
+              protocol: TCP
+            {{- end }}
+          env:
+            - name: SPECDEC_CACHE
+              value: {{ $root.Values.modelCache.mountPath | quote }}
+            - name: HF_HOME
+              value: {{ printf "%s/huggingface" $root.Values.modelCache.mountPath | quote }}
+            # The root filesystem is read-only: anything a library writes under $HOME lands in /tmp.
+            - name: HOME
+              value: /tmp
+            - name: TMPDIR
+              value: /tmp
+            {{- if $root.Values.modelCache.allowDownload }}
+            - name: SPECDEC_ALLOW_DOWNLOAD
+              value: "1"
+            {{- end }}
+            {{- with .env }}
+            {{- toYaml . | nindent 12 }}
+            {{- end }}
+            {{- with $v.env }}
+            {{- toYaml . | nindent 12 }}
+            {{- end }}
+          {{- include "specdec.grpcProbes" (dict "port" .port "probes" $v.probes) | nindent 10 }}
+          {{- with .lifecycle }}
+          lifecycle:
+            {{- toYaml . | nindent 12 }}
+          {{- end }}
+          resources:
+            {{- include "specdec.resources" $v | nindent 12 }}
+          securityContext:
+            {{- toYaml $root.Values.containerSecurityContext | nindent 12 }}
+          volumeMounts:
+            - name: model-cache
+              mountPath: {{ $root.Values.modelCache.mountPath }}
+            - name: tmp
+              mountPath: /tmp
+      volumes:
+        - name: model-cache
+          {{- if $root.Values.modelCache.persistence.enabled }}
+          persistentVolumeClaim:
+            claimName: {{ include "specdec.modelCacheClaimName" $root }}
+          {{- else }}
+          emptyDir:
+            sizeLimit: {{ $root.Values.modelCache.emptyDir.sizeLimit }}
+          {{- end }}
+        - name: tmp
+          emptyDir:
+            sizeLimit: {{ $root.Values.tmpSizeLimit }}
+{{- end }}
+
+{{/* A PodDisruptionBudget of one component: (dict "root" $ "component" "target" "values" .Values.target) */}}
+{{- define "specdec.pdb" -}}
+{{- if .values.pdb.enabled }}
+{{- $ctx := dict "root" .root "component" .component }}
+apiVersion: policy/v1
+kind: PodDisruptionBudget
+metadata:
+  name: {{ include "specdec.componentName" $ctx }}
+  namespace: {{ .root.Release.Namespace }}
+  labels:
+    {{- include "specdec.labels" $ctx | nindent 4 }}
+spec:
+  maxUnavailable: {{ .values.pdb.maxUnavailable }}
+  selector:
+    matchLabels:
+      {{- include "specdec.selectorLabels" $ctx | nindent 6 }}
+{{- end }}
+{{- end }}
+
+{{/* The headless Service of a model service: one DNS name, one A record per ready replica. */}}
+{{- define "specdec.headlessService" -}}
+{{- $ctx := dict "root" .root "component" .component }}
+apiVersion: v1
+kind: Service
+metadata:
+  name: {{ include "specdec.componentName" $ctx }}
+  namespace: {{ .root.Release.Namespace }}
+  labels:
+    {{- include "specdec.labels" $ctx | nindent 4 }}
+spec:
+  clusterIP: None
+  publishNotReadyAddresses: false
+  selector:
+    {{- include "specdec.selectorLabels" $ctx | nindent 4 }}
+  ports:
+    - name: grpc
+      port: {{ .port }}
+      targetPort: grpc
+      protocol: TCP
+      appProtocol: grpc
+    {{- with (include "specdec.metricsServicePort" .root) }}{{ . | trim | nindent 4 }}{{ end }}
+{{- end }}
+
+{{/* The `metrics` port of a Service, when metrics are on. */}}
+{{- define "specdec.metricsServicePort" -}}
+{{- if .Values.metrics.enabled }}
+- name: metrics
+  port: {{ .Values.metrics.port }}
+  targetPort: metrics
+  protocol: TCP
+  appProtocol: http
+{{- end }}
+{{- end }}
+
+{{/* The NetworkPolicy ingress rule for scraping a service's metrics port, when metrics are on. */}}
+{{- define "specdec.metricsIngress" -}}
+{{- if .Values.metrics.enabled }}
+- ports:
+    - protocol: TCP
+      port: {{ .Values.metrics.port }}
+  {{- with .Values.networkPolicy.metricsFrom }}
+  from:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+{{- end }}
+{{- end }}
