@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from dataclasses import dataclass, field
 
@@ -14,8 +13,6 @@ from specdec.errors import FailedPrecondition, InvalidArgument, Unavailable
 from specdec.serving import channel
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from specdec.wire import sampling_to_pb
-
-log = logging.getLogger("specdec.orchestrator")
 
 
 @dataclass
@@ -48,8 +45,8 @@ class _ModelBackend:
         self._channel = channel(address)
         self.stub = stub_class(self._channel)
 
-    async def info(self, timeout: float = 10.0) -> common_pb2.ModelInfo:
-        return await self.stub.GetInfo(common_pb2.GetInfoRequest(), timeout=timeout, wait_for_ready=True)
+    async def info(self, timeout: float = 10.0, wait: bool = True) -> common_pb2.ModelInfo:
+        return await self.stub.GetInfo(common_pb2.GetInfoRequest(), timeout=timeout, wait_for_ready=wait)
 
     async def release(self, session_id: str) -> None:
         await self.stub.Release(common_pb2.ReleaseRequest(session_id=session_id), timeout=self.timeout_s)
@@ -59,16 +56,10 @@ class _ModelBackend:
 
 
 class DraftBackend(_ModelBackend):
-    """Calls the draft service; after a failure it is skipped for `retry_s` (k falls to 0)."""
+    """Calls one draft replica; a failure raises DraftUnavailable (the round falls to k = 0)."""
 
-    def __init__(self, address: str, timeout_s: float, retry_s: float) -> None:
+    def __init__(self, address: str, timeout_s: float) -> None:
         super().__init__(address, timeout_s, draft_pb2_grpc.DraftServiceStub)
-        self.retry_s = retry_s
-        self._down_until = 0.0
-
-    @property
-    def available(self) -> bool:
-        return time.monotonic() >= self._down_until
 
     async def propose(self, session_id: str, history: list[int], k: int, params: SamplingParams,
                       seed: int, fingerprint: str, into: Proposal | None = None,
@@ -91,16 +82,14 @@ class DraftBackend(_ModelBackend):
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
                 raise FailedPrecondition(exc.details()) from exc
-            self._down_until = time.monotonic() + self.retry_s
-            log.warning("draft %s failed (%s: %s); plain decoding for %.1fs",
-                        self.address, exc.code().name, exc.details(), self.retry_s)
-            raise DraftUnavailable(str(exc)) from exc
+            raise DraftUnavailable(f"{exc.code().name}: {exc.details()}") from exc
         proposal.wall_ns = time.perf_counter_ns() - start
         return proposal
 
 
-
 class TargetBackend(_ModelBackend):
+    """Calls one target replica; a transport failure raises Unavailable (another may take over)."""
+
     def __init__(self, address: str, timeout_s: float) -> None:
         super().__init__(address, timeout_s, target_pb2_grpc.TargetServiceStub)
 

@@ -12,8 +12,15 @@ class OrchestratorConfig(ServiceConfig):
     """specdec orchestrator: runs speculative decoding sessions over the draft and target services."""
 
     port: int = Field(50051, ge=0, le=65535, description="Port of the public gRPC API (0 picks a free one).")
-    target: str = Field("127.0.0.1:50053", description="Address of the target service.")
-    draft: str = Field("127.0.0.1:50052", description="Address of the draft service; empty runs plain decoding only.")
+    target: str = Field(
+        "127.0.0.1:50053",
+        description="Target replicas: HOST:PORT[,HOST:PORT...] or dns:///NAME:PORT (every address it resolves to).",
+    )
+    draft: str = Field(
+        "127.0.0.1:50052",
+        description="Draft replicas, written as for --target; empty runs plain decoding only.",
+    )
+    replica_refresh_s: float = Field(5.0, gt=0, description="Seconds between re-resolving and probing the replicas.")
     redis_url: str = Field("redis://127.0.0.1:6390/0", description="Redis URL of the session store.")
     model: str = Field(DEFAULT_MODEL, description="Tokenizer to use (must match the target's): model name or directory.")
     draft_length: int | Literal["auto"] = Field(
@@ -30,6 +37,11 @@ class OrchestratorConfig(ServiceConfig):
     max_stop_strings: int = Field(16, ge=0, description="Most stop strings per request.")
     max_stop_length: int = Field(256, ge=1, description="Longest stop string, in characters.")
     session_ttl_s: int = Field(3600, ge=1, description="Seconds a session is kept in Redis after its last use.")
+    session_lease_s: float = Field(
+        60.0, gt=0, description="A running generation holds its session this long past its latest round; "
+        "other requests on the session get ABORTED meanwhile (a resume takes the generation over at once)."
+    )
     draft_timeout_s: float = Field(10.0, gt=0, description="Deadline of one draft call; past it the round runs at k = 0.")
-    draft_retry_s: float = Field(2.0, gt=0, description="After a draft failure, seconds before speculation is tried again.")
+    draft_retry_s: float = Field(2.0, gt=0, description="After a draft failure, seconds before that replica is tried again.")
+    target_retry_s: float = Field(5.0, gt=0, description="After a target replica fails, seconds before it is tried again.")
     target_timeout_s: float = Field(120.0, gt=0, description="Deadline of one verify call (includes a re-prefill).")

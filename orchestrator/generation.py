@@ -8,19 +8,20 @@ import math
 import secrets
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import AsyncIterator
 
-from orchestrator.backends import DraftBackend, TargetBackend
+from orchestrator.chat import first_turn, next_turn
 from orchestrator.config import OrchestratorConfig
 from orchestrator.loop import Speculator
-from orchestrator.store import RedisSessionStore, SessionState
+from orchestrator.replicas import DraftPool, TargetPool
+from orchestrator.store import GenerationRecord, RedisSessionStore, SessionState
 from orchestrator.text import TextStream
 from specdec.core.policy import (
     Observation, PolicyConfig, PolicyState, choose_k, initial_state, merge_prior, next_k,
 )
 from specdec.core.sampling import SamplingParams
-from specdec.errors import FailedPrecondition, InvalidArgument, NotFound
+from specdec.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound, SpecdecError
 from specdec.v1 import common_pb2, orchestrator_pb2 as pb
 
 log = logging.getLogger("specdec.orchestrator")
@@ -39,16 +40,10 @@ class GenerationSpec:
     stop: tuple[str, ...]
     draft_length: int  # AUTO (-1) lets the controller choose k every round
     session_id: str
-
-
-@dataclass
-class Totals:
-    rounds: int = 0
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
-    fallbacks: int = 0
-    overlapped: int = 0
-    tokens: list[int] = field(default_factory=list)
+    resume_from: int | None = None  # resume the session's latest generation; the client holds this many
+    # A chat turn that continues a session: the input to use when the history ends with an
+    # end-of-sequence token, and when it does not (the end-of-turn marker is then added first).
+    chat_after_eos: list[int] | None = None
 
 
 def observation(stats: pb.RoundStats) -> Observation:
@@ -64,8 +59,8 @@ def observation(stats: pb.RoundStats) -> Observation:
 class Generator:
     """Owns the loop for every request; the servicer only translates to and from gRPC."""
 
-    def __init__(self, config: OrchestratorConfig, store: RedisSessionStore, target: TargetBackend,
-                 draft: DraftBackend | None, tokenizer, target_info: common_pb2.ModelInfo) -> None:
+    def __init__(self, config: OrchestratorConfig, store: RedisSessionStore, target: TargetPool,
+                 draft: DraftPool | None, tokenizer, target_info: common_pb2.ModelInfo) -> None:
         self.config = config
         self.store = store
         self.target = target
@@ -79,15 +74,15 @@ class Generator:
 
     def backends(self) -> list[tuple[str, object]]:
         """Every draft and target replica as (role, backend); each has `.address` and `info()`."""
-        out: list[tuple[str, object]] = [("target", self.target)]
-        if self.draft is not None:
-            out.append(("draft", self.draft))
-        return out
+        pools = [self.target] + ([self.draft] if self.draft is not None else [])
+        return [(pool.role, backend) for pool in pools for backend in pool.members()]
 
     # -- validation -------------------------------------------------------------------------
 
     def parse(self, request: pb.GenerateRequest) -> GenerationSpec:
         cfg = self.config
+        if request.HasField("resume_from"):
+            return self._parse_resume(request)
         max_new = request.max_new_tokens if request.HasField("max_new_tokens") else cfg.default_max_new_tokens
         if not 1 <= max_new <= cfg.max_new_tokens_limit:
             raise InvalidArgument(f"max_new_tokens must be between 1 and {cfg.max_new_tokens_limit}, got {max_new}")
@@ -112,33 +107,52 @@ class Generator:
         for s in stop:
             if not s or len(s) > cfg.max_stop_length:
                 raise InvalidArgument(f"each stop string must have 1 to {cfg.max_stop_length} characters, got {len(s)}")
-        input_ids = self._tokenize(request, continuing=bool(request.session_id))
-        return GenerationSpec(
-            input_ids=input_ids, max_new_tokens=max_new,
-            params=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p),
-            seed=request.seed if request.HasField("seed") else None,
-            stop=stop, draft_length=k, session_id=request.session_id,
-        )
-
-    def _tokenize(self, request: pb.GenerateRequest, continuing: bool) -> list[int]:
+        continuing = bool(request.session_id)
+        chat_after_eos = None
         which = request.WhichOneof("input")
         if which == "prompt":
             if not request.prompt:
                 raise InvalidArgument("prompt is empty: send the text to continue, or use messages")
-            ids = self.tokenizer(request.prompt, add_special_tokens=not continuing)["input_ids"]
+            input_ids = self._check_length(self.tokenizer(request.prompt, add_special_tokens=not continuing)["input_ids"])
         elif which == "messages":
-            messages = [{"role": m.role, "content": m.content} for m in request.messages.messages]
-            if not messages:
-                raise InvalidArgument("messages is empty: send at least one message")
-            for i, m in enumerate(messages):
-                if m["role"] not in ("system", "user", "assistant"):
-                    raise InvalidArgument(f"messages[{i}].role must be system, user or assistant, got {m['role']!r}")
-            if not getattr(self.tokenizer, "chat_template", None):
-                raise FailedPrecondition("the model has no chat template; send a raw prompt instead")
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            messages = self._messages(request)
+            if continuing:
+                input_ids, chat_after_eos = next_turn(self.tokenizer, messages, self.eos_ids)
+                self._check_length(chat_after_eos)
+            else:
+                input_ids = first_turn(self.tokenizer, messages)
+            self._check_length(input_ids)
         else:
             raise InvalidArgument("set either prompt or messages")
+        return GenerationSpec(
+            input_ids=input_ids, max_new_tokens=max_new,
+            params=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p),
+            seed=request.seed if request.HasField("seed") else None,
+            stop=stop, draft_length=k, session_id=request.session_id, chat_after_eos=chat_after_eos,
+        )
+
+    @staticmethod
+    def _parse_resume(request: pb.GenerateRequest) -> GenerationSpec:
+        if not request.session_id:
+            raise InvalidArgument("resume_from needs the session_id of the generation to resume")
+        if request.WhichOneof("input") is not None:
+            raise InvalidArgument("a resume continues the session's latest generation: leave prompt and "
+                                  "messages unset (its settings are the original request's)")
+        return GenerationSpec(input_ids=[], max_new_tokens=0, params=SamplingParams(), seed=None, stop=(),
+                              draft_length=0, session_id=request.session_id, resume_from=request.resume_from)
+
+    def _messages(self, request: pb.GenerateRequest) -> list[dict[str, str]]:
+        messages = [{"role": m.role, "content": m.content} for m in request.messages.messages]
+        if not messages:
+            raise InvalidArgument("messages is empty: send at least one message")
+        for i, m in enumerate(messages):
+            if m["role"] not in ("system", "user", "assistant"):
+                raise InvalidArgument(f"messages[{i}].role must be system, user or assistant, got {m['role']!r}")
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise FailedPrecondition("the model has no chat template; send a raw prompt instead")
+        return messages
+
+    def _check_length(self, ids: list[int]) -> list[int]:
         if not ids:
             raise InvalidArgument("the input tokenizes to nothing; send some text")
         if len(ids) >= self.max_context:
@@ -151,14 +165,23 @@ class Generator:
     # -- sessions ---------------------------------------------------------------------------
 
     async def _open(self, spec: GenerationSpec) -> SessionState:
+        """Record a new generation: in a new session, or appended to an idle existing one."""
+        input_ids = spec.input_ids
         if spec.session_id:
             state = await self.store.load(spec.session_id)
             if state is None:
                 raise NotFound(f"session {spec.session_id!r} does not exist or has expired; "
                                "start a new one by leaving session_id empty")
-            if len(state.tokens) + len(spec.input_ids) >= self.max_context:
+            if state.generation is not None and state.generation.leased():
+                raise Aborted(
+                    f"session {spec.session_id!r} is busy with generation {state.generation.id}; wait for it to "
+                    "finish or cancel it (a client that lost its stream resumes it with resume_from)"
+                )
+            if spec.chat_after_eos is not None and state.tokens and state.tokens[-1] in self.eos_ids:
+                input_ids = spec.chat_after_eos
+            if len(state.tokens) + len(input_ids) >= self.max_context:
                 raise InvalidArgument(
-                    f"session {spec.session_id!r} holds {len(state.tokens)} tokens; with {len(spec.input_ids)} "
+                    f"session {spec.session_id!r} holds {len(state.tokens)} tokens; with {len(input_ids)} "
                     f"more it would fill the model's context of {self.max_context}; start a new session"
                 )
             if spec.seed is not None:
@@ -166,11 +189,33 @@ class Generator:
         else:
             seed = spec.seed if spec.seed is not None else secrets.randbelow(MAX_SEED)
             state = SessionState(session_id=uuid.uuid4().hex, seed=seed)
-        state.tokens.extend(spec.input_ids)
+        state.tokens.extend(input_ids)
         state.sampling = {"temperature": spec.params.temperature, "top_k": spec.params.top_k,
                           "top_p": spec.params.top_p}
         state.draft_length = spec.draft_length
-        await self.store.save(state, spec.input_ids)
+        state.generation = GenerationRecord(
+            id=uuid.uuid4().hex, start=len(state.tokens), prompt_tokens=len(state.tokens),
+            max_new_tokens=spec.max_new_tokens, stop=list(spec.stop),
+            lease_until=time.time() + self.config.session_lease_s,
+        )
+        await self.store.save(state, input_ids)
+        return state
+
+    async def _resume(self, spec: GenerationSpec) -> SessionState:
+        """Take over the session's latest generation (its lease too: the client moved here)."""
+        state = await self.store.load(spec.session_id)
+        if state is None:
+            raise NotFound(f"session {spec.session_id!r} does not exist or has expired; nothing to resume")
+        gen = state.generation
+        if gen is None:
+            raise FailedPrecondition(f"session {spec.session_id!r} has no generation to resume")
+        produced = len(state.tokens) - gen.start
+        if spec.resume_from > produced:
+            raise InvalidArgument(f"resume_from is {spec.resume_from} but generation {gen.id} of session "
+                                  f"{spec.session_id!r} has produced {produced} tokens")
+        if gen.finish == 0:
+            gen.lease_until = time.time() + self.config.session_lease_s
+            await self.store.save(state, [])
         return state
 
     async def close_session(self, session_id: str) -> bool:
@@ -179,30 +224,57 @@ class Generator:
         return closed
 
     async def _release_caches(self, session_id: str) -> None:
-        backends = [b for b in (self.target, self.draft) if b is not None]
-        results = await asyncio.gather(*(b.release(session_id) for b in backends), return_exceptions=True)
-        for backend, result in zip(backends, results):
-            if isinstance(result, Exception):
-                log.warning("release of %s on %s failed: %s", session_id, backend.address, result)
+        pools = [self.target] + ([self.draft] if self.draft is not None else [])
+        await asyncio.gather(*(pool.release(session_id) for pool in pools))
+
+    async def _interrupted(self, session_id: str, generation_id: str, release_caches: bool) -> None:
+        """A generation stopped before its end: free its lease (it stays resumable) and caches."""
+        try:
+            state = await self.store.load(session_id)
+            gen = state.generation if state is not None else None
+            if gen is not None and gen.id == generation_id and gen.finish == 0:
+                gen.lease_until = 0.0
+                await self.store.save(state, [])
+        except SpecdecError as exc:  # Redis is down, or another replica took the session over
+            log.info("could not release the lease of %s: %s", session_id, exc)
+        if release_caches:
+            await self._release_caches(session_id)
 
     # -- the loop ---------------------------------------------------------------------------
 
     async def generate(self, spec: GenerationSpec) -> AsyncIterator[pb.GenerateChunk]:
         start = time.perf_counter()
-        state = await self._open(spec)
-        prompt_tokens = len(state.tokens)
-        text = TextStream(self.tokenizer, spec.stop)
-        totals = Totals()
-        first_token_s = 0.0
+        state = await (self._resume(spec) if spec.resume_from is not None else self._open(spec))
+        gen = state.generation
+        sent = spec.resume_from or 0
+        yield pb.GenerateChunk(session_id=state.session_id, offset=sent)  # header: the session is recorded
+        text = TextStream(self.tokenizer, gen.stop)
+        produced = state.tokens[gen.start:]
+        if spec.resume_from is not None:
+            # Catch the detokenizer up to what the client holds, then send what it lacks.
+            self._push_text(text, produced[:sent])
+            text.release()
+            if sent < len(produced) or gen.finish:
+                self._push_text(text, produced[sent:])
+                chunk = pb.GenerateChunk(session_id=state.session_id, token_ids=produced[sent:], offset=sent,
+                                         finish_reason=gen.finish, text=text.release(final=bool(gen.finish)))
+                if gen.finish:
+                    chunk.stats.CopyFrom(self._stats(gen, len(produced), state.seed))
+                yield chunk
+                sent = len(produced)
+            if gen.finish:
+                return
+        params = SamplingParams(**state.sampling)
         finish = pb.FINISH_REASON_UNSPECIFIED
-        auto = spec.draft_length == AUTO and self.draft is not None
+        auto = state.draft_length == AUTO and self.draft is not None
         policy = await self._policy(state) if auto else None
-        speculator = Speculator(state.session_id, spec.params, state.seed, self.draft, self.target,
+        speculator = Speculator(state.session_id, params, state.seed, self.draft, self.target,
                                 self.fingerprint, overlap=self.config.overlap)
         try:
             while finish == pb.FINISH_REASON_UNSPECIFIED:
-                remaining = min(spec.max_new_tokens - len(totals.tokens), self.max_context - len(state.tokens))
-                wanted = policy.k if policy is not None else max(spec.draft_length, 0)
+                generated = len(state.tokens) - gen.start
+                remaining = min(gen.max_new_tokens - generated, self.max_context - len(state.tokens))
+                wanted = policy.k if policy is not None else max(state.draft_length, 0)
                 k = max(0, min(wanted, remaining - 1)) if self.draft is not None else 0
                 # With overlap, the next block is drafted during this verify: as long as the
                 # controller would choose now (so a probe after k = 0 rounds also runs in the
@@ -219,36 +291,48 @@ class Generator:
                     _, policy = next_k(policy, observation(rnd.stats), self.policy_config)
                     state.policy = policy.to_dict()
                 kept, finish = self._apply_stops(rnd.emitted, remaining, text)
-                totals.rounds += 1
-                totals.draft_tokens += rnd.stats.proposed
-                totals.accepted_tokens += rnd.stats.accepted
-                totals.fallbacks += rnd.stats.draft_fallback
-                totals.overlapped += rnd.stats.overlapped
-                totals.tokens.extend(kept)
+                gen.rounds += 1
+                gen.draft_tokens += rnd.stats.proposed
+                gen.accepted_tokens += rnd.stats.accepted
+                gen.fallbacks += rnd.stats.draft_fallback
+                gen.overlapped += rnd.stats.overlapped
+                if not gen.first_token_s:
+                    gen.first_token_s = time.perf_counter() - start
+                gen.finish = finish
+                gen.lease_until = 0.0 if finish else time.time() + self.config.session_lease_s
                 state.tokens.extend(kept)
                 state.rounds += 1
                 state.draft_tokens += rnd.stats.proposed
                 state.accepted_tokens += rnd.stats.accepted
                 state.generated_tokens += len(kept)
                 await self.store.save(state, kept)
-                if not first_token_s:
-                    first_token_s = time.perf_counter() - start
                 chunk = pb.GenerateChunk(session_id=state.session_id, token_ids=kept, round=rnd.stats,
-                                         finish_reason=finish)
+                                         finish_reason=finish, offset=sent)
+                sent += len(kept)
                 if finish != pb.FINISH_REASON_UNSPECIFIED:
                     if policy is not None:
                         await self._merge_prior(policy)
                     chunk.text = text.release(final=True)
-                    chunk.stats.CopyFrom(self._stats(prompt_tokens, totals, start, first_token_s, state.seed))
+                    chunk.stats.CopyFrom(self._stats(gen, sent, state.seed))
                 else:
                     chunk.text = text.release()
                 yield chunk
         except asyncio.CancelledError:
-            # The client went away: free the services' caches for this session (the record stays).
-            asyncio.get_running_loop().create_task(self._release_caches(state.session_id))
+            # The client went away: its generation stays resumable, the lease and the services'
+            # caches for the session are freed.
+            asyncio.get_running_loop().create_task(self._interrupted(state.session_id, gen.id, True))
+            raise
+        except Exception:
+            if finish == pb.FINISH_REASON_UNSPECIFIED:
+                await self._interrupted(state.session_id, gen.id, False)
             raise
         finally:
             speculator.close()
+
+    def _push_text(self, text: TextStream, tokens: list[int]) -> None:
+        for token in tokens:
+            if token not in self.eos_ids and not text.stopped:
+                text.push(token)
 
     async def _policy(self, state: SessionState) -> PolicyState:
         """The session's controller state, or a fresh one started from the global prior."""
@@ -275,15 +359,15 @@ class Generator:
         return kept, (pb.FINISH_REASON_LENGTH if len(kept) == remaining else pb.FINISH_REASON_UNSPECIFIED)
 
     @staticmethod
-    def _stats(prompt_tokens: int, totals: Totals, start: float, first_token_s: float, seed: int) -> pb.GenerationStats:
-        elapsed = time.perf_counter() - start
-        n = len(totals.tokens)
+    def _stats(gen: GenerationRecord, completion_tokens: int, seed: int) -> pb.GenerationStats:
+        elapsed = max(time.time() - gen.started_at, 0.0)
+        n = completion_tokens
         return pb.GenerationStats(
-            prompt_tokens=prompt_tokens, completion_tokens=n, rounds=totals.rounds,
-            draft_tokens=totals.draft_tokens, accepted_tokens=totals.accepted_tokens,
-            acceptance_rate=totals.accepted_tokens / totals.draft_tokens if totals.draft_tokens else 0.0,
-            mean_accepted_length=n / totals.rounds if totals.rounds else 0.0,
+            prompt_tokens=gen.prompt_tokens, completion_tokens=n, rounds=gen.rounds,
+            draft_tokens=gen.draft_tokens, accepted_tokens=gen.accepted_tokens,
+            acceptance_rate=gen.accepted_tokens / gen.draft_tokens if gen.draft_tokens else 0.0,
+            mean_accepted_length=n / gen.rounds if gen.rounds else 0.0,
             elapsed_s=elapsed, tokens_per_second=n / elapsed if elapsed > 0 else 0.0,
-            time_to_first_token_s=first_token_s, seed=seed, draft_fallbacks=totals.fallbacks,
-            overlapped_rounds=totals.overlapped,
+            time_to_first_token_s=gen.first_token_s, seed=seed, draft_fallbacks=gen.fallbacks,
+            overlapped_rounds=gen.overlapped,
         )

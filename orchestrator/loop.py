@@ -19,7 +19,8 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-from orchestrator.backends import DraftBackend, DraftUnavailable, Proposal, TargetBackend
+from orchestrator.backends import DraftUnavailable, Proposal
+from orchestrator.replicas import DraftPool, TargetPool
 from specdec.core.sampling import SamplingParams
 from specdec.v1 import orchestrator_pb2
 
@@ -43,10 +44,10 @@ class _Ahead:
 
 
 class Speculator:
-    """Runs the rounds of one request against one draft and one target."""
+    """Runs the rounds of one request against the draft and target replica sets."""
 
-    def __init__(self, session_id: str, params: SamplingParams, seed: int, draft: DraftBackend | None,
-                 target: TargetBackend, fingerprint: str, overlap: bool = False) -> None:
+    def __init__(self, session_id: str, params: SamplingParams, seed: int, draft: DraftPool | None,
+                 target: TargetPool, fingerprint: str, overlap: bool = False) -> None:
         self.session_id = session_id
         self.params = params
         self.seed = seed

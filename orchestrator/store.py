@@ -48,6 +48,34 @@ def tokens_key(session_id: str) -> str:
 
 
 @dataclass
+class GenerationRecord:
+    """The session's latest generation: enough to resume its stream on any orchestrator replica.
+
+    `finish` is 0 while it runs (or after it was interrupted) and a FinishReason once it ended.
+    `lease_until` (epoch seconds) marks it as owned by a running request: another request on the
+    session is refused until then, unless it resumes this very generation.
+    """
+
+    id: str
+    start: int  # index into SessionState.tokens of its first generated token
+    prompt_tokens: int
+    max_new_tokens: int
+    stop: list[str] = field(default_factory=list)
+    finish: int = 0
+    lease_until: float = 0.0
+    started_at: float = field(default_factory=time.time)
+    first_token_s: float = 0.0
+    rounds: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    fallbacks: int = 0
+    overlapped: int = 0
+
+    def leased(self, now: float | None = None) -> bool:
+        return self.finish == 0 and self.lease_until > (time.time() if now is None else now)
+
+
+@dataclass
 class SessionState:
     """Everything needed to continue a session on any orchestrator replica."""
 
@@ -63,11 +91,19 @@ class SessionState:
     draft_length: int = 0  # of the latest request (-1 = auto)
     policy: dict = field(default_factory=dict)  # draft-length controller state (PolicyState.to_dict)
     created_at: float = field(default_factory=time.time)
+    generation: GenerationRecord | None = None  # the latest generation
 
     def record(self) -> str:
         data = asdict(self)
         del data["tokens"], data["version"], data["session_id"]
         return json.dumps(data, separators=(",", ":"))
+
+    @classmethod
+    def from_record(cls, session_id: str, version: int, tokens: list[int], raw: bytes) -> "SessionState":
+        data: dict[str, Any] = json.loads(raw)
+        generation = data.pop("generation", None)
+        return cls(session_id=session_id, version=version, tokens=tokens,
+                   generation=GenerationRecord(**generation) if generation else None, **data)
 
 
 class RedisSessionStore:
@@ -87,9 +123,7 @@ class RedisSessionStore:
         meta, tokens = await self._call(pipe.execute())
         if not meta:
             return None
-        data: dict[str, Any] = json.loads(meta[b"state"])
-        return SessionState(session_id=session_id, version=int(meta[b"version"]),
-                            tokens=[int(t) for t in tokens], **data)
+        return SessionState.from_record(session_id, int(meta[b"version"]), [int(t) for t in tokens], meta[b"state"])
 
     async def save(self, state: SessionState, new_tokens: list[int]) -> None:
         """Append `new_tokens` and write the record, if nobody else wrote since we read.

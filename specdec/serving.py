@@ -63,8 +63,14 @@ async def serve_until_signalled(server: grpc.aio.Server, grace: float = 5.0) -> 
 
 
 def channel(address: str) -> grpc.aio.Channel:
-    """An insecure channel to one of our services, with our message-size limits."""
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+    """An insecure channel to one of our services, with our message-size limits.
+
+    Reconnection backs off to at most 2 s (gRPC's default grows to 120 s), so a replica that
+    comes back after an outage is used again within seconds.
+    """
+    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS + [
+        ("grpc.initial_reconnect_backoff_ms", 500), ("grpc.max_reconnect_backoff_ms", 2000),
+    ])
 
 
 def configure_logging(level: str = "INFO") -> None:
@@ -82,6 +88,20 @@ async def serve_servicer(address: str, register: Callable[[grpc.aio.Server], Non
     await mark_serving(health_servicer, [service_name])
     log.info("%s listening on %s", description, f"{address.rsplit(':', 1)[0]}:{port}")
     await serve_until_signalled(server)
+
+
+def start_metrics(registry, host: str, port: int | None) -> int:
+    """Serve a Prometheus registry at http://host:port/metrics (port None: off, 0: a free one).
+
+    Returns the bound port, 0 when off. The server runs in a daemon thread until the process ends.
+    """
+    if port is None:
+        return 0
+    from specdec.metrics import serve_metrics
+
+    bound, _stop = serve_metrics(registry, host, port)
+    log.info("metrics at http://%s:%d/metrics", host, bound)
+    return bound
 
 
 def run_main(config_cls, serve, prog: str, argv=None, startup_errors: tuple[type[Exception], ...] = ()) -> None:

@@ -1,0 +1,282 @@
+"""Replica sets of the draft and target services: discovery, health, placement and failover.
+
+A backend is named by a comma-separated list of `host:port` addresses or by `dns:///name:port`,
+whose name resolves to one address per replica (a Kubernetes headless service). Each replica is
+its own channel, so the orchestrator sees, measures and places on individual replicas instead of
+letting a load balancer hide them.
+
+Placement: a session sticks to the replica that holds its KV cache while that replica is
+healthy; a new session (or one whose replica failed) goes to the healthy replica with the lowest
+expected cost, (requests in flight + 1) × (measured round trip + compute). A replica that fails a
+call is skipped for `retry_s` and the call is retried on another one; a replica that leaves the
+DNS answer is dropped. Every call carries the whole token history, so moving a session costs a
+re-prefill on the new replica and never changes its output.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable, Generic, TypeVar
+from urllib.parse import urlsplit
+
+import grpc
+
+from orchestrator.backends import DraftBackend, DraftUnavailable, Proposal, TargetBackend, Verdict
+from specdec.core.sampling import SamplingParams
+from specdec.errors import Unavailable
+from specdec.v1 import common_pb2
+
+log = logging.getLogger("specdec.orchestrator")
+B = TypeVar("B", DraftBackend, TargetBackend)
+MAX_AFFINITY = 100_000  # sessions remembered per pool (oldest forgotten first)
+
+
+def parse_addresses(spec: str) -> tuple[list[str], str | None]:
+    """Static addresses, or the (host, port) of a `dns:///` name to resolve."""
+    spec = spec.strip()
+    if spec.startswith("dns:"):
+        target = urlsplit(spec).path.lstrip("/")  # dns:///name:port or dns://authority/name:port
+        host, sep, port = target.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ValueError(f"{spec!r}: write a DNS name as dns:///NAME:PORT")
+        return [], target
+    addresses = [a.strip() for a in spec.split(",") if a.strip()]
+    for a in addresses:
+        host, sep, port = a.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ValueError(f"{a!r}: write each replica as HOST:PORT")
+    return addresses, None
+
+
+async def resolve(name: str) -> list[str]:
+    """Every address a `host:port` name resolves to, as `ip:port` (IPv6 in brackets)."""
+    host, _, port = name.rpartition(":")
+    infos = await asyncio.get_running_loop().getaddrinfo(host, int(port), type=0, proto=6)
+    out = []
+    for family, *_, sockaddr in infos:
+        ip = sockaddr[0]
+        out.append(f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}")
+    return sorted(set(out))
+
+
+@dataclass
+class Replica(Generic[B]):
+    backend: B
+    fingerprint: str = ""  # tokenizer fingerprint from its GetInfo ("" = not checked yet)
+    info: common_pb2.ModelInfo | None = None
+    down_until: float = 0.0
+    error: str = ""
+    in_flight: int = 0
+    rtt_s: float = 0.0  # EWMA of wall - compute of its calls: network and queueing
+    compute_s: float = 0.0  # EWMA of its compute per call
+    calls: int = 0
+    failures: int = 0
+
+    @property
+    def address(self) -> str:
+        return self.backend.address
+
+    def healthy(self, now: float) -> bool:
+        return bool(self.fingerprint) and now >= self.down_until
+
+    def cost(self) -> float:
+        return (self.in_flight + 1) * (self.rtt_s + self.compute_s + 1e-4)
+
+    def observe(self, wall_s: float, compute_s: float, weight: float = 0.2) -> None:
+        net = max(wall_s - compute_s, 0.0)
+        if self.calls == 0:
+            self.rtt_s, self.compute_s = net, compute_s
+        else:
+            self.rtt_s += weight * (net - self.rtt_s)
+            self.compute_s += weight * (compute_s - self.compute_s)
+        self.calls += 1
+
+
+class ReplicaPool(Generic[B]):
+    """One role's replicas; subclasses add the role's calls with failover."""
+
+    role = "replica"
+
+    def __init__(self, spec: str, make: Callable[[str], B], retry_s: float, refresh_s: float = 5.0) -> None:
+        self.spec = spec
+        self.static, self.dns_name = parse_addresses(spec)
+        if not self.static and not self.dns_name:
+            raise ValueError(f"no {self.role} address given")
+        self.make = make
+        self.retry_s = retry_s
+        self.refresh_s = refresh_s
+        self.expected_fingerprint = ""
+        self.replicas: dict[str, Replica[B]] = {}
+        self._affinity: OrderedDict[str, str] = OrderedDict()
+        self._task: asyncio.Task | None = None
+
+    # -- membership ---------------------------------------------------------------------
+
+    async def start(self, timeout_s: float = 60.0) -> common_pb2.ModelInfo:
+        """Discover the replicas and wait until at least one answers; returns its model info."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            await self.refresh()
+            ready = [r for r in self.replicas.values() if r.info is not None]
+            if ready:
+                return ready[0].info
+            if time.monotonic() > deadline:
+                errors = "; ".join(f"{r.address}: {r.error}" for r in self.replicas.values()) or "no address resolved"
+                raise Unavailable(f"no {self.role} replica of {self.spec} answered within {timeout_s:.0f}s ({errors})")
+            await asyncio.sleep(0.5)
+
+    def watch(self) -> None:
+        """Re-resolve and probe the replicas every `refresh_s` in the background."""
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._watch())
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(self.refresh_s)
+            try:
+                await self.refresh()
+            except Exception:  # noqa: BLE001 - keep watching whatever one refresh hit
+                log.exception("refreshing the %s replicas failed", self.role)
+
+    async def refresh(self) -> None:
+        """Add replicas that appeared, drop those that left, probe each one's health."""
+        addresses = list(self.static)
+        if self.dns_name:
+            try:
+                addresses = await resolve(self.dns_name)
+            except OSError as exc:
+                log.warning("cannot resolve %s (%s); keeping the replicas already known", self.dns_name, exc)
+                addresses = list(self.replicas)
+        for address in addresses:
+            if address not in self.replicas:
+                self.replicas[address] = Replica(self.make(address))
+                log.info("%s replica %s joined", self.role, address)
+        for address in [a for a in self.replicas if a not in addresses]:
+            replica = self.replicas.pop(address)
+            log.info("%s replica %s left", self.role, address)
+            await replica.backend.close()
+        await asyncio.gather(*(self._probe(r) for r in list(self.replicas.values())))
+
+    async def _probe(self, replica: Replica[B]) -> None:
+        start = time.perf_counter()
+        try:
+            info = await replica.backend.info(timeout=2.0, wait=False)
+        except grpc.aio.AioRpcError as exc:
+            replica.error = f"{exc.code().name}: {exc.details()}"
+            replica.down_until = time.monotonic() + self.retry_s
+            return
+        replica.observe(time.perf_counter() - start, 0.0)
+        if self.expected_fingerprint and info.tokenizer_fingerprint != self.expected_fingerprint:
+            replica.error = (f"tokenizer {info.tokenizer_fingerprint} of {info.model!r} does not match "
+                             f"{self.expected_fingerprint}; not used")
+            replica.fingerprint = ""
+            log.error("%s replica %s: %s", self.role, replica.address, replica.error)
+            return
+        if replica.info is None or replica.down_until:
+            log.info("%s replica %s is serving %s", self.role, replica.address, info.model)
+        replica.info, replica.fingerprint, replica.error, replica.down_until = info, info.tokenizer_fingerprint, "", 0.0
+
+    # -- placement ----------------------------------------------------------------------
+
+    @property
+    def available(self) -> bool:
+        now = time.monotonic()
+        return any(r.healthy(now) for r in self.replicas.values())
+
+    def pick(self, session_id: str, exclude: set[str] = frozenset()) -> Replica[B] | None:
+        now = time.monotonic()
+        address = self._affinity.get(session_id)
+        sticky = self.replicas.get(address) if address else None
+        if sticky is not None and sticky.healthy(now) and address not in exclude:
+            self._affinity.move_to_end(session_id)
+            return sticky
+        candidates = [r for a, r in self.replicas.items() if a not in exclude and r.healthy(now)]
+        if not candidates:
+            return None
+        best = min(candidates, key=Replica.cost)
+        self._affinity[session_id] = best.address
+        self._affinity.move_to_end(session_id)
+        while len(self._affinity) > MAX_AFFINITY:
+            self._affinity.popitem(last=False)
+        return best
+
+    def failed(self, replica: Replica[B], error: str) -> None:
+        replica.failures += 1
+        replica.error = error
+        replica.down_until = time.monotonic() + self.retry_s
+
+    def members(self) -> list[B]:
+        return [r.backend for r in self.replicas.values()]
+
+    async def release(self, session_id: str) -> None:
+        """Free the session's caches on every replica (it may have moved)."""
+        self._affinity.pop(session_id, None)
+        results = await asyncio.gather(*(r.backend.release(session_id) for r in self.replicas.values()),
+                                       return_exceptions=True)
+        for replica, result in zip(self.replicas.values(), results):
+            if isinstance(result, Exception):
+                log.warning("release of %s on %s failed: %s", session_id, replica.address, result)
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        for replica in self.replicas.values():
+            await replica.backend.close()
+
+
+class TargetPool(ReplicaPool[TargetBackend]):
+    """Verify with failover: a replica that fails is skipped and the call retried on another."""
+
+    role = "target"
+
+    async def verify(self, session_id: str, history: list[int], proposal: Proposal, params: SamplingParams,
+                     seed: int) -> Verdict:
+        tried: set[str] = set()
+        while True:
+            replica = self.pick(session_id, exclude=tried)
+            if replica is None:
+                errors = "; ".join(f"{r.address}: {r.error}" for r in self.replicas.values())
+                raise Unavailable(f"no healthy target replica ({errors or 'none known'}); the session is kept, "
+                                  "retry the request")
+            tried.add(replica.address)
+            replica.in_flight += 1
+            try:
+                verdict = await replica.backend.verify(session_id, history, proposal, params, seed)
+            except Unavailable as exc:
+                self.failed(replica, str(exc))
+                log.warning("target replica %s failed; session %s moves on: %s", replica.address, session_id, exc)
+                continue
+            finally:
+                replica.in_flight -= 1
+            replica.observe(verdict.wall_ns / 1e9, verdict.compute_ns / 1e9)
+            return verdict
+
+
+class DraftPool(ReplicaPool[DraftBackend]):
+    """Propose on the session's draft replica; a failure marks it down and the round runs at k = 0."""
+
+    role = "draft"
+
+    async def propose(self, session_id: str, history: list[int], k: int, params: SamplingParams, seed: int,
+                      fingerprint: str, into: Proposal | None = None,
+                      progress: asyncio.Event | None = None) -> Proposal:
+        replica = self.pick(session_id)
+        if replica is None:
+            raise DraftUnavailable("no healthy draft replica")
+        replica.in_flight += 1
+        try:
+            proposal = await replica.backend.propose(session_id, history, k, params, seed, fingerprint,
+                                                     into=into, progress=progress)
+        except DraftUnavailable as exc:
+            self.failed(replica, str(exc))
+            log.warning("draft replica %s failed (%s); plain decoding on it for %.1fs",
+                        replica.address, exc, self.retry_s)
+            raise
+        finally:
+            replica.in_flight -= 1
+        replica.observe(proposal.wall_ns / 1e9, proposal.compute_ns / 1e9)
+        return proposal

@@ -1,0 +1,113 @@
+"""Failover, tested by killing real processes mid-stream with SIGKILL.
+
+Every test streams a greedy generation through real processes (tiny float64 models, a real
+Redis), kills one process after a few tokens, and checks that the tokens the client ends up with
+are exactly the target's own greedy output: nothing lost, nothing duplicated. Verify is padded
+to 40 ms (a labelled simulation) so that a stream lasts long enough to be interrupted.
+"""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+import redis
+
+from orchestrator.store import tokens_key
+from specdec.runtime.models import load_tokenizer
+from specdec.v1 import orchestrator_pb2 as pb
+from tests.cluster import Cluster, cached_sessions, orchestrator_stub, request
+from tests.reference import Reference
+
+PROMPT = "The quick brown fox"
+MAX_NEW = 48
+SLOW = ("--emulate-verify-ms", "40")
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_models) -> list[int]:
+    return Reference(str(tiny_models["target"])).greedy(PROMPT, MAX_NEW)
+
+
+@pytest.fixture
+def cluster(tiny_models, tmp_path):
+    c = Cluster(tmp_path, tiny_models)
+    yield c
+    c.stop()
+
+
+def test_target_replica_killed_the_session_moves_to_the_other(cluster, expected):
+    redis_port = cluster.redis()
+    targets = [cluster.target("target-1", *SLOW), cluster.target("target-2", *SLOW)]
+    address = cluster.orchestrator("orchestrator", targets, [cluster.draft("draft")], redis_port)
+    ch, stub = orchestrator_stub(address)
+    tokens, victim = [], None
+    with ch:
+        for chunk in stub.Generate(request(PROMPT, max_new_tokens=MAX_NEW, draft_length=4), timeout=120):
+            tokens.extend(chunk.token_ids)
+            if victim is None and len(tokens) >= 4:
+                holders = [n for n in ("target-1", "target-2") if cached_sessions(cluster.addresses[n]) > 0]
+                assert len(holders) == 1  # the session lives on exactly one replica
+                victim = holders[0]
+                cluster.kill(victim)
+        assert chunk.finish_reason != pb.FINISH_REASON_UNSPECIFIED
+    assert tokens == expected
+    survivor = "target-2" if victim == "target-1" else "target-1"
+    assert cached_sessions(cluster.addresses[survivor]) == 1  # re-prefilled there
+
+
+def test_orchestrator_killed_the_client_resumes_on_another_replica(cluster, expected):
+    redis_port = cluster.redis()
+    target, draft = cluster.target("target", *SLOW), cluster.draft("draft")
+    first = cluster.orchestrator("orchestrator-1", [target], [draft], redis_port)
+    second = cluster.orchestrator("orchestrator-2", [target], [draft], redis_port)
+    ch1, stub1 = orchestrator_stub(first)
+    ch2, stub2 = orchestrator_stub(second)
+    with ch1, ch2:
+        undisturbed = stub2.GenerateUnary(request(PROMPT, max_new_tokens=MAX_NEW), timeout=120)
+        assert list(undisturbed.token_ids) == expected
+        session, tokens, text = "", [], ""
+        with pytest.raises(grpc.RpcError) as info:
+            for chunk in stub1.Generate(request(PROMPT, max_new_tokens=MAX_NEW), timeout=120):
+                session = session or chunk.session_id
+                assert chunk.offset == len(tokens)
+                tokens.extend(chunk.token_ids)
+                text += chunk.text
+                if len(tokens) >= 4 and cluster.procs["orchestrator-1"].poll() is None:
+                    cluster.kill("orchestrator-1")
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        held = len(tokens)
+        assert session and 4 <= held < len(expected)
+        rest = list(stub2.Generate(pb.GenerateRequest(session_id=session, resume_from=held), timeout=120))
+    assert rest[0].session_id == session and not rest[0].token_ids  # the header
+    assert [c.offset for c in rest if c.token_ids][0] == held
+    tokens += [t for c in rest for t in c.token_ids]
+    text += "".join(c.text for c in rest)
+    assert tokens == expected  # nothing duplicated, nothing lost
+    assert text == undisturbed.text
+    assert rest[-1].stats.completion_tokens == len(expected)
+
+
+def test_redis_killed_fails_in_flight_requests_cleanly_and_persisted_sessions_survive(cluster, expected, tmp_path):
+    data = tmp_path / "redis-data"
+    data.mkdir()
+    redis_port = cluster.redis(data_dir=data)
+    address = cluster.orchestrator("orchestrator", [cluster.target("target", *SLOW)], [cluster.draft("draft")],
+                                   redis_port)
+    ch, stub = orchestrator_stub(address)
+    session, tokens = "", []
+    with ch:
+        with pytest.raises(grpc.RpcError) as info:
+            for chunk in stub.Generate(request(PROMPT, max_new_tokens=MAX_NEW), timeout=120):
+                session = session or chunk.session_id
+                tokens.extend(chunk.token_ids)
+                if len(tokens) >= 4 and cluster.procs["redis"].poll() is None:
+                    cluster.kill("redis")
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "session store unavailable" in info.value.details()
+        cluster.restart("redis")
+        # The persisted record is exactly what the client received: the prompt and its tokens.
+        stored = [int(t) for t in redis.Redis(port=redis_port).lrange(tokens_key(session), 0, -1)]
+        prompt_ids = list(load_tokenizer(str(cluster.models["target"]))(PROMPT)["input_ids"])
+        assert stored == prompt_ids + tokens
+        rest = list(stub.Generate(pb.GenerateRequest(session_id=session, resume_from=len(tokens)), timeout=120))
+    assert tokens + [t for c in rest for t in c.token_ids] == expected

@@ -1,0 +1,108 @@
+"""Replica placement: stickiness, cost-based choice, failover and address parsing (no network)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from orchestrator.backends import Proposal, Verdict
+from orchestrator.replicas import Replica, TargetPool, parse_addresses, resolve
+from specdec.core.sampling import SamplingParams
+from specdec.errors import Unavailable
+
+
+class FakeTarget:
+    """Stands in for one target replica's client (pure placement logic under test)."""
+
+    def __init__(self, address: str, fail: bool = False) -> None:
+        self.address = address
+        self.fail = fail
+        self.calls: list[str] = []
+
+    async def verify(self, session_id, history, proposal, params, seed):
+        self.calls.append(session_id)
+        if self.fail:
+            raise Unavailable(f"{self.address} is down")
+        return Verdict(num_accepted=0, token_id=len(history), bonus=False, wall_ns=2_000_000, compute_ns=1_000_000)
+
+    async def release(self, session_id):
+        self.calls.append("release:" + session_id)
+
+    async def close(self):
+        pass
+
+
+def pool_of(*names: str, failing: set[str] = frozenset()) -> TargetPool:
+    pool = TargetPool(",".join(names), lambda a: FakeTarget(a, a in failing), retry_s=60.0)
+    for name in names:
+        pool.replicas[name] = Replica(pool.make(name), fingerprint="fp")
+    return pool
+
+
+def verify(pool: TargetPool, session: str) -> Verdict:
+    return asyncio.run(pool.verify(session, [1, 2, 3], Proposal(), SamplingParams(), 0))
+
+
+def test_parse_addresses():
+    assert parse_addresses("a:1, b:2") == (["a:1", "b:2"], None)
+    assert parse_addresses("dns:///svc.ns.svc.cluster.local:50053") == ([], "svc.ns.svc.cluster.local:50053")
+    for bad in ("a", "a:b", "dns:///svc", ":5"):
+        with pytest.raises(ValueError):
+            parse_addresses(bad)
+
+
+def test_resolve_localhost():
+    addresses = asyncio.run(resolve("localhost:50053"))
+    assert addresses and all(a.endswith(":50053") for a in addresses)
+    assert "127.0.0.1:50053" in addresses or "[::1]:50053" in addresses
+
+
+def test_sessions_stick_to_their_replica_and_spread_by_cost():
+    pool = pool_of("a:1", "b:1")
+    pool.replicas["a:1"].rtt_s = 0.010  # b is closer
+    verify(pool, "s1")
+    assert pool.replicas["b:1"].backend.calls == ["s1"]
+    pool.replicas["b:1"].in_flight = 5  # b is busy now: a new session goes to a
+    pool.replicas["b:1"].rtt_s = 0.001
+    verify(pool, "s2")
+    assert pool.replicas["a:1"].backend.calls == ["s2"]
+    verify(pool, "s1")  # s1 keeps its replica (its KV cache is there)
+    assert pool.replicas["b:1"].backend.calls == ["s1", "s1"]
+
+
+def test_failed_replica_is_skipped_and_the_call_retried_elsewhere():
+    pool = pool_of("a:1", "b:1", failing={"a:1"})
+    pool._affinity["s"] = "a:1"
+    verdict = verify(pool, "s")
+    assert verdict.token_id == 3
+    assert pool.replicas["a:1"].backend.calls == ["s"] and pool.replicas["b:1"].backend.calls == ["s"]
+    assert pool.replicas["a:1"].down_until > time.monotonic()
+    assert "a:1 is down" in pool.replicas["a:1"].error
+    verify(pool, "s")  # now sticky to b, a is not tried again while down
+    assert pool.replicas["a:1"].backend.calls == ["s"]
+
+
+def test_all_replicas_down_is_unavailable_with_each_reason():
+    pool = pool_of("a:1", "b:1", failing={"a:1", "b:1"})
+    with pytest.raises(Unavailable) as info:
+        verify(pool, "s")
+    assert "a:1 is down" in str(info.value) and "b:1 is down" in str(info.value)
+    assert not pool.available
+
+
+def test_release_reaches_every_replica_and_forgets_affinity():
+    pool = pool_of("a:1", "b:1")
+    verify(pool, "s")
+    asyncio.run(pool.release("s"))
+    assert all("release:s" in r.backend.calls for r in pool.replicas.values())
+    assert "s" not in pool._affinity
+
+
+def test_unchecked_replica_is_not_used():
+    pool = pool_of("a:1")
+    pool.replicas["b:1"] = Replica(pool.make("b:1"))  # joined, GetInfo not answered yet
+    for i in range(5):
+        verify(pool, f"s{i}")
+    assert pool.replicas["b:1"].backend.calls == []
