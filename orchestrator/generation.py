@@ -196,27 +196,38 @@ class Generator:
         state.generation = GenerationRecord(
             id=uuid.uuid4().hex, start=len(state.tokens), prompt_tokens=len(state.tokens),
             max_new_tokens=spec.max_new_tokens, stop=list(spec.stop),
-            lease_until=time.time() + self.config.session_lease_s,
+            lease_until=time.time() + self.config.session_lease_s, owner=uuid.uuid4().hex,
         )
         await self.store.save(state, input_ids)
         return state
 
     async def _resume(self, spec: GenerationSpec) -> SessionState:
-        """Take over the session's latest generation (its lease too: the client moved here)."""
-        state = await self.store.load(spec.session_id)
-        if state is None:
-            raise NotFound(f"session {spec.session_id!r} does not exist or has expired; nothing to resume")
-        gen = state.generation
-        if gen is None:
-            raise FailedPrecondition(f"session {spec.session_id!r} has no generation to resume")
-        produced = len(state.tokens) - gen.start
-        if spec.resume_from > produced:
-            raise InvalidArgument(f"resume_from is {spec.resume_from} but generation {gen.id} of session "
-                                  f"{spec.session_id!r} has produced {produced} tokens")
-        if gen.finish == 0:
+        """Take over the session's latest generation (its lease too: the client moved here).
+
+        If the generation is still running elsewhere, its rounds race with this takeover; a lost
+        race is retried on the fresh record, and the displaced request stops at its next write.
+        """
+        for attempt in range(8):
+            state = await self.store.load(spec.session_id)
+            if state is None:
+                raise NotFound(f"session {spec.session_id!r} does not exist or has expired; nothing to resume")
+            gen = state.generation
+            if gen is None:
+                raise FailedPrecondition(f"session {spec.session_id!r} has no generation to resume")
+            produced = len(state.tokens) - gen.start
+            if spec.resume_from > produced:
+                raise InvalidArgument(f"resume_from is {spec.resume_from} but generation {gen.id} of session "
+                                      f"{spec.session_id!r} has produced {produced} tokens")
+            if gen.finish:
+                return state
             gen.lease_until = time.time() + self.config.session_lease_s
-            await self.store.save(state, [])
-        return state
+            gen.owner = uuid.uuid4().hex
+            try:
+                await self.store.save(state, [])
+                return state
+            except Aborted:
+                await asyncio.sleep(0.01 * (attempt + 1))
+        raise Aborted(f"session {spec.session_id!r} keeps changing under the resume; retry")
 
     async def close_session(self, session_id: str) -> bool:
         closed = await self.store.delete(session_id)
@@ -227,17 +238,20 @@ class Generator:
         pools = [self.target] + ([self.draft] if self.draft is not None else [])
         await asyncio.gather(*(pool.release(session_id) for pool in pools))
 
-    async def _interrupted(self, session_id: str, generation_id: str, release_caches: bool) -> None:
-        """A generation stopped before its end: free its lease (it stays resumable) and caches."""
+    async def _interrupted(self, session_id: str, owner: str, release_caches: bool) -> None:
+        """A request stopped before its generation's end: free its lease (the generation stays
+        resumable) and the caches; unless another request has taken the generation over."""
+        owned = True
         try:
             state = await self.store.load(session_id)
             gen = state.generation if state is not None else None
-            if gen is not None and gen.id == generation_id and gen.finish == 0:
+            owned = gen is not None and gen.owner == owner
+            if owned and gen.finish == 0:
                 gen.lease_until = 0.0
                 await self.store.save(state, [])
         except SpecdecError as exc:  # Redis is down, or another replica took the session over
             log.info("could not release the lease of %s: %s", session_id, exc)
-        if release_caches:
+        if release_caches and owned:
             await self._release_caches(session_id)
 
     # -- the loop ---------------------------------------------------------------------------
@@ -320,11 +334,11 @@ class Generator:
         except asyncio.CancelledError:
             # The client went away: its generation stays resumable, the lease and the services'
             # caches for the session are freed.
-            asyncio.get_running_loop().create_task(self._interrupted(state.session_id, gen.id, True))
+            asyncio.get_running_loop().create_task(self._interrupted(state.session_id, gen.owner, True))
             raise
         except Exception:
             if finish == pb.FINISH_REASON_UNSPECIFIED:
-                await self._interrupted(state.session_id, gen.id, False)
+                await self._interrupted(state.session_id, gen.owner, False)
             raise
         finally:
             speculator.close()

@@ -63,6 +63,7 @@ class GenerationRecord:
     stop: list[str] = field(default_factory=list)
     finish: int = 0
     lease_until: float = 0.0
+    owner: str = ""  # the request holding the lease (a resume becomes the new owner)
     started_at: float = field(default_factory=time.time)
     first_token_s: float = 0.0
     rounds: int = 0
