@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from orchestrator.generation import Generator
+from orchestrator.status import Counters, status
 from specdec.errors import InvalidArgument, grpc_errors
 from specdec.v1 import orchestrator_pb2 as pb, orchestrator_pb2_grpc
 
@@ -10,18 +11,19 @@ from specdec.v1 import orchestrator_pb2 as pb, orchestrator_pb2_grpc
 class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
     def __init__(self, generator: Generator) -> None:
         self.generator = generator
+        self.counters = Counters()
 
     @grpc_errors
     async def Generate(self, request: pb.GenerateRequest, context):
         spec = self.generator.parse(request)
-        async for chunk in self.generator.generate(spec):
+        async for chunk in self.counters.observe(self.generator.generate(spec)):
             yield chunk
 
     @grpc_errors
     async def GenerateUnary(self, request: pb.GenerateRequest, context):
         spec = self.generator.parse(request)
         reply = pb.GenerateResponse()
-        async for chunk in self.generator.generate(spec):
+        async for chunk in self.counters.observe(self.generator.generate(spec)):
             reply.session_id = chunk.session_id
             reply.token_ids.extend(chunk.token_ids)
             reply.text += chunk.text
@@ -35,3 +37,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         if not request.session_id:
             raise InvalidArgument("session_id is empty")
         return pb.CloseSessionResponse(closed=await self.generator.close_session(request.session_id))
+
+    @grpc_errors
+    async def GetStatus(self, request: pb.GetStatusRequest, context):
+        return await status(self.counters, self.generator.backends(), self.generator.config.draft_length)

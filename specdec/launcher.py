@@ -50,6 +50,7 @@ class Plan:
     draft_port: int = 50052
     target_port: int = 50053
     redis_port: int = 6390
+    http_port: int = 0  # the OpenAI-compatible HTTP gateway; 0: not started (`specdec up` defaults to 8000)
     log_dir: str = ""
     extra_orchestrator_args: list[str] = field(default_factory=list)
     extra_target_args: list[str] = field(default_factory=list)
@@ -91,6 +92,9 @@ class Plan:
             "--model", self.target_model, "--draft-length", str(self.draft_length),
             *self.extra_orchestrator_args,
         ]
+        if self.http_port:
+            cmds["http"] = [py, "-m", "http_gateway", "--host", self.host, "--port", str(self.http_port),
+                            "--orchestrator", f"{self.host}:{self.orchestrator_port}"]
         return cmds
 
     def grpc_addresses(self) -> dict[str, str]:
@@ -98,6 +102,10 @@ class Plan:
         if self.proposer != "none":
             names["draft"] = self.draft_port
         return {name: f"{self.host}:{port}" for name, port in names.items()}
+
+    def http_url(self) -> str:
+        """Base URL of the OpenAI-compatible API ("" when the gateway is not started)."""
+        return f"http://{self.host}:{self.http_port}/v1" if self.http_port else ""
 
 
 def free_port() -> int:
@@ -138,6 +146,26 @@ def wait_healthy(address: str, timeout_s: float, proc: subprocess.Popen | None =
             time.sleep(0.2)
 
 
+def wait_http_healthy(url: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
+    """Block until GET `url` answers 200."""
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process for {url} exited with code {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=5) as reply:
+                if reply.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{url} did not become healthy within {timeout_s:.0f}s")
+        time.sleep(0.2)
+
+
 class Pipeline:
     """The running processes of one `specdec up`."""
 
@@ -162,6 +190,11 @@ class Pipeline:
                     self._spawn(name, cmds[name], echo)
                 wait_healthy(addresses[name], timeout_s, self.procs[name])
                 echo(f"{name:<12} healthy at {addresses[name]}")
+            if "http" in cmds:
+                self._spawn("http", cmds["http"], echo)
+                wait_http_healthy(f"http://{self.plan.host}:{self.plan.http_port}/health", timeout_s,
+                                  self.procs["http"])
+                echo(f"{'http':<12} healthy at {self.plan.http_url()}")
         except BaseException:
             self.stop()
             for name in self.procs:

@@ -1,0 +1,3 @@
+from http_gateway.server import main
+
+main()

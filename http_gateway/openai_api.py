@@ -1,0 +1,302 @@
+"""The OpenAI wire format, as pure functions: requests in, SDK arguments out; chunks in, JSON out.
+
+Nothing here does I/O, so every conversion is tested without a server (tests/unit/test_openai_api.py).
+
+Supported: `model`, `prompt` (one string) or `messages` (text content), `max_tokens`
+(`max_completion_tokens` for chat), `temperature`, `top_p`, `seed`, `stop` (string or list),
+`n` = 1, `stream`, `stream_options.include_usage`. Extensions (send them in the body, e.g. with the
+openai client's `extra_body`): `top_k`, `draft_length` ("auto" or k), `session_id` (continue a
+specdec session). Features the pipeline does not have (log probabilities, penalties, tools, more
+than one choice) are refused with a 400 naming the parameter, never silently ignored.
+
+Responses carry `usage` with a `speculation` object (acceptance_rate, mean_accepted_length,
+draft_tokens, accepted_tokens, rounds, ...) and a top-level `specdec` object with the session id.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from typing import Any, Literal
+
+import grpc
+from pydantic import BaseModel, ConfigDict, Field
+
+from specdec.client import Chunk
+
+MAX_SEED = 2**64 - 1
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+class ApiError(Exception):
+    """An error answered as an OpenAI error object with this HTTP status."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+# -- requests -----------------------------------------------------------------------------------
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Request(BaseModel):
+    """Fields both endpoints share. Unknown fields are ignored, as OpenAI's own server does."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = 1
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    logit_bias: dict[str, float] | None = None
+    # specdec extensions
+    top_k: int | None = None
+    draft_length: int | Literal["auto"] | None = None
+    session_id: str | None = None
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool | None = False
+    best_of: int | None = None
+    suffix: str | None = None
+    logprobs: int | None = None
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    text: str | None = None
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[ContentPart] | None = None
+
+
+class ChatRequest(_Request):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+
+
+def _refuse(param: str, why: str) -> ApiError:
+    return ApiError(400, f"{param}: {why}", param=param, code="unsupported_parameter")
+
+
+def _common_kwargs(req: _Request, max_tokens: int | None, default_temperature: float) -> dict[str, Any]:
+    if req.n not in (None, 1):
+        raise _refuse("n", f"only n=1 is supported (one choice per request), got {req.n}")
+    if req.presence_penalty or req.frequency_penalty:
+        raise _refuse("presence_penalty" if req.presence_penalty else "frequency_penalty",
+                      "penalties would change the target distribution; speculative decoding keeps it exact")
+    if req.logit_bias:
+        raise _refuse("logit_bias", "not supported")
+    if req.seed is not None and not 0 <= req.seed <= MAX_SEED:
+        raise ApiError(400, f"seed must be between 0 and {MAX_SEED}, got {req.seed}", param="seed",
+                       code="invalid_value")
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    return dict(
+        max_new_tokens=max_tokens,
+        temperature=req.temperature if req.temperature is not None else default_temperature,
+        top_p=req.top_p, top_k=req.top_k, seed=req.seed, stop=stop, draft_length=req.draft_length,
+        session_id=req.session_id or "",
+    )
+
+
+def completion_kwargs(req: CompletionRequest, default_temperature: float = 1.0) -> dict[str, Any]:
+    """Keyword arguments of `specdec.client.build_request` for a /v1/completions request."""
+    prompt = req.prompt
+    if isinstance(prompt, list):
+        if len(prompt) != 1 or not isinstance(prompt[0], str):
+            raise _refuse("prompt", "send one prompt string (batches and token-id prompts are not supported)")
+        prompt = prompt[0]
+    if req.echo:
+        raise _refuse("echo", "not supported")
+    if req.best_of not in (None, 1):
+        raise _refuse("best_of", "only best_of=1 is supported")
+    if req.suffix:
+        raise _refuse("suffix", "not supported")
+    if req.logprobs:
+        raise _refuse("logprobs", "not supported")
+    max_tokens = req.max_tokens if req.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
+    return dict(prompt=prompt, **_common_kwargs(req, max_tokens, default_temperature))
+
+
+def _text_of(i: int, message: Message) -> str:
+    if message.content is None:
+        return ""
+    if isinstance(message.content, str):
+        return message.content
+    texts = []
+    for part in message.content:
+        if part.type != "text" or part.text is None:
+            raise _refuse(f"messages[{i}].content", f"only text content parts are supported, got {part.type!r}")
+        texts.append(part.text)
+    return "".join(texts)
+
+
+def chat_kwargs(req: ChatRequest, default_temperature: float = 1.0) -> dict[str, Any]:
+    """Keyword arguments of `specdec.client.build_request` for a /v1/chat/completions request."""
+    if req.logprobs or req.top_logprobs:
+        raise _refuse("logprobs", "not supported")
+    if req.tools:
+        raise _refuse("tools", "tool calling is not supported")
+    messages = []
+    for i, m in enumerate(req.messages):
+        role = "system" if m.role == "developer" else m.role  # OpenAI's newer name for system
+        if role not in ("system", "user", "assistant"):
+            raise ApiError(400, f"messages[{i}].role must be system, developer, user or assistant, got {m.role!r}",
+                           param=f"messages[{i}].role", code="invalid_value")
+        messages.append({"role": role, "content": _text_of(i, m)})
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    return dict(messages=messages, **_common_kwargs(req, max_tokens, default_temperature))
+
+
+# -- responses ----------------------------------------------------------------------------------
+
+
+FINISH = {"eos": "stop", "stop": "stop", "length": "length", None: None}
+
+
+def usage(stats: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI `usage`, plus the speculation statistics of the generation."""
+    prompt, completion = int(stats.get("prompt_tokens", 0)), int(stats.get("completion_tokens", 0))
+    return {
+        "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+        "speculation": {
+            "acceptance_rate": stats.get("acceptance_rate", 0.0),
+            "mean_accepted_length": stats.get("mean_accepted_length", 0.0),
+            "draft_tokens": stats.get("draft_tokens", 0),
+            "accepted_tokens": stats.get("accepted_tokens", 0),
+            "rounds": stats.get("rounds", 0),
+            "draft_fallbacks": stats.get("draft_fallbacks", 0),
+            "time_to_first_token_s": stats.get("time_to_first_token_s", 0.0),
+            "tokens_per_second": stats.get("tokens_per_second", 0.0),
+        },
+    }
+
+
+class Reply:
+    """Builds the JSON objects of one response (its id and creation time fixed up front)."""
+
+    def __init__(self, kind: Literal["completion", "chat"], model: str) -> None:
+        self.kind = kind
+        self.model = model
+        self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+
+    def _envelope(self, obj: str, session_id: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "specdec": {"session_id": session_id}}
+
+    def whole(self, text: str, finish_reason: str | None, stats: dict[str, Any], session_id: str) -> dict[str, Any]:
+        """The non-streaming answer."""
+        if self.kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "finish_reason": FINISH[finish_reason], "logprobs": None}
+            out = self._envelope("chat.completion", session_id)
+        else:
+            choice = {"index": 0, "text": text, "finish_reason": FINISH[finish_reason], "logprobs": None}
+            out = self._envelope("text_completion", session_id)
+        return {**out, "choices": [choice], "usage": usage(stats)}
+
+    def opening(self, session_id: str) -> dict[str, Any]:
+        """The first event of a chat stream: the assistant's role, no text yet."""
+        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None, "logprobs": None}
+        return {**self._envelope("chat.completion.chunk", session_id), "choices": [choice]}
+
+    def delta(self, chunk: Chunk) -> dict[str, Any]:
+        """One streamed event: the chunk's text, and on the last one why the generation ended."""
+        finish = FINISH[chunk.finish_reason]
+        if self.kind == "chat":
+            choice = {"index": 0, "delta": {"content": chunk.text} if chunk.text else {}, "finish_reason": finish,
+                      "logprobs": None}
+            out = self._envelope("chat.completion.chunk", chunk.session_id)
+        else:
+            choice = {"index": 0, "text": chunk.text, "finish_reason": finish, "logprobs": None}
+            out = self._envelope("text_completion", chunk.session_id)
+        return {**out, "choices": [choice]}
+
+    def usage_event(self, stats: dict[str, Any], session_id: str) -> dict[str, Any]:
+        """The extra last event of `stream_options.include_usage`: no choices, the usage."""
+        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+        return {**self._envelope(obj, session_id), "choices": [], "usage": usage(stats)}
+
+
+# -- errors -------------------------------------------------------------------------------------
+
+
+# gRPC status of a failed generation -> HTTP status, OpenAI error type, code.
+HTTP_ERRORS: dict[grpc.StatusCode, tuple[int, str, str]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error", "invalid_value"),
+    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error", "failed_precondition"),
+    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error", "out_of_range"),
+    grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error", "not_found"),
+    grpc.StatusCode.ABORTED: (409, "conflict_error", "session_busy"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error", "overloaded"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable_error", "unavailable"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error", "deadline_exceeded"),
+}
+
+# The orchestrator names its own fields in messages; the client knows the OpenAI names.
+_PARAM_NAMES = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                "draft_length": "draft_length", "session": "session_id", "session_id": "session_id",
+                "prompt": "prompt", "messages": "messages", "the input": "prompt", "each stop string": "stop",
+                "at most": "stop", "seed": "seed"}
+_PARAM_RE = re.compile(r"^(" + "|".join(map(re.escape, _PARAM_NAMES)) + r")\b")
+_ADDRESS_PREFIX = re.compile(r"^orchestrator \S+: ")
+
+
+def api_error(exc: Exception) -> ApiError:
+    """The OpenAI error for an exception raised by the SDK (`specdec.errors`) or by validation."""
+    if isinstance(exc, ApiError):
+        return exc
+    code = getattr(exc, "code", None)
+    if code is None and isinstance(exc, (ValueError, TypeError)):  # a value protobuf refused (e.g. out of range)
+        code = grpc.StatusCode.INVALID_ARGUMENT
+    status, type_, code_name = HTTP_ERRORS.get(code, (500, "server_error", "internal_error"))
+    message = _ADDRESS_PREFIX.sub("", str(exc)) or type(exc).__name__  # no internal addresses to HTTP clients
+    if status == 500:
+        message = f"internal error: {message}"
+    match = _PARAM_RE.match(message) if status in (400, 404, 409) else None
+    param = _PARAM_NAMES[match.group(1)] if match else None
+    if match and match.group(1) == "max_new_tokens":  # say it in the client's words
+        message = "max_tokens" + message[len("max_new_tokens"):]
+    if status == 404 and param == "session_id":
+        code_name = "session_not_found"
+    return ApiError(status, message, type=type_, param=param, code=code_name)
+
+
+def retry_after_s(status: int) -> int | None:
+    """Seconds a client should wait before retrying (sent as Retry-After), for overload and outages."""
+    return 1 if status in (429, 503) else None
+
+
+def validation_error(errors: list[dict[str, Any]]) -> ApiError:
+    """A 400 for a body that does not parse (FastAPI would answer 422 in its own format)."""
+    first = errors[0] if errors else {"loc": (), "msg": "invalid body"}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    return ApiError(400, f"{param or 'body'}: {first.get('msg', 'invalid')}", param=param, code="invalid_value")

@@ -1,0 +1,86 @@
+"""What GetStatus reports: this orchestrator's counters and a live look at its backends.
+
+The counters are observed from the chunks a generation streams (each chunk carries its round's
+statistics), so they stay true for generations that are cancelled or fail half-way, and the
+generation logic does not need to know they exist. They are per process, since start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from importlib import metadata
+from typing import AsyncIterator
+
+from specdec.v1 import orchestrator_pb2 as pb
+
+
+def specdec_version() -> str:
+    try:
+        return metadata.version("specdec")
+    except metadata.PackageNotFoundError:  # pragma: no cover - running from a bare checkout
+        return "unknown"
+
+
+@dataclass
+class Counters:
+    """Load and acceptance of one orchestrator since it started."""
+
+    started: float = field(default_factory=time.monotonic)
+    active_generations: int = 0
+    generations_total: int = 0
+    generated_tokens: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+
+    def observe_chunk(self, chunk: pb.GenerateChunk) -> None:
+        self.generated_tokens += len(chunk.token_ids)
+        self.draft_tokens += chunk.round.proposed
+        self.accepted_tokens += chunk.round.accepted
+
+    async def observe(self, chunks: AsyncIterator[pb.GenerateChunk]) -> AsyncIterator[pb.GenerateChunk]:
+        """Pass a generation's chunks through, counting it while it runs and once it ends."""
+        self.active_generations += 1
+        try:
+            async for chunk in chunks:
+                self.observe_chunk(chunk)
+                yield chunk
+        finally:
+            self.active_generations -= 1
+            self.generations_total += 1
+
+    def fill(self, reply: pb.GetStatusResponse) -> None:
+        reply.uptime_s = time.monotonic() - self.started
+        reply.active_generations = self.active_generations
+        reply.generations_total = self.generations_total
+        reply.generated_tokens = self.generated_tokens
+        reply.draft_tokens = self.draft_tokens
+        reply.accepted_tokens = self.accepted_tokens
+        reply.acceptance_rate = self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+
+async def backend_status(role: str, backend, timeout_s: float) -> pb.BackendStatus:
+    """Ask one draft or target replica for its ModelInfo; an error marks it unhealthy."""
+    out = pb.BackendStatus(role=role, address=backend.address)
+    start = time.perf_counter()
+    try:
+        info = await backend.info(timeout=timeout_s)
+    except Exception as exc:  # noqa: BLE001 - any failure is reported, not raised
+        out.healthy = False
+        details = exc.details() if hasattr(exc, "details") else str(exc)
+        code = exc.code().name if hasattr(exc, "code") else type(exc).__name__
+        out.error = f"{code}: {details}"
+    else:
+        out.healthy = True
+        out.model, out.kind, out.dtype = info.model, info.kind, info.dtype
+    out.rtt_ms = (time.perf_counter() - start) * 1e3
+    return out
+
+
+async def status(counters: Counters, backends: list[tuple[str, object]], default_draft_length: int | str,
+                 timeout_s: float = 2.0) -> pb.GetStatusResponse:
+    reply = pb.GetStatusResponse(version=specdec_version(), default_draft_length=str(default_draft_length))
+    counters.fill(reply)
+    reply.backends.extend(await asyncio.gather(*(backend_status(r, b, timeout_s) for r, b in backends)))
+    return reply

@@ -1,0 +1,143 @@
+"""OpenAI wire format <-> specdec, as pure conversions (no server)."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from pydantic import ValidationError
+
+from http_gateway.openai_api import (
+    ApiError, ChatRequest, CompletionRequest, Reply, api_error, chat_kwargs, completion_kwargs, retry_after_s, usage,
+    validation_error,
+)
+from specdec import errors
+from specdec.client import Chunk, build_request
+
+STATS = {"prompt_tokens": 7, "completion_tokens": 5, "rounds": 3, "draft_tokens": 8, "accepted_tokens": 2,
+         "acceptance_rate": 0.25, "mean_accepted_length": 1.67, "draft_fallbacks": 0,
+         "time_to_first_token_s": 0.1, "tokens_per_second": 20.0}
+
+
+def test_completion_request_to_generate_request():
+    req = CompletionRequest(model="m", prompt=["Hi"], max_tokens=9, temperature=0, top_p=0.5, seed=3, stop="\n",
+                            top_k=4, draft_length="auto", user="ignored-field")
+    msg = build_request(**completion_kwargs(req))
+    assert msg.prompt == "Hi" and msg.max_new_tokens == 9 and msg.temperature == 0 and msg.top_p == 0.5
+    assert msg.seed == 3 and list(msg.stop) == ["\n"] and msg.top_k == 4 and msg.draft_length == -1
+    assert msg.session_id == ""
+
+
+def test_openai_defaults():
+    msg = build_request(**completion_kwargs(CompletionRequest(model="m", prompt="Hi"), default_temperature=1.0))
+    assert msg.max_new_tokens == 16 and msg.temperature == 1.0  # OpenAI's documented defaults
+    assert not msg.HasField("top_p") and not msg.HasField("seed") and not msg.HasField("draft_length")
+    chat = build_request(**chat_kwargs(ChatRequest(model="m", messages=[{"role": "user", "content": "x"}]),
+                                       default_temperature=0.0))
+    assert not chat.HasField("max_new_tokens") and chat.temperature == 0.0  # chat: the server's length limit
+
+
+def test_chat_request_to_generate_request():
+    req = ChatRequest(model="m", max_tokens=5, max_completion_tokens=7, stop=["a", "b"], session_id="s",
+                      messages=[{"role": "developer", "content": "Be brief."},
+                                {"role": "user", "content": [{"type": "text", "text": "Hel"}, {"type": "text", "text": "lo"}]},
+                                {"role": "assistant", "content": None}])
+    msg = build_request(**chat_kwargs(req))
+    assert [(m.role, m.content) for m in msg.messages.messages] == [("system", "Be brief."), ("user", "Hello"),
+                                                                     ("assistant", "")]
+    assert msg.max_new_tokens == 7 and list(msg.stop) == ["a", "b"] and msg.session_id == "s"
+
+
+@pytest.mark.parametrize("build,param", [
+    (lambda: completion_kwargs(CompletionRequest(model="m", prompt="x", n=2)), "n"),
+    (lambda: completion_kwargs(CompletionRequest(model="m", prompt=["a", "b"])), "prompt"),
+    (lambda: completion_kwargs(CompletionRequest(model="m", prompt=[1, 2])), "prompt"),
+    (lambda: completion_kwargs(CompletionRequest(model="m", prompt="x", echo=True)), "echo"),
+    (lambda: completion_kwargs(CompletionRequest(model="m", prompt="x", logprobs=2)), "logprobs"),
+    (lambda: completion_kwargs(CompletionRequest(model="m", prompt="x", best_of=3)), "best_of"),
+    (lambda: completion_kwargs(CompletionRequest(model="m", prompt="x", presence_penalty=1)), "presence_penalty"),
+    (lambda: completion_kwargs(CompletionRequest(model="m", prompt="x", logit_bias={"5": 1})), "logit_bias"),
+    (lambda: completion_kwargs(CompletionRequest(model="m", prompt="x", seed=-5)), "seed"),
+    (lambda: completion_kwargs(CompletionRequest(model="m", prompt="x", seed=2**64)), "seed"),
+    (lambda: chat_kwargs(ChatRequest(model="m", messages=[{"role": "tool", "content": "x"}])), "messages[0].role"),
+    (lambda: chat_kwargs(ChatRequest(model="m", messages=[{"role": "user", "content": [{"type": "image_url"}]}])),
+     "messages[0].content"),
+    (lambda: chat_kwargs(ChatRequest(model="m", messages=[{"role": "user", "content": "x"}], logprobs=True)),
+     "logprobs"),
+    (lambda: chat_kwargs(ChatRequest(model="m", messages=[{"role": "user", "content": "x"}], tools=[{}])), "tools"),
+])
+def test_unsupported_or_invalid_requests_are_400_naming_the_parameter(build, param):
+    with pytest.raises(ApiError) as info:
+        build()
+    assert info.value.status == 400 and info.value.param == param
+    assert info.value.body()["error"]["param"] == param
+
+
+def test_an_empty_conversation_does_not_parse():
+    with pytest.raises(ValidationError) as info:
+        ChatRequest(model="m", messages=[])
+    err = validation_error(info.value.errors())
+    assert err.status == 400 and err.param == "messages" and err.message.startswith("messages:")
+
+
+@pytest.mark.parametrize("exc,status,type_,param,code", [
+    (errors.InvalidArgument("max_new_tokens must be between 1 and 4096, got 0"), 400, "invalid_request_error",
+     "max_tokens", "invalid_value"),
+    (errors.InvalidArgument("orchestrator 10.0.0.1:50051: top_p must lie in (0, 1]"), 400, "invalid_request_error",
+     "top_p", "invalid_value"),
+    (errors.FailedPrecondition("the model has no chat template"), 400, "invalid_request_error", None,
+     "failed_precondition"),
+    (errors.NotFound("session 'x' does not exist"), 404, "invalid_request_error", "session_id", "session_not_found"),
+    (errors.Aborted("session 'x' is busy"), 409, "conflict_error", "session_id", "session_busy"),
+    (errors.ResourceExhausted("too many requests"), 429, "rate_limit_error", None, "overloaded"),
+    (errors.Unavailable("target down"), 503, "service_unavailable_error", None, "unavailable"),
+    (errors.DeadlineExceeded("late"), 504, "timeout_error", None, "deadline_exceeded"),
+    (errors.Internal("boom"), 500, "server_error", None, "internal_error"),
+    (ValueError("Value out of range: -1"), 400, "invalid_request_error", None, "invalid_value"),
+])
+def test_error_mapping(exc, status, type_, param, code):
+    err = api_error(exc)
+    body = err.body()["error"]
+    assert (err.status, body["type"], body["param"], body["code"]) == (status, type_, param, code)
+    assert "orchestrator 10.0.0.1" not in body["message"]  # internal addresses stay inside
+    assert "max_new_tokens" not in body["message"]  # the client's parameter is max_tokens
+
+
+def test_retry_after_for_overload_and_outage_only():
+    assert retry_after_s(429) == retry_after_s(503) == 1
+    assert retry_after_s(400) is None and retry_after_s(504) is None
+
+
+def test_usage_carries_the_speculation_extension():
+    u = usage(STATS)
+    assert (u["prompt_tokens"], u["completion_tokens"], u["total_tokens"]) == (7, 5, 12)
+    assert u["speculation"] == {**u["speculation"], "acceptance_rate": 0.25, "mean_accepted_length": 1.67,
+                                "draft_tokens": 8, "accepted_tokens": 2, "rounds": 3}
+
+
+def test_reply_objects():
+    chat = Reply("chat", "m")
+    whole = chat.whole("Hi", "eos", STATS, "s1")
+    assert whole["object"] == "chat.completion" and whole["id"].startswith("chatcmpl-")
+    assert whole["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "Hi"},
+                                 "finish_reason": "stop", "logprobs": None}]
+    assert whole["specdec"] == {"session_id": "s1"} and whole["usage"]["total_tokens"] == 12
+    assert chat.opening("s1")["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    last = chat.delta(Chunk("s1", [5], "!", {}, finish_reason="length", stats=STATS))
+    assert last["choices"][0] == {"index": 0, "delta": {"content": "!"}, "finish_reason": "length", "logprobs": None}
+    assert last["id"] == whole["id"]  # one id for every event of a response
+    assert chat.delta(Chunk("s1", [5], "", {}))["choices"][0]["delta"] == {}
+    text = Reply("completion", "m")
+    assert text.whole("Hi", "stop", STATS, "s1")["choices"][0] == {"index": 0, "text": "Hi", "finish_reason": "stop",
+                                                                   "logprobs": None}
+    assert text.delta(Chunk("s1", [1], "x", {}))["object"] == "text_completion"
+    final = text.usage_event(STATS, "s1")
+    assert final["choices"] == [] and final["usage"]["completion_tokens"] == 5
+
+
+def test_the_grpc_codes_we_map_are_the_sdk_codes():
+    from http_gateway.openai_api import HTTP_ERRORS
+
+    for cls in (errors.InvalidArgument, errors.NotFound, errors.Aborted, errors.ResourceExhausted,
+                errors.Unavailable, errors.DeadlineExceeded, errors.FailedPrecondition):
+        assert cls.code in HTTP_ERRORS
+    assert grpc.StatusCode.INTERNAL not in HTTP_ERRORS  # the 500 fallback

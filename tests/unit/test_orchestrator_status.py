@@ -1,0 +1,92 @@
+"""GetStatus's parts: counters observed from chunks, and backend probes that report failures."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from orchestrator.status import Counters, backend_status, status
+from specdec.client import _as_dict
+from specdec.v1 import common_pb2, orchestrator_pb2 as pb
+
+
+async def _chunks(fail: bool = False):
+    yield pb.GenerateChunk(session_id="s")  # header
+    yield pb.GenerateChunk(session_id="s", token_ids=[1, 2, 3], round=pb.RoundStats(proposed=4, accepted=2))
+    if fail:
+        raise RuntimeError("target gone")
+    yield pb.GenerateChunk(session_id="s", token_ids=[4], round=pb.RoundStats(proposed=4, accepted=0))
+
+
+def test_counters_follow_generations_as_they_run():
+    counters = Counters()
+
+    async def main():
+        gen = counters.observe(_chunks())
+        await anext(gen)
+        assert counters.active_generations == 1 and counters.generations_total == 0
+        rest = [c async for c in gen]
+        assert len(rest) == 2
+        with pytest.raises(RuntimeError):
+            async for _ in counters.observe(_chunks(fail=True)):
+                pass
+
+    asyncio.run(main())
+    reply = pb.GetStatusResponse()
+    counters.fill(reply)
+    assert reply.active_generations == 0 and reply.generations_total == 2  # a failed one counts too
+    assert reply.generated_tokens == 7 and reply.draft_tokens == 12 and reply.accepted_tokens == 4
+    assert reply.acceptance_rate == pytest.approx(4 / 12)
+
+
+class FakeBackend:
+    def __init__(self, address, info=None, error=None):
+        self.address, self._info, self._error = address, info, error
+
+    async def info(self, timeout):
+        if self._error is not None:
+            raise self._error
+        return self._info
+
+
+class FakeRpcError(grpc.RpcError):
+    def code(self):
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self):
+        return "connection refused"
+
+
+def test_status_probes_every_backend():
+    backends = [
+        ("target", FakeBackend("t:1", common_pb2.ModelInfo(model="big", kind="model", dtype="float32"))),
+        ("draft", FakeBackend("d:1", error=FakeRpcError())),
+        ("draft", FakeBackend("d:2", error=asyncio.TimeoutError())),
+    ]
+    reply = asyncio.run(status(Counters(), backends, "auto"))
+    assert reply.default_draft_length == "auto" and reply.version
+    target, dead, slow = reply.backends
+    assert (target.role, target.address, target.healthy, target.model, target.kind, target.dtype) == \
+        ("target", "t:1", True, "big", "model", "float32")
+    assert not dead.healthy and dead.error == "UNAVAILABLE: connection refused"
+    assert not slow.healthy and slow.error.startswith("TimeoutError")
+
+
+def test_backend_status_measures_the_round_trip():
+    class Slow(FakeBackend):
+        async def info(self, timeout):
+            await asyncio.sleep(0.05)
+            return common_pb2.ModelInfo(model="m")
+
+    out = asyncio.run(backend_status("target", Slow("t:1"), 1.0))
+    assert out.healthy and out.rtt_ms >= 50
+
+
+def test_status_dict_keeps_64_bit_numbers_as_ints():
+    d = _as_dict(pb.GetStatusResponse(generations_total=5, generated_tokens=2**40,
+                                      backends=[pb.BackendStatus(role="target", rtt_ms=1.5)]))
+    assert d["generations_total"] == 5 and d["generated_tokens"] == 2**40
+    assert d["backends"] == [{**d["backends"][0], "role": "target", "rtt_ms": 1.5, "healthy": False}]
+    assert _as_dict(pb.GenerationStats(seed=2**63))["seed"] == 2**63
