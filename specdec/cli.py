@@ -1,14 +1,19 @@
-"""`specdec` command: start the pipeline locally, generate text, stop it."""
+"""`specdec` command: start the pipeline locally, generate text, chat, check its status, stop it."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from dataclasses import fields
 
 from specdec.errors import SpecdecError, Unavailable
+
+DEFAULT_ADDRESS = os.environ.get("SPECDEC_ADDRESS", "127.0.0.1:50051")
+# Flags of `specdec up` whose default differs from the Plan's (a Plan made in code starts no gateway).
+UP_DEFAULTS = {"http_port": 8000}
 
 
 def _add_plan_flags(parser: argparse.ArgumentParser) -> None:
@@ -23,13 +28,15 @@ def _add_plan_flags(parser: argparse.ArgumentParser) -> None:
         "draft_length": "default draft length: auto (the controller picks k per round) or a fixed k (0 = plain decoding)",
         "ngram_min": "shortest suffix n-gram prompt lookup matches", "ngram_max": "longest suffix n-gram it matches",
         "host": "interface every service binds", "log_dir": "where the service logs go",
+        "http_port": "port of the OpenAI-compatible HTTP API; 0 does not start it",
     }
     for f in fields(Plan):
         if f.name not in helps and not f.name.endswith("_port"):
             continue
         kind = int if f.type in ("int", "int | None") else str
-        parser.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default,
-                            help=f"{helps.get(f.name, f.name.replace('_', ' '))} (default: {f.default!r})")
+        default = UP_DEFAULTS.get(f.name, f.default)
+        parser.add_argument("--" + f.name.replace("_", "-"), type=kind, default=default,
+                            help=f"{helps.get(f.name, f.name.replace('_', ' '))} (default: {default!r})")
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -48,7 +55,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     started = time.monotonic()
     pipeline.start(echo=print)
     print(f"pipeline up in {time.monotonic() - started:.1f}s: orchestrator at "
-          f"{plan.host}:{plan.orchestrator_port}")
+          f"{plan.host}:{plan.orchestrator_port}" + (f", OpenAI-compatible API at {plan.http_url()}"
+                                                     if plan.http_port else ""))
     if args.detach:
         pipeline.save()
         print("stop it with: specdec down")
@@ -80,47 +88,172 @@ def cmd_down(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
+def _client(args: argparse.Namespace):
     from specdec.client import Client
 
-    kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                  top_k=args.top_k, seed=args.seed, stop=args.stop or (), draft_length=args.draft_length,
-                  session_id=args.session or "")
+    return Client(args.address, timeout=args.timeout)
+
+
+def _report_error(exc: SpecdecError, args: argparse.Namespace) -> int:
+    """Print what went wrong and what to do about it; the exit status for it."""
+    print(f"\nerror ({exc.code.name}): {exc}", file=sys.stderr)
+    if isinstance(exc, Unavailable) and _UNREACHABLE in str(exc):
+        print(f"Nothing answers at {args.address}. Is the pipeline running? Start it with `specdec up` "
+              "(or `specdec up --detach`), or point --address (or $SPECDEC_ADDRESS) at a running orchestrator.",
+              file=sys.stderr)
+    elif isinstance(exc, Unavailable):
+        print("A service behind the orchestrator is unavailable; `specdec status` shows which. "
+              "The session is kept: retry shortly.", file=sys.stderr)
+    return 2
+
+
+_UNREACHABLE = "failed to connect"  # how gRPC words a refused or unresolvable address
+
+
+def _sampling_kwargs(args: argparse.Namespace) -> dict:
+    return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                top_k=args.top_k, seed=args.seed, stop=args.stop or (), draft_length=args.draft_length)
+
+
+def _summary(stats: dict, finish: str | None) -> str:
+    return (f"[{stats.get('completion_tokens', 0)} tokens in {stats.get('elapsed_s', 0):.2f}s, "
+            f"{stats.get('tokens_per_second', 0):.1f} tok/s, acceptance {stats.get('acceptance_rate', 0):.2f}, "
+            f"mean accepted length {stats.get('mean_accepted_length', 0):.2f}, finish {finish}]")
+
+
+def _stream_turn(client, args: argparse.Namespace, prompt: str | None, **kwargs):
+    """Run one generation, echoing text as it arrives unless --json; returns the Generation."""
+    from specdec.client import Collector
+
+    collector = Collector()
+    stream = client.stream(prompt, **kwargs)
+    for chunk in stream:
+        collector.add(chunk)
+        if not args.json:
+            print(chunk.text, end="", flush=True)
+    return collector.result(stream.resumes)
+
+
+def _as_json(out) -> str:
+    return json.dumps({"session_id": out.session_id, "text": out.text, "token_ids": out.token_ids,
+                       "finish_reason": out.finish_reason, "stats": out.stats, "resumes": out.resumes})
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    kwargs = dict(_sampling_kwargs(args), session_id=args.session or "")
     if args.chat:
         kwargs["messages"] = [{"role": "user", "content": args.prompt}]
         prompt = None
     else:
         prompt = args.prompt
-    text, tokens, stats, session_id, finish = [], [], {}, "", None
     try:
-        with Client(args.address, timeout=args.timeout) as client:
-            for chunk in client.stream(prompt, **kwargs):
-                session_id = chunk.session_id
-                tokens.extend(chunk.token_ids)
-                text.append(chunk.text)
-                if not args.json:
-                    print(chunk.text, end="", flush=True)
-                if chunk.stats is not None:
-                    stats, finish = chunk.stats, chunk.finish_reason
-    except Unavailable as exc:
-        print(f"\nerror: cannot reach the orchestrator at {args.address} ({exc}).\n"
-              "Start the pipeline with `specdec up` (or `specdec up --detach`), or pass --address.",
-              file=sys.stderr)
-        return 2
+        with _client(args) as client:
+            out = _stream_turn(client, args, prompt, **kwargs)
     except SpecdecError as exc:
-        print(f"\nerror ({exc.code.name}): {exc}", file=sys.stderr)
-        return 2
+        return _report_error(exc, args)
     if args.json:
-        print(json.dumps({"session_id": session_id, "text": "".join(text), "token_ids": tokens,
-                          "finish_reason": finish, "stats": stats}))
+        print(_as_json(out))
     else:
         print()
-        print(f"[{stats.get('completion_tokens', 0)} tokens in {stats.get('elapsed_s', 0):.2f}s, "
-              f"{stats.get('tokens_per_second', 0):.1f} tok/s, acceptance {stats.get('acceptance_rate', 0):.2f}, "
-              f"mean accepted length {stats.get('mean_accepted_length', 0):.2f}, finish {finish}]",
-              file=sys.stderr)
+        print(_summary(out.stats, out.finish_reason), file=sys.stderr)
     return 0
 
+
+CHAT_HELP = "type a message and press Enter; /new starts a new conversation, /exit (or Ctrl-D) quits"
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    """Read user turns from stdin and stream the replies, all in one session."""
+    interactive = sys.stdin.isatty()
+    session = args.session or ""
+    if interactive and not args.json:
+        print(CHAT_HELP, file=sys.stderr)
+    with _client(args) as client:
+        while True:
+            if interactive:
+                print("you> ", end="", file=sys.stderr, flush=True)
+            line = sys.stdin.readline()
+            if not line:
+                break
+            text = line.strip()
+            if not text:
+                continue
+            if text in ("/exit", "/quit"):
+                break
+            if text == "/new":
+                session = ""
+                continue
+            messages = [{"role": "user", "content": text}]
+            if not session and args.system:
+                messages.insert(0, {"role": "system", "content": args.system})
+            try:
+                out = _stream_turn(client, args, None, messages=messages, session_id=session, **_sampling_kwargs(args))
+            except Unavailable as exc:
+                return _report_error(exc, args)
+            except SpecdecError as exc:  # e.g. the conversation outgrew the context: say so, keep going
+                _report_error(exc, args)
+                continue
+            session = out.session_id
+            if args.json:
+                print(_as_json(out), flush=True)
+            else:
+                print(flush=True)
+                if args.stats:
+                    print(_summary(out.stats, out.finish_reason), file=sys.stderr)
+    if session and not args.json:
+        print(f"session {session} (continue it with: specdec chat --session {session})", file=sys.stderr)
+    return 0
+
+
+def _format_status(status: dict) -> list[str]:
+    uptime = int(status["uptime_s"])
+    lines = [
+        f"orchestrator {status['address']}  healthy  specdec {status['version']}  "
+        f"up {uptime // 3600}h{uptime // 60 % 60:02d}m{uptime % 60:02d}s  "
+        f"default draft length {status['default_draft_length']}",
+        f"  load        {status['active_generations']} generating now, {status['generations_total']} done, "
+        f"{status['generated_tokens']} tokens since start",
+        f"  acceptance  {status['acceptance_rate']:.2f} ({status['accepted_tokens']} of "
+        f"{status['draft_tokens']} draft tokens accepted)",
+    ]
+    for b in status["backends"]:
+        if b["healthy"]:
+            lines.append(f"  {b['role']:<7} {b['address']:<22} healthy  {b['model']} ({b['kind']}, {b['dtype']})  "
+                         f"rtt {b['rtt_ms']:.1f} ms")
+        else:
+            lines.append(f"  {b['role']:<7} {b['address']:<22} DOWN     {b['error']}")
+    return lines
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    """GetStatus from every orchestrator address; exit 0 all healthy, 1 a backend is down, 2 unreachable."""
+    from specdec.client import Client, Endpoints
+
+    reports, worst = [], 0
+    for address in Endpoints(args.address).addresses:
+        try:
+            with Client(address, timeout=args.timeout) as client:
+                status = client.status()
+        except SpecdecError as exc:
+            message = str(exc).removeprefix(f"orchestrator {address}: ")
+            reports.append({"address": address, "healthy": False, "error": message})
+            worst = 2
+            continue
+        status["healthy"] = all(b["healthy"] for b in status["backends"])
+        worst = max(worst, 0 if status["healthy"] else 1)
+        reports.append(status)
+    if args.json:
+        print(json.dumps({"orchestrators": reports}, indent=2))
+    else:
+        for report in reports:
+            if "backends" in report:
+                print("\n".join(_format_status(report)))
+            else:
+                print(f"orchestrator {report['address']}  UNREACHABLE  {report['error']}")
+        if worst == 2:
+            print("Is the pipeline running? Start it with `specdec up` (or `specdec up --detach`), or pass --address HOST:PORT "
+                  "(or set $SPECDEC_ADDRESS).", file=sys.stderr)
+    return worst
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdec", description=__doc__)
@@ -134,22 +267,45 @@ def build_parser() -> argparse.ArgumentParser:
     down = sub.add_parser("down", help="stop a pipeline started with `specdec up --detach`")
     down.set_defaults(func=cmd_down)
 
+    def add_address(p: argparse.ArgumentParser, timeout_default: float | None = None) -> None:
+        p.add_argument("--address", default=DEFAULT_ADDRESS,
+                       help="orchestrator address; several, comma-separated, are tried in turn "
+                            f"(default: $SPECDEC_ADDRESS or {DEFAULT_ADDRESS!r})")
+        p.add_argument("--timeout", type=float, default=timeout_default, help="deadline in seconds")
+
+    def add_sampling(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--max-new-tokens", type=int, default=None)
+        p.add_argument("--temperature", type=float, default=None, help="0 (default) is greedy")
+        p.add_argument("--top-p", type=float, default=None)
+        p.add_argument("--top-k", type=int, default=None)
+        p.add_argument("--seed", type=int, default=None)
+        p.add_argument("--stop", action="append", help="stop string (repeatable)")
+        p.add_argument("--draft-length", default=None,
+                       help="k for this request: auto, or a number (0 = plain decoding); default: the server's")
+
     gen = sub.add_parser("generate", help="generate text, streaming it to the terminal")
     gen.add_argument("prompt")
-    gen.add_argument("--address", default="127.0.0.1:50051", help="orchestrator address")
+    add_address(gen)
     gen.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
-    gen.add_argument("--max-new-tokens", type=int, default=None)
-    gen.add_argument("--temperature", type=float, default=None, help="0 (default) is greedy")
-    gen.add_argument("--top-p", type=float, default=None)
-    gen.add_argument("--top-k", type=int, default=None)
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
-    gen.add_argument("--draft-length", default=None,
-                     help="k for this request: auto, or a number (0 = plain decoding); default: the server's")
+    add_sampling(gen)
     gen.add_argument("--session", default=None, help="continue this session id")
-    gen.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     gen.set_defaults(func=cmd_generate)
+
+    chat = sub.add_parser("chat", help="interactive chat: streams each reply, keeps the conversation in one session",
+                          description=f"Reads one user message per line from stdin; {CHAT_HELP}.")
+    add_address(chat)
+    add_sampling(chat)
+    chat.add_argument("--system", default=None, help="system message at the start of the conversation")
+    chat.add_argument("--session", default=None, help="continue this session id")
+    chat.add_argument("--stats", action="store_true", help="print a statistics line after each reply")
+    chat.add_argument("--json", action="store_true", help="print one JSON object per reply instead of streaming")
+    chat.set_defaults(func=cmd_chat)
+
+    status = sub.add_parser("status", help="health, models, load and acceptance of the orchestrator and its backends")
+    add_address(status, timeout_default=10.0)
+    status.add_argument("--json", action="store_true", help="print JSON")
+    status.set_defaults(func=cmd_status)
     return parser
 
 
