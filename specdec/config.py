@@ -19,6 +19,10 @@ class ServiceConfig(BaseModel):
     host: str = Field("127.0.0.1", description="Address to listen on (0.0.0.0 for all interfaces).")
     port: int = Field(0, ge=0, le=65535, description="Port to listen on (0 picks a free one).")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Log level.")
+    metrics_port: int | None = Field(
+        None, ge=0, le=65535,
+        description="Port of the Prometheus endpoint (http://host:port/metrics); unset = off, 0 = a free port (logged).",
+    )
 
     @property
     def address(self) -> str:

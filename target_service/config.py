@@ -17,5 +17,13 @@ class TargetConfig(ServiceConfig):
     threads: int | None = Field(None, ge=1, description="torch intra-op threads (default: torch's choice).")
     max_sessions: int = Field(256, ge=1, description="KV caches kept at most (least recently used evicted first).")
     idle_ttl_s: float = Field(900.0, gt=0, description="Seconds an unused session cache is kept.")
+    max_batch: int = Field(16, ge=1, le=256, description="Most requests verified in one forward pass (1 = no batching).")
+    batch_window_ms: float = Field(
+        2.0, ge=0, le=1000, description="How long the first queued request waits for others to share its forward pass."
+    )
+    max_concurrent: int = Field(64, ge=1, description="Admission: requests served at once; more wait in the queue.")
+    max_queued: int = Field(
+        256, ge=0, description="Admission: requests that may wait; beyond, RESOURCE_EXHAUSTED with a retry hint."
+    )
     emulate_verify_ms: float = Field(0.0, ge=0, description="BENCHMARK SIMULATION: pad each verify to this many ms ...")
     emulate_verify_per_token_ms: float = Field(0.0, ge=0, description="... plus this many ms per scored position (0 = off).")

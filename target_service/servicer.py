@@ -1,50 +1,61 @@
-"""gRPC translation for the target service; the logic lives in specdec.runtime.verifier."""
+"""gRPC translation for the target service; the logic lives in specdec.runtime (verifier, batching)."""
 
 from __future__ import annotations
 
-import asyncio
-from concurrent.futures import ThreadPoolExecutor
+import time
 
+from specdec.admission import Admission, deadline_of
 from specdec.errors import grpc_errors
+from specdec.runtime.batching import Batcher
 from specdec.runtime.verifier import Verifier
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
 from specdec.wire import probs_from_bytes, sampling_from_pb
 
 
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
-    def __init__(self, verifier: Verifier, info: common_pb2.ModelInfo, executor: ThreadPoolExecutor) -> None:
+    def __init__(self, verifier: Verifier, info: common_pb2.ModelInfo, batcher: Batcher,
+                 admission: Admission) -> None:
         self.verifier = verifier
         self.info = info
-        self.executor = executor
-
-    async def _run(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+        self.batcher = batcher
+        self.admission = admission
 
     @grpc_errors
     async def Verify(self, request: target_pb2.VerifyRequest, context):
+        arrived = time.monotonic()
         params = sampling_from_pb(request.sampling)
         draft_tokens = list(request.draft_tokens)
         q = probs_from_bytes(request.draft_probs, len(draft_tokens), self.info.vocab_size)
-        result = await self._run(self.verifier.verify, request.session_id, list(request.history),
-                                 draft_tokens, q, params, request.seed)
+        deadline = deadline_of(context)
+        async with self.admission.slot(deadline, context):
+            job = self.verifier.job(request.session_id, list(request.history), draft_tokens, q, params,
+                                    request.seed, deadline)
+            job.enqueued = arrived  # the queue wait includes the admission queue
+            (verdict, prefilled), step = await self.batcher.run(job)
         return target_pb2.VerifyResponse(
-            num_accepted=result.verdict.num_accepted, token_id=result.verdict.token,
-            bonus=result.verdict.bonus, compute_ns=result.compute_ns, prefill_tokens=result.prefill_tokens,
+            num_accepted=verdict.num_accepted, token_id=verdict.token, bonus=verdict.bonus,
+            compute_ns=step.compute_ns, prefill_tokens=prefilled, batch_size=step.batch_size,
+            queue_ns=step.queue_ns,
         )
 
     @grpc_errors
     async def Rollback(self, request, context):
-        length = await self._run(self.verifier.caches.rollback, request.session_id, request.length)
+        length = await self.batcher.call(self.verifier.caches.rollback, request.session_id, request.length)
         return common_pb2.RollbackResponse(length=length)
 
     @grpc_errors
     async def Release(self, request, context):
-        released = await self._run(self.verifier.caches.release, request.session_id)
+        self.batcher.cancel_session(request.session_id)  # queued work of the session is dropped too
+        released = await self.batcher.call(self.verifier.caches.release, request.session_id)
         return common_pb2.ReleaseResponse(released=released)
 
     @grpc_errors
     async def GetInfo(self, request, context):
         info = common_pb2.ModelInfo()
         info.CopyFrom(self.info)
-        info.cached_sessions = len(self.verifier.caches)
+        caches = self.verifier.caches
+        info.cached_sessions = len(caches)
+        info.cached_tokens = caches.cached_tokens
+        info.running_requests = self.batcher.running
+        info.waiting_requests = self.admission.waiting + self.batcher.waiting
         return info

@@ -1,10 +1,25 @@
-"""Per-session KV caches for one model, addressed by session id.
+"""Per-session KV caches for one model, addressed by session id, scored one session or many at once.
 
 A cache remembers which tokens it covers. Every call names the session's full accepted history,
 so the cache is cut back to the longest common prefix and whatever is missing is re-prefilled in
 the same forward pass: rollback after a rejection, rebuild after a restart or eviction, and a
 client that moved to another replica all take the same path, and no caller depends on a cache
 being alive.
+
+Batched scoring (`score_batch`) runs the blocks of several sessions through ONE forward pass.
+Each session keeps its own `DynamicCache`; for the pass they are laid side by side:
+
+    row i:  [ pad .. pad | past_i (L_i) ][ feed_i (F_i) | pad .. pad ]
+            <------------ P ------------><------------- N ------------>
+
+The past is left-padded to the longest past P and the fed tokens are right-padded to the longest
+feed N; the 2-D attention mask hides both kinds of padding and each row gets its own position
+ids (L_i, L_i + 1, ...), so row i computes exactly what it would alone (up to float rounding).
+Right-padding the feed keeps every query row attending to at least one real token, so no softmax
+row is empty and no NaN can leak into the cache. Afterwards each session's cache is extended
+with its own F_i new keys/values (a copy, never a view into the batch tensor). A row that must
+re-prefill a long prefix is prefilled alone first, so one cache miss does not pad the whole
+batch to its length.
 """
 
 from __future__ import annotations
@@ -13,11 +28,16 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from specdec.errors import InvalidArgument
+
+PREFILL_ALONE_ABOVE = 16
+"""In a batch, a row that must re-prefill more than this many tokens is prefilled on its own first."""
 
 
 @dataclass
@@ -25,6 +45,31 @@ class _Entry:
     tokens: list[int]  # tokens whose keys/values the cache holds, in order
     cache: DynamicCache
     last_used: float = field(default_factory=time.monotonic)
+
+
+@dataclass(frozen=True)
+class ScoreRequest:
+    """Score `new_tokens` after `history` for one session (see `SessionCaches.score`)."""
+
+    session_id: str
+    history: list[int]
+    new_tokens: list[int]
+
+
+@dataclass(frozen=True)
+class Scored:
+    logits: torch.Tensor  # [len(new_tokens) + 1, V]
+    prefilled: int  # history tokens (re-)prefilled beyond the last one
+
+
+@dataclass
+class _Row:
+    """One request of a batch after its cache was cut back: what it still has to feed."""
+
+    request: ScoreRequest
+    entry: _Entry
+    feed: list[int]
+    keep: int  # history tokens the cache already covered
 
 
 def common_prefix_length(a: list[int], b: list[int]) -> int:
@@ -52,10 +97,18 @@ class SessionCaches:
         self.max_sessions = max_sessions
         self.idle_ttl_s = idle_ttl_s
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
+        self._tokens = 0  # sum of len(entry.tokens) over _entries; readable without the lock
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    @property
+    def cached_tokens(self) -> int:
+        """Tokens whose keys/values are held, over all sessions (for GetInfo and metrics)."""
+        return self._tokens
+
+    # -- scoring ----------------------------------------------------------------------------
 
     def score(self, session_id: str, history: list[int], new_tokens: list[int]) -> tuple[torch.Tensor, int]:
         """Logits `[len(new_tokens) + 1, V]` for the positions after history[-1] and each new token.
@@ -64,6 +117,50 @@ class SessionCaches:
         the logits and how many history tokens had to be (re-)prefilled beyond the last one.
         Afterwards the cache covers `history + new_tokens`.
         """
+        result = self.score_batch([ScoreRequest(session_id, history, new_tokens)])[0]
+        if isinstance(result, Exception):
+            raise result
+        return result.logits, result.prefilled
+
+    def score_batch(self, requests: Sequence[ScoreRequest]) -> list[Scored | Exception]:
+        """`score` for several sessions (distinct ids) in one forward pass; one result per request.
+
+        A request with bad input gets its own `InvalidArgument` and takes no part in the pass;
+        a failing forward fails every row of the pass (their caches are forgotten, to be rebuilt
+        from the history next time).
+        """
+        ids = [r.session_id for r in requests]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"a batch holds each session at most once, got {ids}")
+        results: list[Scored | Exception | None] = [None] * len(requests)
+        with self._lock:
+            self._evict_idle()
+            rows: list[tuple[int, _Row]] = []
+            for i, request in enumerate(requests):
+                try:
+                    rows.append((i, self._prepare(request)))
+                except InvalidArgument as exc:
+                    results[i] = exc
+            try:
+                with torch.inference_mode():
+                    scored = self._forward([row for _, row in rows])
+            except Exception:
+                for _, row in rows:
+                    self._remove(row.request.session_id)
+                raise
+            now = time.monotonic()
+            for (i, row), logits in zip(rows, scored):
+                self._extend(row.entry, row.feed)
+                row.entry.last_used = now
+                self._entries.move_to_end(row.request.session_id)
+                results[i] = Scored(logits, len(row.request.history) - 1 - row.keep)
+            while len(self._entries) > self.max_sessions:
+                self._remove(next(iter(self._entries)))
+        return results  # type: ignore[return-value]
+
+    def _prepare(self, request: ScoreRequest) -> _Row:
+        """Validate, find or create the entry, cut it back to the common prefix; what to feed."""
+        history, new_tokens = request.history, request.new_tokens
         if not history:
             raise InvalidArgument("history is empty: send at least one token (the prompt)")
         total = len(history) + len(new_tokens)
@@ -72,36 +169,90 @@ class SessionCaches:
                 f"context of {total} tokens exceeds the model's limit of {self.max_context}; "
                 "shorten the prompt or lower max_new_tokens"
             )
-        with self._lock:
-            self._evict_idle()
-            entry = self._entries.pop(session_id, None)
-            needed = history[:-1]  # the cache must cover these before we feed history[-1]
-            if entry is None:
-                entry = _Entry(tokens=[], cache=DynamicCache(config=self.model.config))
-            keep = common_prefix_length(entry.tokens, needed)
-            if keep < len(entry.tokens):
-                entry.cache.crop(keep - len(entry.tokens))
-                del entry.tokens[keep:]
-            feed = history[keep:] + new_tokens
-            # Only tokens not already in the cache reach the model (the rest were checked when fed).
-            top = max(feed)
-            if top >= self.vocab_size:
-                if entry.tokens:
-                    self._entries[session_id] = entry  # still consistent: keep it
-                raise InvalidArgument(f"token id {top} is outside the vocabulary (size {self.vocab_size})")
-            # The entry is out of the LRU while the forward runs: if it raises, the cache is in
-            # an unknown state and is simply forgotten (rebuilt from the history next time).
-            with torch.inference_mode():
-                ids = torch.tensor([feed], dtype=torch.long)  # [1, S]
-                out = self.model(input_ids=ids, cache=entry.cache, use_cache=True,
-                                 logits_to_keep=len(new_tokens) + 1)
-            logits = out.logits[0, -(len(new_tokens) + 1):]  # [k+1, V]
-            entry.tokens.extend(feed)
-            entry.last_used = time.monotonic()
-            self._entries[session_id] = entry
-            while len(self._entries) > self.max_sessions:
-                self._entries.popitem(last=False)
-            return logits, len(history) - 1 - keep
+        entry = self._entries.get(request.session_id)
+        needed = history[:-1]  # the cache must cover these before we feed history[-1]
+        keep = common_prefix_length(entry.tokens, needed) if entry is not None else 0
+        feed = history[keep:] + new_tokens
+        # Only tokens not already in the cache reach the model (the rest were checked when fed).
+        top = max(feed)
+        if top >= self.vocab_size:
+            raise InvalidArgument(f"token id {top} is outside the vocabulary (size {self.vocab_size})")
+        if entry is None:
+            entry = _Entry(tokens=[], cache=DynamicCache(config=self.model.config))
+            self._entries[request.session_id] = entry
+        self._crop(entry, keep)
+        return _Row(request, entry, feed, keep)
+
+    def _forward(self, rows: list[_Row]) -> list[torch.Tensor]:
+        """Feed every row's tokens into its cache; each row's last `len(new_tokens) + 1` logits."""
+        if not rows:
+            return []
+        if len(rows) == 1:
+            return [self._forward_one(rows[0].entry, rows[0].feed, len(rows[0].request.new_tokens) + 1)]
+        if not all(self._batchable(row.entry.cache) for row in rows):
+            return [self._forward_one(r.entry, r.feed, len(r.request.new_tokens) + 1) for r in rows]
+        for row in rows:  # a long re-prefill runs alone, then joins the batch with its block
+            tail = len(row.request.new_tokens) + 1
+            if len(row.feed) - tail > PREFILL_ALONE_ABOVE:
+                self._forward_one(row.entry, row.feed[:-tail], 1)
+                self._extend(row.entry, row.feed[:-tail])
+                row.feed = row.feed[-tail:]
+        return self._forward_padded(rows)
+
+    def _forward_one(self, entry: _Entry, feed: list[int], keep_logits: int) -> torch.Tensor:
+        ids = torch.tensor([feed], dtype=torch.long)  # [1, S]
+        out = self.model(input_ids=ids, cache=entry.cache, use_cache=True, logits_to_keep=keep_logits)
+        return out.logits[0, -keep_logits:]  # [keep_logits, V]
+
+    def _forward_padded(self, rows: list[_Row]) -> list[torch.Tensor]:
+        b = len(rows)
+        past = [len(row.entry.tokens) for row in rows]  # L_i
+        width = [len(row.feed) for row in rows]  # F_i
+        p, n = max(past), max(width)
+        ids = torch.zeros((b, n), dtype=torch.long)  # [B, N]; pads are token 0, masked out
+        mask = torch.zeros((b, p + n), dtype=torch.long)  # [B, P + N]
+        positions = torch.zeros((b, n), dtype=torch.long)  # [B, N]
+        for i, row in enumerate(rows):
+            ids[i, : width[i]] = torch.tensor(row.feed, dtype=torch.long)
+            mask[i, p - past[i] : p + width[i]] = 1
+            positions[i] = torch.arange(past[i], past[i] + n)
+        batch_cache = DynamicCache(config=self.model.config)
+        if p > 0:
+            batch_cache = DynamicCache(ddp_cache_data=self._stack_past(rows, past, p), config=self.model.config)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=batch_cache,
+                         use_cache=True)
+        logits = []
+        for i, row in enumerate(rows):
+            tail = len(row.request.new_tokens) + 1
+            logits.append(out.logits[i, width[i] - tail : width[i]].clone())  # [tail, V]
+        for layer_idx, layer in enumerate(batch_cache.layers):  # each session takes its own new keys
+            for i, row in enumerate(rows):
+                row.entry.cache.update(layer.keys[i : i + 1, :, p : p + width[i]],
+                                       layer.values[i : i + 1, :, p : p + width[i]], layer_idx)
+        return logits
+
+    def _stack_past(self, rows: list[_Row], past: list[int], p: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, the rows' cached keys and values left-padded with zeros to `p`: `[B, H, P, D]`."""
+        ref = next(row.entry.cache for row, length in zip(rows, past) if length > 0)
+        stacked = []
+        for layer_idx, ref_layer in enumerate(ref.layers):
+            _, heads, _, dim = ref_layer.keys.shape
+            keys = ref_layer.keys.new_zeros((len(rows), heads, p, dim))
+            values = ref_layer.values.new_zeros((len(rows), heads, p, ref_layer.values.shape[-1]))
+            for i, row in enumerate(rows):
+                if past[i]:
+                    layer = row.entry.cache.layers[layer_idx]
+                    keys[i, :, p - past[i] :] = layer.keys[0]
+                    values[i, :, p - past[i] :] = layer.values[0]
+            stacked.append((keys, values))
+        return stacked
+
+    @staticmethod
+    def _batchable(cache: DynamicCache) -> bool:
+        """Plain full-attention layers only: sliding-window or other layer kinds are scored one by one."""
+        return all(type(layer) is DynamicLayer for layer in cache.layers)
+
+    # -- bookkeeping ------------------------------------------------------------------------
 
     def rollback(self, session_id: str, length: int) -> int:
         """Cut a session's cache back to its first `length` tokens; returns what it now covers."""
@@ -109,14 +260,29 @@ class SessionCaches:
             entry = self._entries.get(session_id)
             if entry is None:
                 return 0
-            if length < len(entry.tokens):
-                entry.cache.crop(length - len(entry.tokens))
-                del entry.tokens[length:]
+            self._crop(entry, length)
             return len(entry.tokens)
 
     def release(self, session_id: str) -> bool:
         with self._lock:
-            return self._entries.pop(session_id, None) is not None
+            return self._remove(session_id)
+
+    def _crop(self, entry: _Entry, length: int) -> None:
+        if length < len(entry.tokens):
+            entry.cache.crop(length - len(entry.tokens))
+            self._tokens -= len(entry.tokens) - length
+            del entry.tokens[length:]
+
+    def _extend(self, entry: _Entry, tokens: list[int]) -> None:
+        entry.tokens.extend(tokens)
+        self._tokens += len(tokens)
+
+    def _remove(self, session_id: str) -> bool:
+        entry = self._entries.pop(session_id, None)
+        if entry is None:
+            return False
+        self._tokens -= len(entry.tokens)
+        return True
 
     def _evict_idle(self) -> None:
         cutoff = time.monotonic() - self.idle_ttl_s
@@ -124,4 +290,4 @@ class SessionCaches:
             sid, entry = next(iter(self._entries.items()))
             if entry.last_used >= cutoff:
                 break
-            del self._entries[sid]
+            self._remove(sid)

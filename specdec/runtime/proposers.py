@@ -4,6 +4,11 @@ A proposer yields draft tokens one at a time so the draft service can stream eac
 exists. With sampling, a model proposer also yields the processed draft distribution q of each
 position; a deterministic proposer (prompt lookup) yields none, which the verifier reads as a
 one-hot q at the proposed token.
+
+A model proposer also makes `DraftJob`s for the `Batcher`: each decoding step of every session in
+a batch is one forward pass, and each token is handed to its session's stream as soon as its
+step ends. A job samples with the same per-session generator as `propose`, so batching does not
+change what is proposed.
 """
 
 from __future__ import annotations
@@ -17,7 +22,8 @@ import torch
 
 from specdec.core.ngram import propose_ngram
 from specdec.core.sampling import DRAFT_STREAM, SamplingParams, derive_generator, logits_to_probs, sample
-from specdec.runtime.kv import SessionCaches
+from specdec.runtime.batching import Job
+from specdec.runtime.kv import ScoreRequest, Scored, SessionCaches
 from specdec.runtime.latency import LatencyProfile
 
 
@@ -41,6 +47,36 @@ class Proposer(Protocol):
 
     def cached_sessions(self) -> int: ...
 
+    def cached_tokens(self) -> int: ...
+
+
+def draft_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> tuple[int, np.ndarray | None]:
+    """The next draft token from the last row of `logits [n, V]`, and its q row when sampling."""
+    if params.greedy:
+        return int(torch.argmax(logits[-1])), None
+    q64 = logits_to_probs(logits[-1:], params)[0]  # [V]
+    return sample(q64, generator), q64.to(torch.float32).numpy()
+
+
+class DraftJob(Job):
+    """Up to `k` draft tokens for one session, one batched step per token."""
+
+    def __init__(self, session_id: str, history: list[int], k: int, params: SamplingParams, seed: int,
+                 deadline: float | None = None) -> None:
+        super().__init__(session_id, deadline)
+        self.context = list(history)
+        self.target_length = len(history) + k
+        self.params = params
+        self.generator = None if params.greedy else derive_generator(seed, len(history), DRAFT_STREAM)
+
+    def request(self) -> ScoreRequest:
+        return ScoreRequest(self.session_id, self.context, [])
+
+    def advance(self, scored: Scored, caches: SessionCaches) -> tuple[DraftToken, bool]:
+        token, q = draft_token(scored.logits, self.params, self.generator)
+        self.context.append(token)
+        return DraftToken(token, q, 0, scored.prefilled), len(self.context) >= self.target_length
+
 
 class ModelProposer:
     """Autoregressive proposals from a causal LM with a per-session KV cache."""
@@ -58,15 +94,15 @@ class ModelProposer:
         for _ in range(k):
             start = time.perf_counter_ns()
             logits, prefilled = self.caches.score(session_id, context, [])  # [1, V]
-            if params.greedy:
-                token, q = int(torch.argmax(logits[-1])), None
-            else:
-                q64 = logits_to_probs(logits[-1:], params)[0]  # [V]
-                token = sample(q64, generator)
-                q = q64.to(torch.float32).numpy()
+            token, q = draft_token(logits, params, generator)
             context.append(token)
             self.profile.pad(start, 1)
             yield DraftToken(token, q, time.perf_counter_ns() - start, prefilled)
+
+    def job(self, session_id: str, history: list[int], k: int, params: SamplingParams, seed: int,
+            deadline: float | None = None) -> DraftJob:
+        """The same proposals as `propose`, as a job for the batcher."""
+        return DraftJob(session_id, history, k, params, seed, deadline)
 
     def rollback(self, session_id: str, length: int) -> int:
         return self.caches.rollback(session_id, length)
@@ -76,6 +112,9 @@ class ModelProposer:
 
     def cached_sessions(self) -> int:
         return len(self.caches)
+
+    def cached_tokens(self) -> int:
+        return self.caches.cached_tokens
 
 
 class NgramProposer:
@@ -102,4 +141,7 @@ class NgramProposer:
         return False
 
     def cached_sessions(self) -> int:
+        return 0
+
+    def cached_tokens(self) -> int:
         return 0

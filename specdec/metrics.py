@@ -1,0 +1,267 @@
+"""Prometheus metrics, named as users know them from vLLM (`spec_decode_*`, TTFT, ITL, TPOT).
+
+Every process has its own `CollectorRegistry` (no module-level globals), served over HTTP on
+`--metrics-port` by `serve_metrics`. Every metric carries a `service` label (`target`, `draft`
+or `orchestrator`).
+
+Model services (`ServiceMetrics`):
+
+- `specdec_batch_size` (histogram): jobs per batched forward pass.
+- `specdec_queue_wait_seconds` (histogram): submission to first step of a request.
+- `specdec_compute_seconds` (histogram): one batched step (forward pass + per-job logic).
+- `specdec_num_requests_running`, `specdec_num_requests_waiting` (gauges): in a batch / queued
+  (admission queue plus batch queue).
+- `specdec_kv_cache_sessions`, `specdec_kv_cache_tokens` (gauges): session caches held and the
+  tokens they cover; both return to 0 once every session is released.
+- `specdec_admission_rejections_total` (counter): RESOURCE_EXHAUSTED refusals.
+- `specdec_requests_dropped_total{reason="deadline"|"cancelled"}` (counter): dropped before compute.
+
+Orchestrator (`OrchestratorMetrics`; the orchestrator calls `observe_round` and a
+`RequestTimer`'s `observe_chunk` / `observe_finish`):
+
+- `specdec_time_to_first_token_seconds`, `specdec_inter_token_latency_seconds` (between
+  streamed chunks: one round, 1..k+1 tokens), `specdec_time_per_output_token_seconds`
+  (`(e2e - ttft) / (tokens - 1)`), `specdec_e2e_request_latency_seconds` (histograms).
+- `specdec_spec_decode_num_drafts_total`, `..._num_draft_tokens_total`,
+  `..._num_accepted_tokens_total`, `..._num_accepted_tokens_per_pos_total{position}` (counters).
+- `specdec_spec_decode_draft_length` (histogram): the k chosen each round.
+- `specdec_round_trip_seconds{backend}`, `specdec_backend_compute_seconds{backend}`
+  (histograms): a call's wall time minus the compute the service reports, and that compute.
+- `specdec_num_requests_running`, `specdec_num_requests_waiting` (gauges),
+  `specdec_request_success_total{finish_reason}`, `specdec_prompt_tokens_total`,
+  `specdec_generation_tokens_total`, `specdec_draft_fallbacks_total` (counters).
+
+Useful PromQL::
+
+    # mean acceptance rate and mean accepted tokens per draft
+    rate(specdec_spec_decode_num_accepted_tokens_total[1m]) / rate(specdec_spec_decode_num_draft_tokens_total[1m])
+    1 + rate(specdec_spec_decode_num_accepted_tokens_total[1m]) / rate(specdec_spec_decode_num_drafts_total[1m])
+    # acceptance at draft position 2 (0-based) relative to drafts
+    rate(specdec_spec_decode_num_accepted_tokens_per_pos_total{position="2"}[1m]) / rate(specdec_spec_decode_num_drafts_total[1m])
+    # p90 time per output token, mean batch size of the target
+    histogram_quantile(0.9, rate(specdec_time_per_output_token_seconds_bucket[5m]))
+    rate(specdec_batch_size_sum{service="target"}[1m]) / rate(specdec_batch_size_count{service="target"}[1m])
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+log = logging.getLogger(__name__)
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+                   1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128)
+DRAFT_LENGTH_BUCKETS = (0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 64)
+
+
+def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> tuple[int, Callable[[], None]]:
+    """Serve `registry` at http://host:port/metrics in a daemon thread; port 0 picks a free one.
+
+    Returns the bound port and a function that stops the server.
+    """
+    server, thread = start_http_server(port, addr=host, registry=registry)
+
+    def stop() -> None:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
+
+    return server.server_port, stop
+
+
+class ServiceMetrics:
+    """The metrics of a draft or target service; also the batcher's observer (`BatchObserver` hooks)."""
+
+    def __init__(self, service: str, registry: CollectorRegistry | None = None) -> None:
+        self.service = service
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r, labels = self.registry, ["service"]
+        self.batch_size = Histogram("specdec_batch_size", "Jobs per batched forward pass.", labels,
+                                    buckets=BATCH_BUCKETS, registry=r).labels(service)
+        self.queue_wait = Histogram("specdec_queue_wait_seconds", "Time from submission to a request's first step.",
+                                    labels, buckets=LATENCY_BUCKETS, registry=r).labels(service)
+        self.compute = Histogram("specdec_compute_seconds", "Time of one batched step (forward pass and per-job logic).",
+                                 labels, buckets=LATENCY_BUCKETS, registry=r).labels(service)
+        self.running = Gauge("specdec_num_requests_running", "Requests in a running batch.", labels,
+                             registry=r).labels(service)
+        self.waiting = Gauge("specdec_num_requests_waiting", "Requests queued (admission and batch queues).", labels,
+                             registry=r).labels(service)
+        self.kv_sessions = Gauge("specdec_kv_cache_sessions", "Session KV caches held.", labels,
+                                 registry=r).labels(service)
+        self.kv_tokens = Gauge("specdec_kv_cache_tokens", "Tokens covered by the session KV caches held.", labels,
+                               registry=r).labels(service)
+        self.rejections = Counter("specdec_admission_rejections", "Requests refused with RESOURCE_EXHAUSTED.", labels,
+                                  registry=r).labels(service)
+        self._dropped = Counter("specdec_requests_dropped", "Requests dropped before compute.", ["service", "reason"],
+                                registry=r)
+        for reason in ("deadline", "cancelled"):
+            self._dropped.labels(service, reason)  # exported at 0 from the start
+
+    def track(self, running: Callable[[], float], waiting: Callable[[], float],
+              kv_sessions: Callable[[], float], kv_tokens: Callable[[], float]) -> None:
+        """Read the gauges from these callbacks at every scrape."""
+        self.running.set_function(running)
+        self.waiting.set_function(waiting)
+        self.kv_sessions.set_function(kv_sessions)
+        self.kv_tokens.set_function(kv_tokens)
+
+    # -- specdec.runtime.batching.BatchObserver hooks ---------------------------------------------
+
+    def on_step(self, batch_size: int, compute_s: float) -> None:
+        self.batch_size.observe(batch_size)
+        self.compute.observe(compute_s)
+
+    def on_start(self, queue_s: float) -> None:
+        self.queue_wait.observe(queue_s)
+
+    def on_dropped(self, reason: str) -> None:
+        self._dropped.labels(self.service, reason).inc()
+
+    def on_reject(self) -> None:
+        self.rejections.inc()
+
+
+class RequestTimer:
+    """Latency metrics of one generation request (create with `OrchestratorMetrics.start_request`)."""
+
+    def __init__(self, metrics: OrchestratorMetrics) -> None:
+        self.metrics = metrics
+        self.start = time.perf_counter()
+        self.first_s: float | None = None  # time to the first chunk
+        self.last = self.start
+        self.finished = False
+        metrics._started()
+
+    def observe_chunk(self, n_tokens: int) -> None:
+        """A chunk of `n_tokens` new tokens was sent to the client (call once per chunk)."""
+        if n_tokens <= 0:
+            return
+        now = time.perf_counter()
+        if self.first_s is None:
+            self.first_s = now - self.start
+            self.metrics.ttft.observe(self.first_s)
+        else:
+            self.metrics.itl.observe(now - self.last)
+        self.last = now
+
+    def observe_finish(self, finish_reason: str, prompt_tokens: int, completion_tokens: int) -> None:
+        """The request ended (finish_reason: eos, length, stop, cancelled, error, ...); once only."""
+        if self.finished:
+            return
+        self.finished = True
+        m = self.metrics
+        e2e = time.perf_counter() - self.start
+        m.e2e.observe(e2e)
+        if completion_tokens > 1 and self.first_s is not None:
+            m.tpot.observe((e2e - self.first_s) / (completion_tokens - 1))
+        m.requests.labels(m.service, finish_reason).inc()
+        m.prompt_tokens.inc(prompt_tokens)
+        m.generation_tokens.inc(completion_tokens)
+        m._finished()
+
+    def __enter__(self) -> RequestTimer:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if not self.finished:  # left without observe_finish: an error or a cancellation
+            reason = "cancelled" if exc_type is not None and exc_type.__name__ == "CancelledError" else "error"
+            self.observe_finish(reason, 0, 0)
+
+
+class OrchestratorMetrics:
+    """The orchestrator's metrics. Call `observe_round` per round and time each request::
+
+        with metrics.start_request() as timer:
+            ...
+            metrics.observe_round(chunk.round)
+            timer.observe_chunk(len(chunk.token_ids))
+            ...
+            timer.observe_finish("length", prompt_tokens, completion_tokens)
+    """
+
+    service = "orchestrator"
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r, s = self.registry, self.service
+
+        def histogram(name: str, doc: str, buckets=LATENCY_BUCKETS) -> Histogram:
+            return Histogram(name, doc, ["service"], buckets=buckets, registry=r).labels(s)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, ["service"], registry=r).labels(s)
+
+        self.ttft = histogram("specdec_time_to_first_token_seconds", "Time to the first generated token.")
+        self.itl = histogram("specdec_inter_token_latency_seconds",
+                             "Time between consecutive streamed chunks (one round: 1..k+1 tokens).")
+        self.tpot = histogram("specdec_time_per_output_token_seconds",
+                              "Per request: (e2e latency - time to first token) / (output tokens - 1).")
+        self.e2e = histogram("specdec_e2e_request_latency_seconds", "End-to-end latency of a request.")
+        self.num_drafts = counter("specdec_spec_decode_num_drafts", "Rounds in which draft tokens were proposed.")
+        self.num_draft_tokens = counter("specdec_spec_decode_num_draft_tokens", "Draft tokens proposed.")
+        self.num_accepted_tokens = counter("specdec_spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self._accepted_per_pos = Counter("specdec_spec_decode_num_accepted_tokens_per_pos",
+                                         "Draft tokens accepted, by 0-based position in the block.",
+                                         ["service", "position"], registry=r)
+        self.draft_length = histogram("specdec_spec_decode_draft_length", "Draft length k chosen for a round.",
+                                      DRAFT_LENGTH_BUCKETS)
+        self._round_trip = Histogram("specdec_round_trip_seconds",
+                                     "Call wall time minus the compute time the service reports.",
+                                     ["service", "backend"], buckets=LATENCY_BUCKETS, registry=r)
+        self._compute = Histogram("specdec_backend_compute_seconds", "Compute time a backend reports for a call.",
+                                  ["service", "backend"], buckets=LATENCY_BUCKETS, registry=r)
+        self.fallbacks = counter("specdec_draft_fallbacks", "Rounds run at k = 0 because the draft failed.")
+        self.requests = Counter("specdec_request_success", "Finished requests by finish reason.",
+                                ["service", "finish_reason"], registry=r)
+        self.prompt_tokens = counter("specdec_prompt_tokens", "Prompt tokens of finished requests.")
+        self.generation_tokens = counter("specdec_generation_tokens", "Tokens generated by finished requests.")
+        self.running = Gauge("specdec_num_requests_running", "Generation requests in progress.", ["service"],
+                             registry=r).labels(s)
+        self.waiting = Gauge("specdec_num_requests_waiting", "Generation requests queued for admission.", ["service"],
+                             registry=r).labels(s)
+        self._lock = threading.Lock()
+        self._active = 0
+        self.running.set_function(lambda: self._active)
+        self.waiting.set(0)
+
+    def track_admission(self, admission) -> None:
+        """Read running/waiting from a `specdec.admission.Admission` instead of the request timers."""
+        self.running.set_function(lambda: admission.running)
+        self.waiting.set_function(lambda: admission.waiting)
+
+    def start_request(self) -> RequestTimer:
+        return RequestTimer(self)
+
+    def observe_round(self, stats) -> None:
+        """One speculative round (`specdec.v1.orchestrator_pb2.RoundStats`)."""
+        self.draft_length.observe(stats.draft_length)
+        if stats.draft_fallback:
+            self.fallbacks.inc()
+        if stats.proposed > 0:
+            self.num_drafts.inc()
+            self.num_draft_tokens.inc(stats.proposed)
+            self.num_accepted_tokens.inc(stats.accepted)
+            for position in range(stats.accepted):
+                self._accepted_per_pos.labels(self.service, str(position)).inc()
+        if stats.draft_ns > 0:
+            self._observe_call("draft", stats.draft_ns, stats.draft_compute_ns)
+        if stats.verify_ns > 0:
+            self._observe_call("target", stats.verify_ns, stats.verify_compute_ns)
+
+    def _observe_call(self, backend: str, wall_ns: int, compute_ns: int) -> None:
+        self._round_trip.labels(self.service, backend).observe(max(0, wall_ns - compute_ns) / 1e9)
+        self._compute.labels(self.service, backend).observe(compute_ns / 1e9)
+
+    def _started(self) -> None:
+        with self._lock:
+            self._active += 1
+
+    def _finished(self) -> None:
+        with self._lock:
+            self._active -= 1

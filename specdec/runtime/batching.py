@@ -1,0 +1,333 @@
+"""Batching many sessions' scoring work into shared forward passes.
+
+A request becomes a `Job`: one or more scoring steps on one session's KV cache (a verify is one
+step: score `k + 1` positions; a draft of `k` tokens is `k` steps of one token each). The
+`Batcher` owns the model thread. It collects jobs for a short window after the first one
+arrives (or until `max_batch` are waiting), then runs one step of every job in the batch as ONE
+forward pass (`SessionCaches.score_batch`), hands each job its slice of the result, and repeats.
+Jobs with more steps stay in the batch; new jobs join it at the next step boundary (continuous
+batching), so a long draft never holds a short one back by more than one step.
+
+Each batch holds a session at most once (a second job for the same session waits for the first
+to finish), so every session's cache sees its requests in order. Before each step, jobs whose
+deadline has passed are failed with DEADLINE_EXCEEDED and cancelled jobs are dropped: neither
+costs any compute.
+
+Everything about asyncio happens on the event loop; the worker thread only runs `step`, which
+touches the model, the caches and the jobs' own per-step logic (`Job.advance`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable
+
+from specdec.errors import Cancelled, DeadlineExceeded
+from specdec.runtime.kv import ScoreRequest, Scored, SessionCaches
+from specdec.runtime.latency import LatencyProfile
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BatchConfig:
+    max_batch: int = 16
+    """Most jobs in one forward pass; 1 disables batching."""
+    window_s: float = 0.002
+    """How long the first waiting job waits for company before its batch starts."""
+
+    def __post_init__(self) -> None:
+        if self.max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
+        if self.window_s < 0:
+            raise ValueError(f"window_s must be >= 0, got {self.window_s}")
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """What one batched step cost, as every job in it sees it."""
+
+    batch_size: int
+    compute_ns: int  # the whole step: forward pass plus every job's per-step logic
+    queue_ns: int  # this job's wait from submission to its first step (0 on later steps)
+
+
+class BatchObserver:
+    """Hooks for metrics; the default does nothing."""
+
+    def on_step(self, batch_size: int, compute_s: float) -> None: ...
+
+    def on_start(self, queue_s: float) -> None: ...
+
+    def on_dropped(self, reason: str) -> None: ...
+
+
+class Job:
+    """One request's share of the batched work. Subclasses define `request` and `advance`.
+
+    `request` and `advance` run on the worker thread; `deliver` and `finish` on the event loop.
+    """
+
+    def __init__(self, session_id: str, deadline: float | None = None) -> None:
+        self.session_id = session_id
+        self.deadline = deadline  # time.monotonic() after which the caller has given up, or None
+        self.enqueued = time.monotonic()
+        self.started = False
+        self.cancelled = False
+        self.done = False
+        self._items: asyncio.Queue = asyncio.Queue()
+
+    # -- worker thread -----------------------------------------------------------------------
+
+    def request(self) -> ScoreRequest:
+        """What this job needs scored next."""
+        raise NotImplementedError
+
+    def advance(self, scored: Scored, caches: SessionCaches) -> tuple[Any, bool]:
+        """Consume one step's logits; return (item for the caller, whether the job is finished)."""
+        raise NotImplementedError
+
+    # -- event loop ----------------------------------------------------------------------------
+
+    def deliver(self, item: Any, step: StepInfo) -> None:
+        self._items.put_nowait((item, step))
+
+    def finish(self, error: BaseException | None = None) -> None:
+        if not self.done:
+            self.done = True
+            self._items.put_nowait(error)
+
+    async def results(self) -> AsyncIterator[tuple[Any, StepInfo]]:
+        """The job's items as they are produced; raises the job's error, if any, at the end."""
+        while True:
+            got = await self._items.get()
+            if got is None:
+                return
+            if isinstance(got, BaseException):
+                raise got
+            yield got
+
+    def expired(self, now: float) -> bool:
+        return self.deadline is not None and now >= self.deadline
+
+
+class Batcher:
+    """Runs jobs in shared forward passes on one worker thread (see the module docstring)."""
+
+    def __init__(self, caches: SessionCaches, config: BatchConfig = BatchConfig(),
+                 profile: LatencyProfile = LatencyProfile(), observer: BatchObserver | None = None,
+                 executor: ThreadPoolExecutor | None = None) -> None:
+        self.caches = caches
+        self.config = config
+        self.profile = profile
+        self.observer = observer or BatchObserver()
+        self.executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="batch")
+        self._pending: deque[Job] = deque()
+        self._active: list[Job] = []
+        self._wakeup: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+        self.batches = 0  # forward passes run (for tests and GetInfo)
+
+    @property
+    def waiting(self) -> int:
+        """Jobs submitted that have not started their first step."""
+        return len(self._pending)
+
+    @property
+    def running(self) -> int:
+        """Jobs in the current batch."""
+        return len(self._active)
+
+    # -- the API a servicer uses ----------------------------------------------------------------
+
+    async def run(self, job: Job) -> tuple[Any, StepInfo]:
+        """Submit a one-step job and wait for its result; cancelling the caller cancels the job."""
+        result = None
+        async for result in self.stream(job):
+            pass
+        if result is None:
+            raise RuntimeError(f"job for session {job.session_id!r} finished without a result")
+        return result
+
+    async def stream(self, job: Job) -> AsyncIterator[tuple[Any, StepInfo]]:
+        """Submit a job and yield its items as its steps complete."""
+        self._submit(job)
+        try:
+            async for item in job.results():
+                yield item
+        finally:
+            if not job.done:
+                job.cancelled = True  # the caller went away: drop it at the next step boundary
+                self._kick()
+
+    async def call(self, fn: Callable, *args) -> Any:
+        """Run `fn(*args)` on the worker thread, between steps (rollback, release)."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    def cancel_session(self, session_id: str) -> int:
+        """Cancel every queued or running job of a session (before its cache is released)."""
+        count = 0
+        for job in [*self._pending, *self._active]:
+            if job.session_id == session_id and not job.done:
+                job.cancelled = True
+                count += 1
+        if count:
+            self._kick()
+        return count
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        for job in [*self._pending, *self._active]:
+            job.finish(Cancelled("the service is shutting down"))
+
+    # -- scheduling -----------------------------------------------------------------------------
+
+    def _submit(self, job: Job) -> None:
+        if self._wakeup is None:
+            self._wakeup = asyncio.Event()
+        self._pending.append(job)
+        self._kick()
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._loop(), name="batcher")
+
+    def _kick(self) -> None:
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                await self._schedule()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a bug here must not leave callers waiting forever
+                log.exception("batch scheduler failed; failing the queued and running jobs")
+                for job in [*self._pending, *self._active]:
+                    job.finish(exc)
+                self._pending.clear()
+                self._active = []
+
+    async def _schedule(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            self._cull()
+            if not self._active:
+                if not self._pending:
+                    self._wakeup.clear()
+                    await self._wakeup.wait()
+                    continue
+                await self._gather_window()
+            self._admit()
+            if not self._active:
+                continue
+            batch = list(self._active)
+            try:
+                outcomes = await loop.run_in_executor(self.executor, self._step, batch)
+            except Exception as exc:  # the forward failed: every job of the batch fails with it
+                log.exception("batched step of %d jobs failed", len(batch))
+                for job in batch:
+                    job.finish(exc)
+                self._active = [j for j in self._active if j not in batch]
+                continue
+            for job, item, finished, step in outcomes:
+                if isinstance(item, BaseException):
+                    job.finish(item)
+                    continue
+                if not job.cancelled:
+                    job.deliver(item, step)
+                if finished:
+                    job.finish()
+            self._active = [j for j in self._active if not j.done]
+
+    async def _gather_window(self) -> None:
+        """Wait until `max_batch` jobs are pending or the oldest has waited `window_s`."""
+        while len(self._pending) < self.config.max_batch:
+            remaining = self._pending[0].enqueued + self.config.window_s - time.monotonic()
+            if remaining <= 0:
+                return
+            self._wakeup.clear()
+            try:
+                await asyncio.wait_for(self._wakeup.wait(), remaining)
+            except asyncio.TimeoutError:
+                return
+            self._cull()
+            if not self._pending:
+                return
+
+    def _cull(self) -> None:
+        """Drop cancelled jobs and fail expired ones, queued or running, before they cost compute."""
+        now = time.monotonic()
+        for queue_name in ("_pending", "_active"):
+            jobs = getattr(self, queue_name)
+            keep = [job for job in jobs if not self._drop_if_dead(job, now)]
+            if len(keep) != len(jobs):
+                setattr(self, queue_name, deque(keep) if queue_name == "_pending" else keep)
+
+    def _drop_if_dead(self, job: Job, now: float) -> bool:
+        if job.done:
+            return True
+        if job.expired(now):  # checked first: gRPC also cancels a call whose deadline passed
+            job.finish(DeadlineExceeded(
+                f"the request's deadline passed after {now - job.enqueued:.3f}s in the service "
+                f"({'between steps' if job.started else 'while queued'}); it was dropped before compute"))
+            self.observer.on_dropped("deadline")
+            return True
+        if job.cancelled:
+            job.finish(Cancelled(f"the request for session {job.session_id!r} was cancelled"))
+            self.observer.on_dropped("cancelled")
+            return True
+        return False
+
+    def _admit(self) -> None:
+        """Move pending jobs into the batch, up to max_batch, one job per session, in order."""
+        busy = {job.session_id for job in self._active}
+        skipped: deque[Job] = deque()
+        while self._pending and len(self._active) < self.config.max_batch:
+            job = self._pending.popleft()
+            if job.session_id in busy:
+                skipped.append(job)  # the session's earlier job runs first
+                continue
+            busy.add(job.session_id)
+            self._active.append(job)
+        skipped.extend(self._pending)
+        self._pending = skipped
+
+    # -- worker thread --------------------------------------------------------------------------
+
+    def _step(self, batch: list[Job]) -> list[tuple[Job, Any, bool, StepInfo]]:
+        start_ns = time.perf_counter_ns()
+        now = time.monotonic()
+        queue_ns = {}
+        for job in batch:
+            if not job.started:
+                job.started = True
+                queue_ns[id(job)] = int((now - job.enqueued) * 1e9)
+                self.observer.on_start(now - job.enqueued)
+        requests = [job.request() for job in batch]
+        scored = self.caches.score_batch(requests)
+        self.batches += 1
+        results: list[tuple[Job, Any, bool]] = []
+        for job, one in zip(batch, scored):
+            if isinstance(one, Exception):
+                results.append((job, one, True))
+                continue
+            try:
+                item, finished = job.advance(one, self.caches)
+            except Exception as exc:  # noqa: BLE001 - one job's bad input fails that job only
+                item, finished = exc, True
+            results.append((job, item, finished))
+        self.profile.pad(start_ns, max(len(r.new_tokens) + 1 for r in requests))
+        compute_ns = time.perf_counter_ns() - start_ns
+        self.observer.on_step(len(batch), compute_ns / 1e9)
+        return [(job, item, finished, StepInfo(len(batch), compute_ns, queue_ns.get(id(job), 0)))
+                for job, item, finished in results]

@@ -1,0 +1,260 @@
+"""Batched scoring equals scoring one session at a time; the batcher's scheduling rules."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from specdec.core.sampling import SamplingParams
+from specdec.errors import Cancelled, DeadlineExceeded, InvalidArgument
+from specdec.runtime.batching import BatchConfig, Batcher
+from specdec.runtime.kv import PREFILL_ALONE_ABOVE, ScoreRequest, SessionCaches
+from specdec.runtime.latency import LatencyProfile
+from specdec.runtime.models import load_model
+from specdec.runtime.proposers import ModelProposer
+from specdec.runtime.tiny import make_tiny_model
+from specdec.runtime.verifier import Verifier
+
+V = 100  # the tiny char tokenizer's vocabulary
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    loaded = load_model(str(make_tiny_model(tmp_path_factory.mktemp("batching") / "m", seed=0)), dtype="float64",
+                        progress=False)
+    yield loaded.model
+    torch.set_num_threads(threads)
+
+
+def full_logits(model, tokens: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(torch.tensor([tokens])).logits[0]  # [S, V]
+
+
+def tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(3, V) for _ in range(n)]
+
+
+def test_batched_scoring_equals_single_scoring_over_rounds(model):
+    """Sessions with different pasts and block lengths, fresh and cached, diverging and released."""
+    rng = random.Random(0)
+    batched, single = SessionCaches(model, 512), SessionCaches(model, 512)
+    histories = {f"s{i}": tokens(rng, rng.randrange(1, 30)) for i in range(6)}
+    histories["long"] = tokens(rng, PREFILL_ALONE_ABOVE + 20)  # re-prefilled alone, then joins the batch
+    for _ in range(5):
+        requests = [ScoreRequest(sid, list(h), tokens(rng, rng.randrange(0, 6))) for sid, h in histories.items()]
+        results = batched.score_batch(requests)
+        for request, result in zip(requests, results):
+            alone, prefilled = single.score(request.session_id, request.history, request.new_tokens)
+            assert result.logits.shape == (len(request.new_tokens) + 1, V)
+            torch.testing.assert_close(result.logits, alone, rtol=0, atol=1e-9)
+            assert torch.equal(result.logits.argmax(-1), alone.argmax(-1))
+            assert result.prefilled == prefilled
+            reference = full_logits(model, request.history + request.new_tokens)[len(request.history) - 1:]
+            torch.testing.assert_close(result.logits, reference, rtol=0, atol=1e-9)
+        for request in requests:  # accept a prefix, emit a token; sometimes diverge or lose the cache
+            accepted = rng.randrange(0, len(request.new_tokens) + 1)
+            batched.rollback(request.session_id, len(request.history) + accepted)
+            single.rollback(request.session_id, len(request.history) + accepted)
+            history = request.history + request.new_tokens[:accepted] + tokens(rng, 1)
+            if rng.random() < 0.2:
+                history = history[: rng.randrange(1, len(history) + 1)] + tokens(rng, 2)
+            if rng.random() < 0.1:
+                batched.release(request.session_id)
+                single.release(request.session_id)
+            histories[request.session_id] = history
+    assert batched.cached_tokens == sum(len(e.tokens) for e in batched._entries.values())
+    for sid in histories:
+        batched.release(sid)
+    assert len(batched) == 0 and batched.cached_tokens == 0
+
+
+def test_a_bad_row_fails_alone(model):
+    caches = SessionCaches(model, 512)
+    results = caches.score_batch([ScoreRequest("good", [10, 11, 12], [13]), ScoreRequest("bad", [10, 10**6], []),
+                                  ScoreRequest("empty", [], [])])
+    assert results[0].logits.shape == (2, V)
+    assert isinstance(results[1], InvalidArgument) and "outside the vocabulary" in str(results[1])
+    assert isinstance(results[2], InvalidArgument)
+    assert len(caches) == 1 and caches.cached_tokens == 4
+    with pytest.raises(ValueError, match="at most once"):
+        caches.score_batch([ScoreRequest("a", [1], []), ScoreRequest("a", [1], [])])
+
+
+def block(rng: random.Random, history: list[int], reference_model, k: int) -> list[int]:
+    """Draft tokens that are right about half the time (so some are accepted and some rejected)."""
+    out, context = [], list(history)
+    for _ in range(k):
+        best = int(full_logits(reference_model, context)[-1].argmax())
+        token = best if rng.random() < 0.6 else rng.randrange(3, V)
+        out.append(token)
+        context.append(token)
+    return out
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=1.0, top_p=0.9)],
+                         ids=["greedy", "sampling"])
+async def test_concurrent_verification_equals_one_at_a_time(model, params):
+    rng = random.Random(1)
+    sessions = {f"s{i}": tokens(rng, rng.randrange(2, 20)) for i in range(8)}
+    rounds = {sid: [block(rng, h, model, rng.randrange(0, 5)) for _ in range(4)] for sid, h in sessions.items()}
+
+    # One at a time, through the plain (unbatched) verifier.
+    alone = Verifier(SessionCaches(model, 512), V)
+    expected = {}
+    for sid, history in sessions.items():
+        history, verdicts = list(history), []
+        for drafts in rounds[sid]:
+            verdict = alone.verify(sid, history, drafts, None, params, seed=7).verdict
+            verdicts.append(verdict)
+            history = history + drafts[: verdict.num_accepted] + [verdict.token]
+        expected[sid] = (history, verdicts)
+
+    # All sessions at once, through the batcher.
+    verifier = Verifier(SessionCaches(model, 512), V)
+    batcher = Batcher(verifier.caches, BatchConfig(max_batch=16, window_s=0.02))
+    sizes = []
+
+    async def run(sid: str):
+        history, verdicts = list(sessions[sid]), []
+        for drafts in rounds[sid]:
+            (verdict, _), step = await batcher.run(verifier.job(sid, history, drafts, None, params, seed=7))
+            sizes.append(step.batch_size)
+            verdicts.append(verdict)
+            history = history + drafts[: verdict.num_accepted] + [verdict.token]
+        return sid, (history, verdicts)
+
+    got = dict(await asyncio.gather(*(run(sid) for sid in sessions)))
+    await batcher.close()
+    assert got == expected
+    assert max(sizes) > 1 and batcher.batches < len(sizes), "no two sessions ever shared a forward pass"
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.8, top_k=20)],
+                         ids=["greedy", "sampling"])
+async def test_batched_drafting_streams_the_same_tokens(model, params):
+    rng = random.Random(2)
+    sessions = {f"d{i}": (tokens(rng, rng.randrange(1, 25)), rng.randrange(1, 7)) for i in range(6)}
+    alone = ModelProposer(SessionCaches(model, 512))
+    expected = {sid: [(d.token_id, None if d.probs is None else d.probs.tolist())
+                      for d in alone.propose(sid, history, k, params, seed=3)]
+                for sid, (history, k) in sessions.items()}
+
+    proposer = ModelProposer(SessionCaches(model, 512))
+    batcher = Batcher(proposer.caches, BatchConfig(max_batch=4, window_s=0.02))
+    sizes = []
+
+    async def run(sid: str):
+        history, k = sessions[sid]
+        out = []
+        async for draft, step in batcher.stream(proposer.job(sid, history, k, params, seed=3)):
+            sizes.append(step.batch_size)
+            out.append((draft.token_id, None if draft.probs is None else draft.probs.tolist()))
+        return sid, out
+
+    got = dict(await asyncio.gather(*(run(sid) for sid in sessions)))
+    await batcher.close()
+    assert got == expected
+    assert max(sizes) == 4  # the batch is full, and jobs joined as others finished (6 jobs, 4 slots)
+
+
+class SlowCaches(SessionCaches):
+    """Counts scored rows; each pass takes `delay_s`."""
+
+    def __init__(self, model, delay_s: float) -> None:
+        super().__init__(model, 512)
+        self.delay_s = delay_s
+        self.scored: list[str] = []
+
+    def score_batch(self, requests):
+        time.sleep(self.delay_s)
+        self.scored.extend(r.session_id for r in requests)
+        return super().score_batch(requests)
+
+
+async def test_expired_and_cancelled_jobs_are_dropped_before_compute(model):
+    caches = SlowCaches(model, 0.3)
+    verifier = Verifier(caches, V)
+    dropped = []
+
+    class Observer:
+        def on_step(self, *_): ...
+        def on_start(self, *_): ...
+        def on_dropped(self, reason): dropped.append(reason)
+
+    batcher = Batcher(caches, BatchConfig(max_batch=1, window_s=0), observer=Observer())
+    greedy = SamplingParams()
+    first = asyncio.ensure_future(batcher.run(verifier.job("a", [5, 6], [], None, greedy, 0)))
+    await asyncio.sleep(0.05)  # "a" is computing; the next two queue behind it
+    late = asyncio.ensure_future(batcher.run(verifier.job("b", [5, 6], [], None, greedy, 0,
+                                                         deadline=time.monotonic() + 0.1)))
+    gone = asyncio.ensure_future(batcher.run(verifier.job("c", [5, 6], [], None, greedy, 0)))
+    await asyncio.sleep(0.05)
+    gone.cancel()
+    await first
+    with pytest.raises(DeadlineExceeded, match="while queued"):
+        await late
+    with pytest.raises(asyncio.CancelledError):
+        await gone
+    await asyncio.sleep(0.05)
+    assert caches.scored == ["a"] and sorted(dropped) == ["cancelled", "deadline"]
+    assert batcher.waiting == 0 and batcher.running == 0
+    await batcher.close()
+
+
+async def test_a_session_is_never_twice_in_one_batch_and_keeps_its_order(model):
+    caches = SlowCaches(model, 0.0)
+    proposer = ModelProposer(caches)
+    batcher = Batcher(caches, BatchConfig(max_batch=8, window_s=0.05))
+    greedy = SamplingParams()
+    first = [d async for d, _ in batcher.stream(proposer.job("s", [5, 6, 7], 3, greedy, 0))]
+    caches.scored.clear()
+
+    async def drafts(history, k):
+        return [d.token_id async for d, _ in batcher.stream(proposer.job("s", history, k, greedy, 0))]
+
+    # Two drafts of the same session submitted together run one after the other, in order.
+    a, b = await asyncio.gather(drafts([5, 6, 7], 2), drafts([5, 6, 7, first[0].token_id], 2))
+    assert a == [d.token_id for d in first[:2]] and b == [d.token_id for d in first[1:3]]
+    assert caches.scored == ["s"] * 4
+    await batcher.close()
+
+
+async def test_cancel_session_stops_a_running_draft(model):
+    caches = SlowCaches(model, 0.05)
+    proposer = ModelProposer(caches)
+    batcher = Batcher(caches, BatchConfig(max_batch=4, window_s=0))
+    stream = batcher.stream(proposer.job("s", [5, 6, 7], 50, SamplingParams(), 0))
+    await stream.__anext__()
+    assert batcher.cancel_session("s") == 1
+    with pytest.raises(Cancelled):
+        async for _ in stream:
+            pass
+    assert len(caches.scored) < 5
+    await batcher.close()
+
+
+def test_emulated_latency_pads_a_batch_once(model):
+    caches = SessionCaches(model, 512)
+    batcher = Batcher(caches, BatchConfig(max_batch=4, window_s=0), profile=LatencyProfile(0.05, 0.0))
+    verifier = Verifier(caches, V)
+    jobs = [verifier.job(f"s{i}", [5, 6], [7], None, SamplingParams(), 0) for i in range(4)]
+    start = time.perf_counter()
+    outcomes = batcher._step(jobs)
+    assert 0.05 <= time.perf_counter() - start < 0.15
+    assert all(step.batch_size == 4 and step.compute_ns >= 5e7 for *_, step in outcomes)
+
+
+def test_batch_config_is_validated():
+    with pytest.raises(ValueError):
+        BatchConfig(max_batch=0)
+    with pytest.raises(ValueError):
+        BatchConfig(window_s=-1)
+    assert np.isclose(BatchConfig().window_s, 0.002)
