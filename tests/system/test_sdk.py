@@ -1,8 +1,8 @@
 """The SDK against real processes: both clients, sessions, deadlines, GetStatus, and resume after a crash.
 
-The crash test starts two more orchestrators on the shared pipeline's Redis, target and draft,
-kills the one a stream is on (SIGKILL, mid-generation), and checks that the client finishes the
-generation on the other with every token exactly once.
+The crash tests start more orchestrator replicas on the shared pipeline's Redis, target and draft,
+kill the one a stream is on (SIGKILL, mid-generation), and check that the client finishes the
+generation on another with every token exactly once (or, with resume=False, raises UNAVAILABLE).
 """
 
 from __future__ import annotations
@@ -102,33 +102,21 @@ def test_status_counts_what_it_served(tiny_pipeline):
     assert backends["target"]["address"] == tiny_pipeline.plan.grpc_addresses()["target"]
 
 
-def test_status_reports_a_dead_backend(tiny_models, tmp_path):
-    from tests.conftest import start_tiny_pipeline
-
-    pipeline = start_tiny_pipeline(tmp_path, tiny_models, "poor_draft")
-    try:
-        os.kill(pipeline.procs["draft"].pid, signal.SIGKILL)
-        pipeline.procs["draft"].wait(10)
-        with Client(orchestrator_address(pipeline)) as client:
-            status = client.status()
-        backends = {b["role"]: b for b in status["backends"]}
-        assert backends["target"]["healthy"]
-        assert not backends["draft"]["healthy"] and backends["draft"]["error"]
-    finally:
-        pipeline.stop()
-
-
-@pytest.fixture
-def two_orchestrators(tiny_pipeline, tmp_path):
-    """Two more orchestrator replicas sharing the pipeline's Redis, target and draft."""
+@pytest.fixture(scope="module")
+def replicas(tiny_pipeline, tmp_path_factory):
+    """Three more orchestrator replicas sharing the pipeline's Redis, target and draft; the third also
+    lists a draft replica that does not exist."""
     base = tiny_pipeline.plan.commands()["orchestrator"]
+    logs = tmp_path_factory.mktemp("replicas")
     procs, addresses = [], []
     try:
-        for i in range(2):
+        for i in range(3):
             port = free_port()
             cmd = list(base)
             cmd[cmd.index("--port") + 1] = str(port)
-            with open(tmp_path / f"orchestrator-{i}.log", "wb") as log:
+            if i == 2:
+                cmd[cmd.index("--draft") + 1] += f",127.0.0.1:{free_port()}"
+            with open(logs / f"orchestrator-{i}.log", "wb") as log:
                 procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
             addresses.append(f"127.0.0.1:{port}")
         for proc, address in zip(procs, addresses):
@@ -141,17 +129,29 @@ def two_orchestrators(tiny_pipeline, tmp_path):
                 proc.wait(10)
 
 
-def test_stream_resumes_on_another_orchestrator_after_a_crash(two_orchestrators, long_prompt, reference):
+def test_status_reports_a_dead_backend(replicas, tiny_pipeline):
+    _, addresses = replicas
+    with Client(addresses[2]) as client:
+        status = client.status()
+    drafts = {b["address"]: b for b in status["backends"] if b["role"] == "draft"}
+    live = tiny_pipeline.plan.grpc_addresses()["draft"]
+    (dead,) = set(drafts) - {live}
+    assert drafts[live]["healthy"] and drafts[live]["model"] == "poor_draft"
+    assert not drafts[dead]["healthy"] and drafts[dead]["error"] and drafts[dead]["model"] == ""
+    assert all(b["healthy"] for b in status["backends"] if b["role"] == "target")
+
+
+def test_stream_resumes_on_another_orchestrator_after_a_crash(replicas, long_prompt, reference):
     """Needs the server side of resume (resume_from, header chunk, chunk offsets)."""
-    (first, _), addresses = two_orchestrators
+    procs, addresses = replicas
     prompt, expected = long_prompt
-    with Client(addresses) as client:
+    with Client(addresses[:2]) as client:
         stream = client.stream(prompt, max_new_tokens=80, temperature=0, draft_length=1)
         chunks = []
         for chunk in stream:
             chunks.append(chunk)
             if len(chunks) == 3:
-                os.kill(first.pid, signal.SIGKILL)  # the replica this stream is on (round-robin starts there)
+                os.kill(procs[0].pid, signal.SIGKILL)  # the replica this stream is on (round-robin starts there)
     tokens = [t for c in chunks for t in c.token_ids]
     assert stream.resumes == 1
     assert tokens == expected  # nothing lost, nothing twice
@@ -159,16 +159,16 @@ def test_stream_resumes_on_another_orchestrator_after_a_crash(two_orchestrators,
     assert chunks[-1].finish_reason == "length" and chunks[-1].stats["completion_tokens"] == 80
 
 
-def test_no_resume_when_turned_off(two_orchestrators, long_prompt):
-    (first, _), addresses = two_orchestrators
+def test_no_resume_when_turned_off(replicas, long_prompt):
+    procs, addresses = replicas
     prompt, _ = long_prompt
-    with Client(addresses, resume=False) as client:
+    with Client(addresses[1:], resume=False) as client:
         received = 0
-        with pytest.raises(errors.Unavailable, match=addresses[0]):
+        with pytest.raises(errors.Unavailable, match=addresses[1]):
             for chunk in client.stream(prompt, max_new_tokens=80, temperature=0, draft_length=1):
                 received += len(chunk.token_ids)
-                if received >= 3 and first.poll() is None:
-                    os.kill(first.pid, signal.SIGKILL)
+                if received >= 3 and procs[1].poll() is None:
+                    os.kill(procs[1].pid, signal.SIGKILL)
     assert 3 <= received < 80
 
 
