@@ -1,0 +1,153 @@
+"""KV-cache snapshots in Redis: move a session's cache to another replica instead of re-prefilling.
+
+A snapshot is one safetensors blob: per layer the keys and values `[1, H, T, D]`, plus the T
+tokens they cover; its metadata names the model (tokenizer fingerprint, model name, dtype,
+layer count) so a replica running anything else refuses it. Redis holds it under the session's
+hash tag, chunked (Redis strings are capped, and large values block the server), written to
+temporary keys and renamed into place so a reader never sees half a snapshot, with a TTL:
+
+    specdec:v1:{<session>}:kv:<role>:meta    hash: chunks, bytes, tokens, model, written_at
+    specdec:v1:{<session>}:kv:<role>:<i>     chunk i of the blob
+
+Restoring pays off only past a context length that depends on the hardware (prefill compute
+against Redis transfer); `bench/snapshot.py` measures both and the services take the threshold
+as a flag.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass
+
+import redis
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+from transformers import DynamicCache
+
+from specdec.errors import FailedPrecondition
+
+PREFIX = "specdec:v1"
+CHUNK_BYTES = 4 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class SnapshotIdentity:
+    """What must match between the replica that wrote a snapshot and the one restoring it."""
+
+    model: str
+    dtype: str
+    fingerprint: str
+    layers: int
+
+    def as_metadata(self) -> dict[str, str]:
+        return {"model": self.model, "dtype": self.dtype, "fingerprint": self.fingerprint, "layers": str(self.layers)}
+
+
+def encode(cache: DynamicCache, tokens: list[int], identity: SnapshotIdentity) -> bytes:
+    """The safetensors blob of a single-session cache covering `tokens`."""
+    tensors: dict[str, torch.Tensor] = {"tokens": torch.tensor(tokens, dtype=torch.int64)}
+    for i, layer in enumerate(cache.layers):
+        if layer.keys is None or layer.keys.shape[-2] != len(tokens):
+            raise ValueError(f"layer {i} covers {0 if layer.keys is None else layer.keys.shape[-2]} tokens, "
+                             f"not {len(tokens)}")
+        tensors[f"k.{i}"] = layer.keys.contiguous()
+        tensors[f"v.{i}"] = layer.values.contiguous()
+    return st_save(tensors, metadata=identity.as_metadata())
+
+
+def decode(blob: bytes, identity: SnapshotIdentity, config) -> tuple[list[int], DynamicCache]:
+    """The tokens and the cache of a blob; FailedPrecondition if it was written for another model."""
+    header_len = int.from_bytes(blob[:8], "little")
+    metadata = json.loads(blob[8:8 + header_len]).get("__metadata__", {})
+    expected = identity.as_metadata()
+    wrong = {k: (metadata.get(k), v) for k, v in expected.items() if metadata.get(k) != v}
+    if wrong:
+        raise FailedPrecondition(
+            "the KV snapshot was written by another model: "
+            + ", ".join(f"{k} is {got!r}, this replica has {want!r}" for k, (got, want) in wrong.items())
+        )
+    tensors = st_load(blob)
+    tokens = tensors["tokens"].tolist()
+    cache = DynamicCache(config=config)
+    for i in range(identity.layers):
+        cache.update(tensors[f"k.{i}"], tensors[f"v.{i}"], i)
+    return tokens, cache
+
+
+def meta_key(session_id: str, role: str) -> str:
+    return f"{PREFIX}:{{{session_id}}}:kv:{role}:meta"
+
+
+def chunk_key(session_id: str, role: str, i: int, tag: str = "") -> str:
+    return f"{PREFIX}:{{{session_id}}}:kv:{role}:{tag}{i}"
+
+
+# KEYS: meta, then the temporary chunk keys, then the final chunk keys (as many).
+# ARGV: ttl, meta JSON fields as alternating name/value. Renames all chunks and writes the meta
+# in one step; drops chunks of a longer earlier snapshot.
+_PUBLISH = """
+local n = (#KEYS - 1) / 2
+local old = tonumber(redis.call('HGET', KEYS[1], 'chunks') or '0')
+for i = 1, n do
+  redis.call('RENAME', KEYS[1 + i], KEYS[1 + n + i])
+  redis.call('EXPIRE', KEYS[1 + n + i], ARGV[1])
+end
+local base = string.sub(KEYS[1], 1, #KEYS[1] - 4)
+for i = n, old - 1 do redis.call('DEL', base .. i) end
+redis.call('DEL', KEYS[1])
+redis.call('HSET', KEYS[1], unpack(ARGV, 2))
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+return n
+"""
+
+
+class SnapshotStore:
+    """Snapshots of one role's caches ("target" or "draft") in Redis (blocking client: the
+    services call it from their compute thread)."""
+
+    def __init__(self, url: str, role: str, ttl_s: int = 3600, chunk_bytes: int = CHUNK_BYTES) -> None:
+        self.redis = redis.Redis.from_url(url)
+        self.role = role
+        self.ttl_s = ttl_s
+        self.chunk_bytes = chunk_bytes
+        self._publish = self.redis.register_script(_PUBLISH)
+
+    def put(self, session_id: str, blob: bytes, tokens: int) -> None:
+        chunks = [blob[i:i + self.chunk_bytes] for i in range(0, len(blob), self.chunk_bytes)] or [b""]
+        tag = f"tmp-{uuid.uuid4().hex[:8]}-"
+        temp = [chunk_key(session_id, self.role, i, tag) for i in range(len(chunks))]
+        final = [chunk_key(session_id, self.role, i) for i in range(len(chunks))]
+        pipe = self.redis.pipeline(transaction=False)
+        for key, chunk in zip(temp, chunks):
+            pipe.set(key, chunk, ex=60)  # expires on its own if the writer dies before publishing
+        pipe.execute()
+        fields = {"chunks": len(chunks), "bytes": len(blob), "tokens": tokens, "written_at": time.time()}
+        args = [self.ttl_s] + [x for kv in fields.items() for x in kv]
+        self._publish(keys=[meta_key(session_id, self.role), *temp, *final], args=args)
+
+    def get(self, session_id: str) -> bytes | None:
+        meta = self.redis.hgetall(meta_key(session_id, self.role))
+        if not meta:
+            return None
+        n = int(meta[b"chunks"])
+        parts = self.redis.mget([chunk_key(session_id, self.role, i) for i in range(n)])
+        if any(p is None for p in parts):
+            return None  # expired or replaced while reading: treat as absent
+        blob = b"".join(parts)
+        return blob if len(blob) == int(meta[b"bytes"]) else None
+
+    def tokens(self, session_id: str) -> int:
+        """Tokens the stored snapshot covers (0 if none): lets a caller decide before fetching."""
+        value = self.redis.hget(meta_key(session_id, self.role), "tokens")
+        return int(value) if value else 0
+
+    def delete(self, session_id: str) -> None:
+        meta = meta_key(session_id, self.role)
+        n = int(self.redis.hget(meta, "chunks") or 0)
+        self.redis.delete(meta, *[chunk_key(session_id, self.role, i) for i in range(n)])
+
+    def close(self) -> None:
+        self.redis.close()
