@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from specdec.core.sampling import SamplingParams
-from specdec.errors import FailedPrecondition, InvalidArgument, Unavailable
+from specdec.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
 from specdec.serving import channel
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from specdec.wire import sampling_to_pb
@@ -48,6 +48,9 @@ class _ModelBackend:
     async def info(self, timeout: float = 10.0, wait: bool = True) -> common_pb2.ModelInfo:
         return await self.stub.GetInfo(common_pb2.GetInfoRequest(), timeout=timeout, wait_for_ready=wait)
 
+    def _timeout(self, remaining: float | None) -> float:
+        return self.timeout_s if remaining is None else min(self.timeout_s, remaining)
+
     async def release(self, session_id: str) -> None:
         await self.stub.Release(common_pb2.ReleaseRequest(session_id=session_id), timeout=self.timeout_s)
 
@@ -63,8 +66,11 @@ class DraftBackend(_ModelBackend):
 
     async def propose(self, session_id: str, history: list[int], k: int, params: SamplingParams,
                       seed: int, fingerprint: str, into: Proposal | None = None,
-                      progress: asyncio.Event | None = None) -> Proposal:
-        """Collect the streamed proposals (into `into`, as they arrive, if given)."""
+                      progress: asyncio.Event | None = None, timeout: float | None = None) -> Proposal:
+        """Collect the streamed proposals (into `into`, as they arrive, if given).
+
+        `timeout` is what is left of the request's deadline (the call's own limit if shorter).
+        """
         start = time.perf_counter_ns()
         request = draft_pb2.ProposeRequest(
             session_id=session_id, history=history, num_tokens=k, sampling=sampling_to_pb(params),
@@ -72,7 +78,7 @@ class DraftBackend(_ModelBackend):
         )
         proposal = into if into is not None else Proposal()
         try:
-            async for msg in self.stub.Propose(request, timeout=self.timeout_s):
+            async for msg in self.stub.Propose(request, timeout=self._timeout(timeout)):
                 proposal.tokens.append(msg.token_id)
                 if msg.probs:
                     proposal.probs.append(msg.probs)
@@ -82,6 +88,8 @@ class DraftBackend(_ModelBackend):
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
                 raise FailedPrecondition(exc.details()) from exc
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and timeout is not None and timeout < self.timeout_s:
+                raise DeadlineExceeded("the request's deadline passed while the draft proposed") from exc
             raise DraftUnavailable(f"{exc.code().name}: {exc.details()}") from exc
         proposal.wall_ns = time.perf_counter_ns() - start
         return proposal
@@ -94,17 +102,19 @@ class TargetBackend(_ModelBackend):
         super().__init__(address, timeout_s, target_pb2_grpc.TargetServiceStub)
 
     async def verify(self, session_id: str, history: list[int], proposal: Proposal, params: SamplingParams,
-                     seed: int) -> Verdict:
+                     seed: int, timeout: float | None = None) -> Verdict:
         start = time.perf_counter_ns()
         request = target_pb2.VerifyRequest(
             session_id=session_id, history=history, draft_tokens=proposal.tokens,
             draft_probs=b"".join(proposal.probs), sampling=sampling_to_pb(params), seed=seed,
         )
         try:
-            reply = await self.stub.Verify(request, timeout=self.timeout_s)
+            reply = await self.stub.Verify(request, timeout=self._timeout(timeout))
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise InvalidArgument(exc.details()) from exc
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and timeout is not None and timeout < self.timeout_s:
+                raise DeadlineExceeded("the request's deadline passed while the target verified") from exc
             raise Unavailable(
                 f"target service at {self.address} failed ({exc.code().name}: {exc.details()}); "
                 "the session is kept, retry the request"

@@ -21,7 +21,22 @@ class OrchestratorConfig(ServiceConfig):
         description="Draft replicas, written as for --target; empty runs plain decoding only.",
     )
     replica_refresh_s: float = Field(5.0, gt=0, description="Seconds between re-resolving and probing the replicas.")
-    redis_url: str = Field("redis://127.0.0.1:6390/0", description="Redis URL of the session store.")
+    backend_tls_ca: str = Field("", description="PEM CA that draft and target certificates must chain to; set: TLS to them.")
+    backend_tls_cert: str = Field("", description="PEM client certificate presented to draft and target (mutual TLS).")
+    backend_tls_key: str = Field("", description="PEM private key of --backend-tls-cert.")
+    backend_tls_server_name: str = Field(
+        "", description="Name expected in the draft/target certificates when it differs from the address (e.g. an IP)."
+    )
+    redis_url: str = Field(
+        "redis://127.0.0.1:6390/0",
+        description="Redis URL of the session store; rediss:// for TLS. Keep the password out of it (argv is visible).",
+    )
+    redis_password_file: str = Field(
+        "", description="File holding the Redis password; unset: $REDIS_PASSWORD when set, else none."
+    )
+    redis_tls_ca: str = Field("", description="PEM CA that the Redis server certificate must chain to (rediss://).")
+    redis_tls_cert: str = Field("", description="PEM client certificate for Redis (when it requires one).")
+    redis_tls_key: str = Field("", description="PEM private key of --redis-tls-cert.")
     model: str = Field(DEFAULT_MODEL, description="Tokenizer to use (must match the target's): model name or directory.")
     draft_length: int | Literal["auto"] = Field(
         "auto", description="Default draft length: 'auto' (chosen per round from measured costs) or a fixed k (0 = plain decoding)."
@@ -36,6 +51,23 @@ class OrchestratorConfig(ServiceConfig):
     max_new_tokens_limit: int = Field(4096, ge=1, description="Largest max_new_tokens a request may ask for.")
     max_stop_strings: int = Field(16, ge=0, description="Most stop strings per request.")
     max_stop_length: int = Field(256, ge=1, description="Longest stop string, in characters.")
+    max_prompt_tokens: int | None = Field(
+        None, ge=1, description="Most tokens a request's input may have (unset: what the model's context holds)."
+    )
+    max_message_bytes: int = Field(
+        4 * 1024 * 1024, ge=1024, description="Largest request message the public API accepts, in bytes."
+    )
+    max_concurrent_per_token: int = Field(
+        16, ge=0, description="Generations one token may run at once on this replica (0 = no limit; not applied "
+        "without --auth-tokens-file/env)."
+    )
+    auth_tokens_file: str = Field(
+        "", description="File of accepted bearer tokens, one per line: TOKEN or NAME:TOKEN. With none (here or in "
+        "--auth-tokens-env) the API is open."
+    )
+    auth_tokens_env: str = Field(
+        "SPECDEC_AUTH_TOKENS", description="Environment variable with more tokens (same format, lines or commas)."
+    )
     session_ttl_s: int = Field(3600, ge=1, description="Seconds a session is kept in Redis after its last use.")
     session_lease_s: float = Field(
         60.0, gt=0, description="A running generation holds its session this long past its latest round; "
@@ -45,3 +77,7 @@ class OrchestratorConfig(ServiceConfig):
     draft_retry_s: float = Field(2.0, gt=0, description="After a draft failure, seconds before that replica is tried again.")
     target_retry_s: float = Field(5.0, gt=0, description="After a target replica fails, seconds before it is tried again.")
     target_timeout_s: float = Field(120.0, gt=0, description="Deadline of one verify call (includes a re-prefill).")
+    max_concurrent: int = Field(256, ge=1, description="Admission: generations running at once; more wait in the queue.")
+    max_queued: int = Field(
+        256, ge=0, description="Admission: generations waiting for a slot; beyond this RESOURCE_EXHAUSTED at once."
+    )

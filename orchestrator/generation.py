@@ -20,13 +20,16 @@ from orchestrator.text import TextStream
 from specdec.core.policy import (
     Observation, PolicyConfig, PolicyState, choose_k, initial_state, merge_prior, next_k,
 )
+from specdec.admission import Admission
 from specdec.core.sampling import SamplingParams
 from specdec.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound, SpecdecError
+from specdec.metrics import OrchestratorMetrics
 from specdec.v1 import common_pb2, orchestrator_pb2 as pb
 
 log = logging.getLogger("specdec.orchestrator")
 MAX_SEED = 2**63 - 1
 AUTO = -1  # draft_length value that selects the controller
+FINISH_NAMES = {pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_EOS: "stop", pb.FINISH_REASON_STOP: "stop"}
 
 
 @dataclass(frozen=True)
@@ -60,8 +63,12 @@ class Generator:
     """Owns the loop for every request; the servicer only translates to and from gRPC."""
 
     def __init__(self, config: OrchestratorConfig, store: RedisSessionStore, target: TargetPool,
-                 draft: DraftPool | None, tokenizer, target_info: common_pb2.ModelInfo) -> None:
+                 draft: DraftPool | None, tokenizer, target_info: common_pb2.ModelInfo,
+                 metrics: OrchestratorMetrics | None = None) -> None:
         self.config = config
+        self.metrics = metrics if metrics is not None else OrchestratorMetrics()
+        self.admission = Admission(config.max_concurrent, config.max_queued, name="orchestrator")
+        self.metrics.track_admission(self.admission)
         self.store = store
         self.target = target
         self.draft = draft
@@ -256,7 +263,19 @@ class Generator:
 
     # -- the loop ---------------------------------------------------------------------------
 
-    async def generate(self, spec: GenerationSpec) -> AsyncIterator[pb.GenerateChunk]:
+    async def generate(self, spec: GenerationSpec, deadline: float | None = None,
+                       context=None) -> AsyncIterator[pb.GenerateChunk]:
+        """Admit the request (or refuse it at once), then stream its generation.
+
+        `deadline` (time.monotonic()) bounds every downstream call; `context` receives the retry
+        hint of a refusal as trailing metadata.
+        """
+        async with self.admission.slot(deadline=deadline, context=context):
+            with self.metrics.start_request() as timer:
+                async for chunk in self._generate(spec, deadline, timer):
+                    yield chunk
+
+    async def _generate(self, spec: GenerationSpec, deadline: float | None, timer) -> AsyncIterator[pb.GenerateChunk]:
         start = time.perf_counter()
         state = await (self._resume(spec) if spec.resume_from is not None else self._open(spec))
         gen = state.generation
@@ -274,6 +293,8 @@ class Generator:
                                          finish_reason=gen.finish, text=text.release(final=bool(gen.finish)))
                 if gen.finish:
                     chunk.stats.CopyFrom(self._stats(gen, len(produced), state.seed))
+                    timer.observe_finish(FINISH_NAMES[gen.finish], gen.prompt_tokens, len(produced) - sent)
+                timer.observe_chunk(len(produced) - sent)
                 yield chunk
                 sent = len(produced)
             if gen.finish:
@@ -283,7 +304,7 @@ class Generator:
         auto = state.draft_length == AUTO and self.draft is not None
         policy = await self._policy(state) if auto else None
         speculator = Speculator(state.session_id, params, state.seed, self.draft, self.target,
-                                self.fingerprint, overlap=self.config.overlap)
+                                self.fingerprint, overlap=self.config.overlap, deadline=deadline)
         try:
             while finish == pb.FINISH_REASON_UNSPECIFIED:
                 generated = len(state.tokens) - gen.start
@@ -323,11 +344,14 @@ class Generator:
                 chunk = pb.GenerateChunk(session_id=state.session_id, token_ids=kept, round=rnd.stats,
                                          finish_reason=finish, offset=sent)
                 sent += len(kept)
+                self.metrics.observe_round(rnd.stats)
+                timer.observe_chunk(len(kept))
                 if finish != pb.FINISH_REASON_UNSPECIFIED:
                     if policy is not None:
                         await self._merge_prior(policy)
                     chunk.text = text.release(final=True)
                     chunk.stats.CopyFrom(self._stats(gen, sent, state.seed))
+                    timer.observe_finish(FINISH_NAMES[finish], chunk.stats.prompt_tokens, sent)
                 else:
                     chunk.text = text.release()
                 yield chunk

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from orchestrator.backends import DraftUnavailable, Proposal
 from orchestrator.replicas import DraftPool, TargetPool
 from specdec.core.sampling import SamplingParams
+from specdec.errors import DeadlineExceeded
 from specdec.v1 import orchestrator_pb2
 
 
@@ -47,7 +48,8 @@ class Speculator:
     """Runs the rounds of one request against the draft and target replica sets."""
 
     def __init__(self, session_id: str, params: SamplingParams, seed: int, draft: DraftPool | None,
-                 target: TargetPool, fingerprint: str, overlap: bool = False) -> None:
+                 target: TargetPool, fingerprint: str, overlap: bool = False,
+                 deadline: float | None = None) -> None:
         self.session_id = session_id
         self.params = params
         self.seed = seed
@@ -55,7 +57,16 @@ class Speculator:
         self.target = target
         self.fingerprint = fingerprint
         self.overlap = overlap
+        self.deadline = deadline  # time.monotonic() of the request's deadline, carried by every call
         self._ahead: _Ahead | None = None
+
+    def _remaining(self) -> float | None:
+        if self.deadline is None:
+            return None
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise DeadlineExceeded("the request's deadline passed; the tokens sent so far stay in the session")
+        return left
 
     async def round(self, history: list[int], k: int, k_next: int) -> Round:
         """One round at draft length k; with overlap, start drafting the next block (of k_next)."""
@@ -69,12 +80,13 @@ class Speculator:
                     if not self.draft.available:
                         raise DraftUnavailable("in back-off after a failure")
                     proposal = await self.draft.propose(self.session_id, history, k, self.params, self.seed,
-                                                        self.fingerprint)
+                                                        self.fingerprint, timeout=self._remaining())
                 except DraftUnavailable:
                     fallback = True  # the session goes on at k = 0; no client-visible error
         else:
             self.close()
-        verify = asyncio.ensure_future(self.target.verify(self.session_id, history, proposal, self.params, self.seed))
+        verify = asyncio.ensure_future(self.target.verify(self.session_id, history, proposal, self.params, self.seed,
+                                                          timeout=self._remaining()))
         if self.overlap and k_next > 0 and self.draft is not None and self.draft.available:
             self._start_ahead(history, proposal.tokens, k_next)
         try:
@@ -96,7 +108,7 @@ class Speculator:
         proposal, progress = Proposal(), asyncio.Event()
         task = asyncio.ensure_future(self.draft.propose(
             self.session_id, history + block, k_next + 1, self.params, self.seed, self.fingerprint,
-            into=proposal, progress=progress))
+            into=proposal, progress=progress, timeout=self._remaining()))
         ahead = _Ahead(len(history) + len(block), list(block), task, proposal, progress)
         ahead.task.add_done_callback(lambda t: t.cancelled() or t.exception())  # never "unretrieved"
         self._ahead = ahead

@@ -234,7 +234,7 @@ class TargetPool(ReplicaPool[TargetBackend]):
     role = "target"
 
     async def verify(self, session_id: str, history: list[int], proposal: Proposal, params: SamplingParams,
-                     seed: int) -> Verdict:
+                     seed: int, timeout: float | None = None) -> Verdict:
         tried: set[str] = set()
         while True:
             replica = self.pick(session_id, exclude=tried)
@@ -245,7 +245,7 @@ class TargetPool(ReplicaPool[TargetBackend]):
             tried.add(replica.address)
             replica.in_flight += 1
             try:
-                verdict = await replica.backend.verify(session_id, history, proposal, params, seed)
+                verdict = await replica.backend.verify(session_id, history, proposal, params, seed, timeout)
             except Unavailable as exc:
                 self.failed(replica, str(exc))
                 log.warning("target replica %s failed; session %s moves on: %s", replica.address, session_id, exc)
@@ -263,14 +263,14 @@ class DraftPool(ReplicaPool[DraftBackend]):
 
     async def propose(self, session_id: str, history: list[int], k: int, params: SamplingParams, seed: int,
                       fingerprint: str, into: Proposal | None = None,
-                      progress: asyncio.Event | None = None) -> Proposal:
+                      progress: asyncio.Event | None = None, timeout: float | None = None) -> Proposal:
         replica = self.pick(session_id)
         if replica is None:
             raise DraftUnavailable("no healthy draft replica")
         replica.in_flight += 1
         try:
             proposal = await replica.backend.propose(session_id, history, k, params, seed, fingerprint,
-                                                     into=into, progress=progress)
+                                                     into=into, progress=progress, timeout=timeout)
         except DraftUnavailable as exc:
             self.failed(replica, str(exc))
             log.warning("draft replica %s failed (%s); plain decoding on it for %.1fs",

@@ -13,7 +13,7 @@ from orchestrator.servicer import OrchestratorServicer
 from orchestrator.store import RedisSessionStore
 from specdec.errors import Unavailable
 from specdec.runtime.models import load_tokenizer, tokenizer_fingerprint
-from specdec.serving import run_main, serve_servicer
+from specdec.serving import run_main, serve_servicer, start_metrics
 from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
 log = logging.getLogger("specdec.orchestrator")
@@ -68,7 +68,9 @@ async def build_generator(config: OrchestratorConfig) -> Generator:
 
 
 async def serve(config: OrchestratorConfig) -> None:
-    servicer = OrchestratorServicer(await build_generator(config))
+    generator = await build_generator(config)
+    start_metrics(generator.metrics.registry, config.host, config.metrics_port)
+    servicer = OrchestratorServicer(generator)
     await serve_servicer(config.address, lambda s: orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(servicer, s),
                          SERVICE_NAME, "orchestrator")
 

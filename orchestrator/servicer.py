@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from orchestrator.generation import Generator
 from orchestrator.status import Counters, status
+from specdec.admission import deadline_of
 from specdec.errors import InvalidArgument, grpc_errors
 from specdec.v1 import orchestrator_pb2 as pb, orchestrator_pb2_grpc
 
@@ -16,14 +17,14 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
     @grpc_errors
     async def Generate(self, request: pb.GenerateRequest, context):
         spec = self.generator.parse(request)
-        async for chunk in self.counters.observe(self.generator.generate(spec)):
+        async for chunk in self.counters.observe(self.generator.generate(spec, deadline_of(context), context)):
             yield chunk
 
     @grpc_errors
     async def GenerateUnary(self, request: pb.GenerateRequest, context):
         spec = self.generator.parse(request)
         reply = pb.GenerateResponse()
-        async for chunk in self.counters.observe(self.generator.generate(spec)):
+        async for chunk in self.counters.observe(self.generator.generate(spec, deadline_of(context), context)):
             reply.session_id = chunk.session_id
             reply.token_ids.extend(chunk.token_ids)
             reply.text += chunk.text

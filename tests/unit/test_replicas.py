@@ -21,7 +21,7 @@ class FakeTarget:
         self.fail = fail
         self.calls: list[str] = []
 
-    async def verify(self, session_id, history, proposal, params, seed):
+    async def verify(self, session_id, history, proposal, params, seed, timeout=None):
         self.calls.append(session_id)
         if self.fail:
             raise Unavailable(f"{self.address} is down")
