@@ -17,6 +17,7 @@ from specdec.runtime.latency import LatencyProfile
 from specdec.runtime.models import load_model, load_tokenizer, tokenizer_fingerprint
 from specdec.runtime.proposers import ModelProposer, NgramProposer, Proposer
 from specdec.serving import run_main, serve_servicer, start_metrics
+from specdec.tls import server_credentials_of
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
@@ -60,7 +61,8 @@ async def serve(config: DraftConfig) -> None:
     servicer.info.metrics_port = start_metrics(metrics.registry, config.host, config.metrics_port)
     info = servicer.info
     await serve_servicer(config.address, lambda s: draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, s),
-                         SERVICE_NAME, f"draft service ({info.kind}, {info.model} {info.dtype})")
+                         SERVICE_NAME, f"draft service ({info.kind}, {info.model} {info.dtype})",
+                         credentials=server_credentials_of(config))
 
 
 def main(argv: Sequence[str] | None = None) -> None:

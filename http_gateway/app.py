@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -12,18 +14,59 @@ from fastapi.responses import JSONResponse
 from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from opentelemetry import propagate
+from opentelemetry.trace import SpanKind
+
 from http_gateway.config import GatewayConfig
 from http_gateway.openai_api import (
     ApiError, ChatRequest, CompletionRequest, Reply, api_error, chat_kwargs, completion_kwargs, retry_after_s,
     validation_error,
 )
+from specdec import logs
+from specdec.auth import UNAUTHENTICATED_MESSAGE, Tokens, bearer_token
 from specdec.client import AsyncClient, AsyncStream, Chunk
 from specdec.errors import SpecdecError
+from specdec.tracing import tracer
 
 
 def _error_response(err: ApiError) -> JSONResponse:
     retry = retry_after_s(err.status)
-    return JSONResponse(err.body(), status_code=err.status, headers={"Retry-After": str(retry)} if retry else None)
+    headers = {"Retry-After": str(retry)} if retry else {}
+    if err.status == 401:
+        headers["WWW-Authenticate"] = "Bearer"
+    return JSONResponse(err.body(), status_code=err.status, headers=headers or None)
+
+
+class RequestContext:
+    """ASGI middleware: request id (X-Request-Id in and out), a SERVER span, and the body size limit."""
+
+    def __init__(self, app, max_body_bytes: int) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        rid = headers.get("x-request-id", "")
+        rid = rid if rid and len(rid) <= 128 and rid.isprintable() else logs.new_request_id()
+        logs.request_id.set(rid)
+        logs.session_id.set("")
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", rid.encode())]}
+            await send(message)
+
+        length = headers.get("content-length", "")
+        if length.isdigit() and int(length) > self.max_body_bytes:
+            err = ApiError(413, f"the request body has {length} bytes; the limit is --max-body-bytes="
+                                f"{self.max_body_bytes}", code="request_too_large")
+            return await _error_response(err)(scope, receive, send_with_id)
+        with tracer().start_as_current_span(f"{scope.get('method', 'HTTP')} {scope.get('path', '')}",
+                                            context=propagate.extract(headers), kind=SpanKind.SERVER,
+                                            attributes={"specdec.request_id": rid}):
+            await self.app(scope, receive, send_with_id)
 
 
 class Gateway:
@@ -33,17 +76,31 @@ class Gateway:
         self.config = config
         self.client: AsyncClient | None = None
         self._model = config.model_name
+        self.tokens = Tokens.load(config.auth_tokens_file, config.auth_tokens_env)
+        self.own_token = self._own_token(config)
 
-    async def status(self) -> dict[str, Any]:
+    def _own_token(self, config: GatewayConfig) -> str:
+        if config.token_file:
+            return Path(config.token_file).read_text().strip()
+        return os.environ.get("SPECDEC_TOKEN", "").strip() or self.tokens.first_token()
+
+    def authorize(self, request: Request) -> str | None:
+        """The caller's bearer token, to forward; 401 when this gateway checks tokens and it is not one."""
+        header = request.headers.get("authorization")
+        if self.tokens.enabled and self.tokens.identity(header) is None:
+            raise ApiError(401, UNAUTHENTICATED_MESSAGE, code="invalid_api_key")
+        return bearer_token(header)
+
+    async def status(self, token: str | None = None) -> dict[str, Any]:
         try:
-            return await self.client.status(timeout=self.config.health_timeout_s)
+            return await self.client.status(timeout=self.config.health_timeout_s, token=token or self.own_token or "")
         except SpecdecError as exc:
             raise api_error(exc) from None
 
-    async def model(self) -> str:
+    async def model(self, token: str | None = None) -> str:
         """The served model id: configured, or the target's model as the orchestrator reports it."""
         if not self._model:
-            status = await self.status()
+            status = await self.status(token)
             target = next((b for b in status["backends"] if b["role"] == "target" and b["healthy"]), None)
             if target is None:
                 raise ApiError(503, "the target service is not healthy; see GET /health",
@@ -51,8 +108,8 @@ class Gateway:
             self._model = target["model"]
         return self._model
 
-    async def check_model(self, requested: str) -> str:
-        served = await self.model()
+    async def check_model(self, requested: str, token: str | None = None) -> str:
+        served = await self.model(token)
         if requested != served:
             raise ApiError(404, f"the model {requested!r} does not exist; this server serves {served!r} "
                            "(GET /v1/models)", param="model", code="model_not_found")
@@ -105,7 +162,10 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        gateway.client = AsyncClient(config.orchestrator, timeout=config.request_timeout_s)
+        gateway.client = AsyncClient(config.orchestrator, timeout=config.request_timeout_s,
+                                     tls_ca=config.orchestrator_tls_ca or None,
+                                     tls_cert=config.orchestrator_tls_cert or None,
+                                     tls_key=config.orchestrator_tls_key or None)
         try:
             yield
         finally:
@@ -113,6 +173,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     app = FastAPI(title="specdec OpenAI-compatible API", lifespan=lifespan)
     app.state.gateway = gateway
+    app.add_middleware(RequestContext, max_body_bytes=config.max_body_bytes)
 
     @app.exception_handler(ApiError)
     async def on_api_error(request: Request, exc: ApiError):
@@ -143,26 +204,28 @@ def create_app(config: GatewayConfig) -> FastAPI:
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/v1/models")
-    async def models():
-        model = await gateway.model()
+    async def models(request: Request):
+        model = await gateway.model(gateway.authorize(request))
         return {"object": "list", "data": [{"id": model, "object": "model", "created": 0, "owned_by": "specdec"}]}
 
     @app.get("/v1/models/{model_id:path}")
-    async def model(model_id: str):
-        served = await gateway.check_model(model_id)
+    async def model(model_id: str, request: Request):
+        served = await gateway.check_model(model_id, gateway.authorize(request))
         return {"id": served, "object": "model", "created": 0, "owned_by": "specdec"}
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest):
-        model = await gateway.check_model(body.model)
-        kwargs = completion_kwargs(body, config.default_temperature)
+    async def completions(body: CompletionRequest, request: Request):
+        token = gateway.authorize(request)
+        model = await gateway.check_model(body.model, token)
+        kwargs = dict(completion_kwargs(body, config.default_temperature), token=token or "")
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return await gateway.respond(Reply("completion", model), kwargs, bool(body.stream), include_usage)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatRequest):
-        model = await gateway.check_model(body.model)
-        kwargs = chat_kwargs(body, config.default_temperature)
+    async def chat_completions(body: ChatRequest, request: Request):
+        token = gateway.authorize(request)
+        model = await gateway.check_model(body.model, token)
+        kwargs = dict(chat_kwargs(body, config.default_temperature), token=token or "")
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return await gateway.respond(Reply("chat", model), kwargs, bool(body.stream), include_usage)
 

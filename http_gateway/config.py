@@ -17,3 +17,18 @@ class GatewayConfig(ServiceConfig):
     )
     request_timeout_s: float = Field(600.0, gt=0, description="Deadline of one generation, seconds.")
     health_timeout_s: float = Field(5.0, gt=0, description="Deadline of the orchestrator status call behind /health.")
+    auth_tokens_file: str = Field(
+        "", description="Bearer tokens this gateway accepts (TOKEN or NAME:TOKEN per line), checked before a request "
+        "goes on; the caller's token is always forwarded to the orchestrator, which checks it too."
+    )
+    auth_tokens_env: str = Field("SPECDEC_AUTH_TOKENS", description="Environment variable with more tokens.")
+    token_file: str = Field(
+        "", description="The gateway's own token for /health and model discovery; unset: $SPECDEC_TOKEN, else the "
+        "first accepted token."
+    )
+    orchestrator_tls_ca: str = Field("", description="PEM CA to verify a TLS orchestrator with; set: TLS to it.")
+    orchestrator_tls_cert: str = Field("", description="PEM client certificate for the orchestrator (mutual TLS).")
+    orchestrator_tls_key: str = Field("", description="PEM private key of --orchestrator-tls-cert.")
+    max_body_bytes: int = Field(
+        4 * 1024 * 1024, ge=1024, description="Largest request body accepted, in bytes (413 beyond)."
+    )

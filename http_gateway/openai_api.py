@@ -254,6 +254,7 @@ HTTP_ERRORS: dict[grpc.StatusCode, tuple[int, str, str]] = {
     grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error", "failed_precondition"),
     grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error", "out_of_range"),
     grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error", "not_found"),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "invalid_request_error", "invalid_api_key"),
     grpc.StatusCode.ABORTED: (409, "conflict_error", "session_busy"),
     grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error", "overloaded"),
     grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable_error", "unavailable"),

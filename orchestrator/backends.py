@@ -11,6 +11,7 @@ import grpc
 from specdec.core.sampling import SamplingParams
 from specdec.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
 from specdec.serving import channel
+from specdec.tls import ClientTLS
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from specdec.wire import sampling_to_pb
 
@@ -39,10 +40,11 @@ class DraftUnavailable(Exception):
 class _ModelBackend:
     """What draft and target clients share: a channel, GetInfo, Release and close."""
 
-    def __init__(self, address: str, timeout_s: float, stub_class) -> None:
+    def __init__(self, address: str, timeout_s: float, stub_class, tls: ClientTLS | None = None) -> None:
         self.address = address
         self.timeout_s = timeout_s
-        self._channel = channel(address)
+        secure = tls is not None and tls.enabled
+        self._channel = channel(address, tls.credentials() if secure else None, tls.options() if secure else ())
         self.stub = stub_class(self._channel)
 
     async def info(self, timeout: float = 10.0, wait: bool = True) -> common_pb2.ModelInfo:
@@ -61,8 +63,8 @@ class _ModelBackend:
 class DraftBackend(_ModelBackend):
     """Calls one draft replica; a failure raises DraftUnavailable (the round falls to k = 0)."""
 
-    def __init__(self, address: str, timeout_s: float) -> None:
-        super().__init__(address, timeout_s, draft_pb2_grpc.DraftServiceStub)
+    def __init__(self, address: str, timeout_s: float, tls: ClientTLS | None = None) -> None:
+        super().__init__(address, timeout_s, draft_pb2_grpc.DraftServiceStub, tls)
 
     async def propose(self, session_id: str, history: list[int], k: int, params: SamplingParams,
                       seed: int, fingerprint: str, into: Proposal | None = None,
@@ -98,8 +100,8 @@ class DraftBackend(_ModelBackend):
 class TargetBackend(_ModelBackend):
     """Calls one target replica; a transport failure raises Unavailable (another may take over)."""
 
-    def __init__(self, address: str, timeout_s: float) -> None:
-        super().__init__(address, timeout_s, target_pb2_grpc.TargetServiceStub)
+    def __init__(self, address: str, timeout_s: float, tls: ClientTLS | None = None) -> None:
+        super().__init__(address, timeout_s, target_pb2_grpc.TargetServiceStub, tls)
 
     async def verify(self, session_id: str, history: list[int], proposal: Proposal, params: SamplingParams,
                      seed: int, timeout: float | None = None) -> Verdict:

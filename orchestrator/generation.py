@@ -8,7 +8,7 @@ import math
 import secrets
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import AsyncIterator
 
 from orchestrator.chat import first_turn, next_turn
@@ -23,6 +23,7 @@ from specdec.core.policy import (
 from specdec.admission import Admission
 from specdec.core.sampling import SamplingParams
 from specdec.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound, SpecdecError
+from specdec.limits import check_session_id
 from specdec.metrics import OrchestratorMetrics
 from specdec.v1 import common_pb2, orchestrator_pb2 as pb
 
@@ -47,6 +48,7 @@ class GenerationSpec:
     # A chat turn that continues a session: the input to use when the history ends with an
     # end-of-sequence token, and when it does not (the end-of-turn marker is then added first).
     chat_after_eos: list[int] | None = None
+    principal: str = ""  # who sends it (specdec.auth.principal_of): only they may continue its session
 
 
 def observation(stats: pb.RoundStats) -> Observation:
@@ -86,13 +88,16 @@ class Generator:
 
     # -- validation -------------------------------------------------------------------------
 
-    def parse(self, request: pb.GenerateRequest) -> GenerationSpec:
+    def parse(self, request: pb.GenerateRequest, principal: str = "") -> GenerationSpec:
         cfg = self.config
+        if request.session_id:
+            check_session_id(request.session_id)
         if request.HasField("resume_from"):
-            return self._parse_resume(request)
+            return replace(self._parse_resume(request), principal=principal)
         max_new = request.max_new_tokens if request.HasField("max_new_tokens") else cfg.default_max_new_tokens
         if not 1 <= max_new <= cfg.max_new_tokens_limit:
-            raise InvalidArgument(f"max_new_tokens must be between 1 and {cfg.max_new_tokens_limit}, got {max_new}")
+            raise InvalidArgument(f"max_new_tokens must be between 1 and {cfg.max_new_tokens_limit}, got {max_new} "
+                                  "(the limit is --max-new-tokens-limit)")
         temperature = request.temperature if request.HasField("temperature") else 0.0
         top_p = request.top_p if request.HasField("top_p") else 1.0
         top_k = request.top_k if request.HasField("top_k") else 0
@@ -110,10 +115,12 @@ class Generator:
             )
         stop = tuple(request.stop)
         if len(stop) > cfg.max_stop_strings:
-            raise InvalidArgument(f"at most {cfg.max_stop_strings} stop strings are allowed, got {len(stop)}")
+            raise InvalidArgument(f"at most {cfg.max_stop_strings} stop strings are allowed, got {len(stop)} "
+                                  "(the limit is --max-stop-strings)")
         for s in stop:
             if not s or len(s) > cfg.max_stop_length:
-                raise InvalidArgument(f"each stop string must have 1 to {cfg.max_stop_length} characters, got {len(s)}")
+                raise InvalidArgument(f"each stop string must have 1 to {cfg.max_stop_length} characters, got {len(s)} "
+                                      "(the limit is --max-stop-length)")
         continuing = bool(request.session_id)
         chat_after_eos = None
         which = request.WhichOneof("input")
@@ -131,11 +138,15 @@ class Generator:
             self._check_length(input_ids)
         else:
             raise InvalidArgument("set either prompt or messages")
+        if cfg.max_prompt_tokens is not None and len(input_ids) > cfg.max_prompt_tokens:
+            raise InvalidArgument(f"the input has {len(input_ids)} tokens; the limit is "
+                                  f"--max-prompt-tokens={cfg.max_prompt_tokens}")
         return GenerationSpec(
             input_ids=input_ids, max_new_tokens=max_new,
             params=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p),
             seed=request.seed if request.HasField("seed") else None,
             stop=stop, draft_length=k, session_id=request.session_id, chat_after_eos=chat_after_eos,
+            principal=principal,
         )
 
     @staticmethod
@@ -176,7 +187,7 @@ class Generator:
         input_ids = spec.input_ids
         if spec.session_id:
             state = await self.store.load(spec.session_id)
-            if state is None:
+            if state is None or state.principal != spec.principal:  # another's session looks missing
                 raise NotFound(f"session {spec.session_id!r} does not exist or has expired; "
                                "start a new one by leaving session_id empty")
             if state.generation is not None and state.generation.leased():
@@ -195,7 +206,7 @@ class Generator:
                 state.seed = spec.seed
         else:
             seed = spec.seed if spec.seed is not None else secrets.randbelow(MAX_SEED)
-            state = SessionState(session_id=uuid.uuid4().hex, seed=seed)
+            state = SessionState(session_id=uuid.uuid4().hex, seed=seed, principal=spec.principal)
         state.tokens.extend(input_ids)
         state.sampling = {"temperature": spec.params.temperature, "top_k": spec.params.top_k,
                           "top_p": spec.params.top_p}
@@ -216,7 +227,7 @@ class Generator:
         """
         for attempt in range(8):
             state = await self.store.load(spec.session_id)
-            if state is None:
+            if state is None or state.principal != spec.principal:  # another's session looks missing
                 raise NotFound(f"session {spec.session_id!r} does not exist or has expired; nothing to resume")
             gen = state.generation
             if gen is None:
@@ -236,7 +247,11 @@ class Generator:
                 await asyncio.sleep(0.01 * (attempt + 1))
         raise Aborted(f"session {spec.session_id!r} keeps changing under the resume; retry")
 
-    async def close_session(self, session_id: str) -> bool:
+    async def close_session(self, session_id: str, principal: str = "") -> bool:
+        check_session_id(session_id)
+        state = await self.store.load(session_id)
+        if state is not None and state.principal != principal:
+            return False  # another identity's session: as if it did not exist
         closed = await self.store.delete(session_id)
         await self._release_caches(session_id)
         return closed

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from orchestrator.backends import DraftUnavailable, Proposal
 from orchestrator.replicas import DraftPool, TargetPool
 from specdec.core.sampling import SamplingParams
+from specdec.tracing import traced
 from specdec.errors import DeadlineExceeded
 from specdec.v1 import orchestrator_pb2
 
@@ -68,6 +69,7 @@ class Speculator:
             raise DeadlineExceeded("the request's deadline passed; the tokens sent so far stay in the session")
         return left
 
+    @traced("orchestrator.round", lambda self, history, k, k_next: {"specdec.k": k, "specdec.history": len(history)})
     async def round(self, history: list[int], k: int, k_next: int) -> Round:
         """One round at draft length k; with overlap, start drafting the next block (of k_next)."""
         proposal, fallback, overlapped = Proposal(), False, False

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+from pathlib import Path
 from typing import Sequence
 
 from orchestrator.backends import DraftBackend, TargetBackend
@@ -11,9 +13,14 @@ from orchestrator.generation import Generator
 from orchestrator.replicas import DraftPool, TargetPool
 from orchestrator.servicer import OrchestratorServicer
 from orchestrator.store import RedisSessionStore
+from specdec.auth import AuthInterceptor, Tokens
 from specdec.errors import Unavailable
+from specdec.interceptors import DecodeGuard
+from specdec.limits import ConcurrencyLimit, PerIdentityLimit
 from specdec.runtime.models import load_tokenizer, tokenizer_fingerprint
 from specdec.serving import run_main, serve_servicer, start_metrics
+from specdec.tls import ClientTLS, server_credentials_of
+from specdec.tracing import ServerTracing
 from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
 log = logging.getLogger("specdec.orchestrator")
@@ -24,13 +31,45 @@ class StartupError(RuntimeError):
     """The orchestrator cannot serve with this configuration; the message says why."""
 
 
-async def build_generator(config: OrchestratorConfig) -> Generator:
-    store = RedisSessionStore(config.redis_url, config.session_ttl_s)
-    await store.ping()
+def redis_options(config: OrchestratorConfig) -> dict:
+    """Password (from a file or $REDIS_PASSWORD, never argv) and TLS files of the session store."""
+    options: dict = {}
+    if config.redis_password_file:
+        try:
+            options["password"] = Path(config.redis_password_file).read_text().strip()
+        except OSError as exc:
+            raise StartupError(f"--redis-password-file {config.redis_password_file}: {exc.strerror or exc}") from exc
+    elif os.environ.get("REDIS_PASSWORD"):
+        options["password"] = os.environ["REDIS_PASSWORD"]
+    for flag, key in (("redis_tls_ca", "ssl_ca_certs"), ("redis_tls_cert", "ssl_certfile"),
+                      ("redis_tls_key", "ssl_keyfile")):
+        if getattr(config, flag):
+            if not config.redis_url.startswith("rediss://"):
+                raise StartupError(f"--{flag.replace('_', '-')} needs a rediss:// --redis-url")
+            options[key] = getattr(config, flag)
+    return options
+
+
+def backend_tls(config: OrchestratorConfig) -> ClientTLS | None:
+    tls = ClientTLS(config.backend_tls_ca, config.backend_tls_cert, config.backend_tls_key,
+                    config.backend_tls_server_name, flag="--backend-tls")
+    if not tls.enabled:
+        return None
     try:
-        target = TargetPool(config.target, lambda a: TargetBackend(a, config.target_timeout_s),
+        tls.credentials()  # read the files now: a wrong path fails the start, not the first call
+    except ValueError as exc:
+        raise StartupError(str(exc)) from exc
+    return tls
+
+
+async def build_generator(config: OrchestratorConfig) -> Generator:
+    store = RedisSessionStore(config.redis_url, config.session_ttl_s, **redis_options(config))
+    await store.ping()
+    tls = backend_tls(config)
+    try:
+        target = TargetPool(config.target, lambda a: TargetBackend(a, config.target_timeout_s, tls),
                             config.target_retry_s, config.replica_refresh_s)
-        draft = DraftPool(config.draft, lambda a: DraftBackend(a, config.draft_timeout_s),
+        draft = DraftPool(config.draft, lambda a: DraftBackend(a, config.draft_timeout_s, tls),
                           config.draft_retry_s, config.replica_refresh_s) if config.draft else None
     except ValueError as exc:
         raise StartupError(str(exc)) from exc
@@ -67,12 +106,31 @@ async def build_generator(config: OrchestratorConfig) -> Generator:
     return Generator(config, store, target, draft, tokenizer, target_info)
 
 
+def public_api_security(config: OrchestratorConfig) -> dict:
+    """Credentials, interceptors and options of the public API: TLS, bearer tokens, message size."""
+    try:
+        tokens = Tokens.load(config.auth_tokens_file, config.auth_tokens_env)
+        credentials = server_credentials_of(config)
+    except ValueError as exc:
+        raise StartupError(str(exc)) from exc
+    if tokens.enabled:
+        log.info("bearer tokens required: %d configured", len(tokens))
+    else:
+        log.warning("no bearer tokens configured (--auth-tokens-file, $%s): the API is open to anyone who "
+                    "reaches it", config.auth_tokens_env)
+    return dict(credentials=credentials,
+                interceptors=[ServerTracing(), AuthInterceptor(tokens),
+                              ConcurrencyLimit(PerIdentityLimit(config.max_concurrent_per_token)), DecodeGuard()],
+                options=[("grpc.max_receive_message_length", config.max_message_bytes)])
+
+
 async def serve(config: OrchestratorConfig) -> None:
+    security = public_api_security(config)
     generator = await build_generator(config)
     start_metrics(generator.metrics.registry, config.host, config.metrics_port)
     servicer = OrchestratorServicer(generator)
     await serve_servicer(config.address, lambda s: orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(servicer, s),
-                         SERVICE_NAME, "orchestrator")
+                         SERVICE_NAME, "orchestrator", **security)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from orchestrator.generation import Generator
 from orchestrator.status import Counters, status
 from specdec.admission import deadline_of
+from specdec.auth import current_principal
 from specdec.errors import InvalidArgument, grpc_errors
 from specdec.v1 import orchestrator_pb2 as pb, orchestrator_pb2_grpc
 
@@ -16,13 +17,13 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
 
     @grpc_errors
     async def Generate(self, request: pb.GenerateRequest, context):
-        spec = self.generator.parse(request)
+        spec = self.generator.parse(request, principal=current_principal())
         async for chunk in self.counters.observe(self.generator.generate(spec, deadline_of(context), context)):
             yield chunk
 
     @grpc_errors
     async def GenerateUnary(self, request: pb.GenerateRequest, context):
-        spec = self.generator.parse(request)
+        spec = self.generator.parse(request, principal=current_principal())
         reply = pb.GenerateResponse()
         async for chunk in self.counters.observe(self.generator.generate(spec, deadline_of(context), context)):
             reply.session_id = chunk.session_id
@@ -37,7 +38,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
     async def CloseSession(self, request: pb.CloseSessionRequest, context):
         if not request.session_id:
             raise InvalidArgument("session_id is empty")
-        return pb.CloseSessionResponse(closed=await self.generator.close_session(request.session_id))
+        closed = await self.generator.close_session(request.session_id, principal=current_principal())
+        return pb.CloseSessionResponse(closed=closed)
 
     @grpc_errors
     async def GetStatus(self, request: pb.GetStatusRequest, context):

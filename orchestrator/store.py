@@ -10,6 +10,7 @@ Nothing is pickled.
 from __future__ import annotations
 
 import json
+import re
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -93,6 +94,7 @@ class SessionState:
     policy: dict = field(default_factory=dict)  # draft-length controller state (PolicyState.to_dict)
     created_at: float = field(default_factory=time.time)
     generation: GenerationRecord | None = None  # the latest generation
+    principal: str = ""  # hash of the identity that opened it (specdec.auth.principal_of; "" = anonymous)
 
     def record(self) -> str:
         data = asdict(self)
@@ -108,10 +110,11 @@ class SessionState:
 
 
 class RedisSessionStore:
-    def __init__(self, url: str, ttl_s: int) -> None:
-        self.url = url
+    def __init__(self, url: str, ttl_s: int, **connection: Any) -> None:
+        """`connection`: more redis-py options, e.g. password, ssl_ca_certs, ssl_certfile, ssl_keyfile."""
+        self.url = re.sub(r"//[^/@]*@", "//", url)  # as named in messages: no credentials
         self.ttl_s = ttl_s
-        self.redis = redis.Redis.from_url(url)
+        self.redis = redis.Redis.from_url(url, **connection)
         self._append = self.redis.register_script(_APPEND)
 
     async def ping(self) -> None:

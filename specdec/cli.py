@@ -9,7 +9,7 @@ import sys
 import time
 from dataclasses import fields
 
-from specdec.errors import SpecdecError, Unavailable
+from specdec.errors import SpecdecError, Unauthenticated, Unavailable
 
 DEFAULT_ADDRESS = os.environ.get("SPECDEC_ADDRESS", "127.0.0.1:50051")
 # Flags of `specdec up` whose default differs from the Plan's (a Plan made in code starts no gateway).
@@ -29,6 +29,10 @@ def _add_plan_flags(parser: argparse.ArgumentParser) -> None:
         "ngram_min": "shortest suffix n-gram prompt lookup matches", "ngram_max": "longest suffix n-gram it matches",
         "host": "interface every service binds", "log_dir": "where the service logs go",
         "http_port": "port of the OpenAI-compatible HTTP API; 0 does not start it",
+        "auth_tokens_file": "bearer tokens the orchestrator and HTTP API accept (TOKEN or NAME:TOKEN per line); "
+                            "unset: open to anyone who reaches them",
+        "log_format": "log lines of every service: text or json",
+        "otel_endpoint": "OTLP/gRPC collector every service exports traces to (unset: no export)",
     }
     for f in fields(Plan):
         if f.name not in helps and not f.name.endswith("_port"):
@@ -88,10 +92,11 @@ def cmd_down(args: argparse.Namespace) -> int:
     return 0
 
 
-def _client(args: argparse.Namespace):
+def _client(args: argparse.Namespace, address: str | None = None):
     from specdec.client import Client
 
-    return Client(args.address, timeout=args.timeout)
+    return Client(address or args.address, timeout=args.timeout, token=args.token or None,
+                  tls_ca=args.tls_ca or None, tls_cert=args.tls_cert or None, tls_key=args.tls_key or None)
 
 
 def _report_error(exc: SpecdecError, args: argparse.Namespace) -> int:
@@ -101,6 +106,8 @@ def _report_error(exc: SpecdecError, args: argparse.Namespace) -> int:
         print(f"Nothing answers at {args.address}. Is the pipeline running? Start it with `specdec up` "
               "(or `specdec up --detach`), or point --address (or $SPECDEC_ADDRESS) at a running orchestrator.",
               file=sys.stderr)
+    elif isinstance(exc, Unauthenticated):
+        print("The orchestrator requires a bearer token: pass --token TOKEN or set $SPECDEC_TOKEN.", file=sys.stderr)
     elif isinstance(exc, Unavailable):
         print("A service behind the orchestrator is unavailable; `specdec status` shows which. "
               "The session is kept: retry shortly.", file=sys.stderr)
@@ -227,12 +234,12 @@ def _format_status(status: dict) -> list[str]:
 
 def cmd_status(args: argparse.Namespace) -> int:
     """GetStatus from every orchestrator address; exit 0 all healthy, 1 a backend is down, 2 unreachable."""
-    from specdec.client import Client, Endpoints
+    from specdec.client import Endpoints
 
     reports, worst = [], 0
     for address in Endpoints(args.address).addresses:
         try:
-            with Client(address, timeout=args.timeout) as client:
+            with _client(args, address) as client:
                 status = client.status()
         except SpecdecError as exc:
             message = str(exc).removeprefix(f"orchestrator {address}: ")
@@ -276,6 +283,12 @@ def build_parser() -> argparse.ArgumentParser:
     def add_sampling(p: argparse.ArgumentParser) -> None:
         p.add_argument("--max-new-tokens", type=int, default=None)
         p.add_argument("--temperature", type=float, default=None, help="0 (default) is greedy")
+        p.add_argument("--token", default=os.environ.get("SPECDEC_TOKEN", ""),
+                       help="bearer token for an orchestrator that requires one (default: $SPECDEC_TOKEN)")
+        p.add_argument("--tls-ca", default=os.environ.get("SPECDEC_TLS_CA", ""),
+                       help="PEM CA to verify a TLS orchestrator with (default: $SPECDEC_TLS_CA; unset: plaintext)")
+        p.add_argument("--tls-cert", default="", help="PEM client certificate, for an orchestrator that asks for one")
+        p.add_argument("--tls-key", default="", help="PEM private key of --tls-cert")
         p.add_argument("--top-p", type=float, default=None)
         p.add_argument("--top-k", type=int, default=None)
         p.add_argument("--seed", type=int, default=None)

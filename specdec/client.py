@@ -24,6 +24,10 @@ Failure handling, in one list:
   breaks before anything arrived is simply sent again (nothing was delivered). ABORTED (the
   session is busy), bad input and deadlines are never retried.
 - `timeout` is a deadline for the whole call, resumes included.
+
+Security: `token=` sends `authorization: Bearer <token>` with every call (each call may pass
+its own); `tls_ca=` (and `tls_cert=`/`tls_key=` for mutual TLS) or `credentials=` use TLS. A
+failed authentication raises `specdec.errors.Unauthenticated`.
 """
 
 from __future__ import annotations
@@ -64,6 +68,32 @@ IDEMPOTENT_METHODS = ("GetStatus", "CloseSession")
 # How older and newer gRPC releases report a connection that died under a stream.
 _DROPPED = re.compile(r"stream removed|socket closed|rst_stream|connection reset|broken pipe|goaway|end of file",
                       re.IGNORECASE)
+
+
+def call_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    """Metadata of one call: the bearer token, the current trace context and request id."""
+    from specdec.tracing import inject
+
+    carrier: dict[str, str] = {}
+    if token:
+        carrier["authorization"] = f"Bearer {token}"
+    inject(carrier)
+    return tuple(carrier.items())
+
+
+def tls_credentials(ca: str | bytes | None = None, cert: str | bytes | None = None,
+                    key: str | bytes | None = None) -> grpc.ChannelCredentials:
+    """TLS credentials from PEM paths or bytes: `ca` to verify the server (None: the system's roots),
+    `cert` + `key` to prove the client (mutual TLS)."""
+    def pem(value: str | bytes | None) -> bytes | None:
+        if value is None or isinstance(value, bytes):
+            return value
+        with open(value, "rb") as f:
+            return f.read()
+
+    if (cert is None) != (key is None):
+        raise ValueError("tls_cert and tls_key go together")
+    return grpc.ssl_channel_credentials(root_certificates=pem(ca), private_key=pem(key), certificate_chain=pem(cert))
 
 
 def channel_options(extra: Sequence[tuple[str, Any]] = ()) -> list[tuple[str, Any]]:
@@ -249,8 +279,10 @@ class StreamRun:
     """
 
     def __init__(self, request: pb.GenerateRequest, endpoints: Endpoints, *, resume: bool,
-                 deadline: Deadline, max_attempts: int, initial_backoff_s: float, max_backoff_s: float) -> None:
+                 deadline: Deadline, max_attempts: int, initial_backoff_s: float, max_backoff_s: float,
+                 token: str | None = None) -> None:
         self.request = request
+        self.token = token
         self.endpoints = endpoints
         self.resume = resume
         self.deadline = deadline
@@ -268,6 +300,9 @@ class StreamRun:
     @property
     def address(self) -> str:
         return self.endpoints.addresses[self.index]
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return call_metadata(self.token)
 
     def next_request(self) -> pb.GenerateRequest:
         if not self.resuming:
@@ -318,7 +353,9 @@ class _Base:
     def __init__(self, addresses: str | Sequence[str] = DEFAULT_ADDRESS, *, timeout: float | None = None,
                  credentials: grpc.ChannelCredentials | None = None, resume: bool = True,
                  max_attempts: int = 5, initial_backoff_s: float = 0.1, max_backoff_s: float = 2.0,
-                 options: Sequence[tuple[str, Any]] = ()) -> None:
+                 options: Sequence[tuple[str, Any]] = (), token: str | None = None,
+                 tls_ca: str | bytes | None = None, tls_cert: str | bytes | None = None,
+                 tls_key: str | bytes | None = None) -> None:
         """
         addresses: one "host:port", a comma-separated list, or a sequence of them.
         timeout: default deadline of every call, seconds (None: no deadline); each call may set its own.
@@ -327,10 +364,16 @@ class _Base:
         max_attempts: attempts of one stream in all (first try, retries and resumes).
         initial_backoff_s, max_backoff_s: pause before trying an address again, doubling per attempt.
         options: extra gRPC channel options.
+        token: bearer token sent with every call (each call may pass its own `token=`).
+        tls_ca, tls_cert, tls_key: PEM paths or bytes; any of them turns TLS on (`tls_ca` verifies the
+            orchestrator, None: the system's roots; `tls_cert` + `tls_key`: a client certificate).
         """
         self.endpoints = Endpoints(addresses)
         self.timeout = timeout
+        if credentials is None and (tls_ca is not None or tls_cert is not None):
+            credentials = tls_credentials(tls_ca, tls_cert, tls_key)
         self.credentials = credentials
+        self.token = token
         self.resume = resume
         self.max_attempts = max(1, max_attempts)
         self.initial_backoff_s = initial_backoff_s
@@ -358,11 +401,14 @@ class _Base:
     def _make_channel(self, address: str):
         raise NotImplementedError
 
-    def _run(self, request: pb.GenerateRequest, timeout: Any, resume: bool | None) -> StreamRun:
+    def _run(self, request: pb.GenerateRequest, timeout: Any, resume: bool | None, token: Any = None) -> StreamRun:
         return StreamRun(request, self.endpoints, resume=self.resume if resume is None else resume,
                          deadline=Deadline(self.timeout if timeout is _DEFAULT else timeout),
                          max_attempts=self.max_attempts, initial_backoff_s=self.initial_backoff_s,
-                         max_backoff_s=self.max_backoff_s)
+                         max_backoff_s=self.max_backoff_s, token=self._token(token))
+
+    def _token(self, token: Any) -> str | None:
+        return self.token if token is None else token
 
     def _timeout(self, timeout: Any) -> float | None:
         return self.timeout if timeout is _DEFAULT else timeout
@@ -424,14 +470,15 @@ class Client(_Base):
         return grpc.insecure_channel(address, options=self.options)
 
     def stream(self, prompt: str | None = None, *, timeout: float | None = _DEFAULT, resume: bool | None = None,
-               **kwargs) -> Stream:
+               token: str | None = None, **kwargs) -> Stream:
         """Generate, yielding a `Chunk` per speculative round; keyword arguments as in `build_request`."""
-        run = self._run(build_request(prompt, **kwargs), timeout, resume)
+        run = self._run(build_request(prompt, **kwargs), timeout, resume, token)
         return Stream(run, self._chunks(run))
 
     def _chunks(self, run: StreamRun) -> Iterator[Chunk]:
         while True:
-            call = self._stub(run.address).Generate(run.next_request(), timeout=run.deadline.remaining())
+            call = self._stub(run.address).Generate(run.next_request(), timeout=run.deadline.remaining(),
+                                                    metadata=run.metadata())
             try:
                 for msg in call:
                     chunk = run.accept(msg)
@@ -459,25 +506,26 @@ class Client(_Base):
         """`generate` with chat messages ([{"role": "user", "content": "..."}, ...])."""
         return self.generate(messages=messages, **kwargs)
 
-    def _unary(self, method: str, request, timeout: Any):
+    def _unary(self, method: str, request, timeout: Any, token: str | None = None):
         errors: list[SpecdecError] = []
         for address in self.endpoints.order():
             try:
-                return address, getattr(self._stub(address), method)(request, timeout=self._timeout(timeout))
+                return address, getattr(self._stub(address), method)(
+                    request, timeout=self._timeout(timeout), metadata=call_metadata(self._token(token)))
             except grpc.RpcError as exc:
                 errors.append(typed_error(exc, address))
                 if exc.code() != grpc.StatusCode.UNAVAILABLE:
                     break
         raise _unavailable_everywhere(errors)
 
-    def close_session(self, session_id: str, *, timeout: float | None = _DEFAULT) -> bool:
+    def close_session(self, session_id: str, *, timeout: float | None = _DEFAULT, token: str | None = None) -> bool:
         """Delete a session and free its caches; False if it did not exist."""
-        _, reply = self._unary("CloseSession", pb.CloseSessionRequest(session_id=session_id), timeout)
+        _, reply = self._unary("CloseSession", pb.CloseSessionRequest(session_id=session_id), timeout, token)
         return reply.closed
 
-    def status(self, *, timeout: float | None = _DEFAULT) -> dict[str, Any]:
+    def status(self, *, timeout: float | None = _DEFAULT, token: str | None = None) -> dict[str, Any]:
         """Health, models, load and acceptance of an orchestrator and its backends (GetStatus)."""
-        address, reply = self._unary("GetStatus", pb.GetStatusRequest(), timeout)
+        address, reply = self._unary("GetStatus", pb.GetStatusRequest(), timeout, token)
         return status_from_pb(reply, address)
 
     def close(self) -> None:
@@ -527,14 +575,15 @@ class AsyncClient(_Base):
         return grpc.aio.insecure_channel(address, options=self.options)
 
     def stream(self, prompt: str | None = None, *, timeout: float | None = _DEFAULT, resume: bool | None = None,
-               **kwargs) -> AsyncStream:
+               token: str | None = None, **kwargs) -> AsyncStream:
         """Generate, yielding a `Chunk` per speculative round: `async for chunk in client.stream(...)`."""
-        run = self._run(build_request(prompt, **kwargs), timeout, resume)
+        run = self._run(build_request(prompt, **kwargs), timeout, resume, token)
         return AsyncStream(run, self._chunks(run))
 
     async def _chunks(self, run: StreamRun) -> AsyncIterator[Chunk]:
         while True:
-            call = self._stub(run.address).Generate(run.next_request(), timeout=run.deadline.remaining())
+            call = self._stub(run.address).Generate(run.next_request(), timeout=run.deadline.remaining(),
+                                                    metadata=run.metadata())
             try:
                 async for msg in call:
                     chunk = run.accept(msg)
@@ -561,23 +610,25 @@ class AsyncClient(_Base):
     async def chat(self, messages: Sequence[dict[str, str]], **kwargs) -> Generation:
         return await self.generate(messages=messages, **kwargs)
 
-    async def _unary(self, method: str, request, timeout: Any):
+    async def _unary(self, method: str, request, timeout: Any, token: str | None = None):
         errors: list[SpecdecError] = []
         for address in self.endpoints.order():
             try:
-                return address, await getattr(self._stub(address), method)(request, timeout=self._timeout(timeout))
+                return address, await getattr(self._stub(address), method)(
+                    request, timeout=self._timeout(timeout), metadata=call_metadata(self._token(token)))
             except grpc.RpcError as exc:
                 errors.append(typed_error(exc, address))
                 if exc.code() != grpc.StatusCode.UNAVAILABLE:
                     break
         raise _unavailable_everywhere(errors)
 
-    async def close_session(self, session_id: str, *, timeout: float | None = _DEFAULT) -> bool:
-        _, reply = await self._unary("CloseSession", pb.CloseSessionRequest(session_id=session_id), timeout)
+    async def close_session(self, session_id: str, *, timeout: float | None = _DEFAULT,
+                            token: str | None = None) -> bool:
+        _, reply = await self._unary("CloseSession", pb.CloseSessionRequest(session_id=session_id), timeout, token)
         return reply.closed
 
-    async def status(self, *, timeout: float | None = _DEFAULT) -> dict[str, Any]:
-        address, reply = await self._unary("GetStatus", pb.GetStatusRequest(), timeout)
+    async def status(self, *, timeout: float | None = _DEFAULT, token: str | None = None) -> dict[str, Any]:
+        address, reply = await self._unary("GetStatus", pb.GetStatusRequest(), timeout, token)
         return status_from_pb(reply, address)
 
     async def close(self) -> None:

@@ -6,7 +6,9 @@ import argparse
 import typing
 from typing import Literal, Sequence, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 C = TypeVar("C", bound="ServiceConfig")
 
@@ -23,6 +25,39 @@ class ServiceConfig(BaseModel):
         None, ge=0, le=65535,
         description="Port of the Prometheus endpoint (http://host:port/metrics); unset = off, 0 = a free port (logged).",
     )
+    log_format: Literal["text", "json"] = Field(
+        "text", description="Log lines as text (for people) or one JSON object each (for collectors); both carry "
+        "request, session and trace ids.",
+    )
+    tls_cert: str = Field("", description="PEM certificate (chain) this server presents; with --tls-key it serves TLS.")
+    tls_key: str = Field("", description="PEM private key of --tls-cert.")
+    tls_ca: str = Field("", description="PEM CA bundle client certificates must chain to (with --tls-client-auth required).")
+    tls_client_auth: Literal["none", "required"] = Field(
+        "none", description="'required': mutual TLS, only clients with a certificate signed by --tls-ca get in "
+        "(draft and target behind the orchestrator).",
+    )
+    otel_endpoint: str = Field(
+        "", description="OTLP/gRPC collector to export traces to (e.g. http://otel-collector:4317); empty: only the "
+        "standard OTEL_TRACES_EXPORTER / OTEL_EXPORTER_OTLP_ENDPOINT variables, or no export.",
+    )
+    otel_file: str = Field("", description="Also write every finished span as one JSON line to this file (debugging).")
+
+    @field_validator("tls_cert", "tls_key", "tls_ca")
+    @classmethod
+    def _readable(cls, path: str) -> str:
+        if path and not Path(path).is_file():
+            raise ValueError(f"no such file: {path}")
+        return path
+
+    @model_validator(mode="after")
+    def _tls_consistent(self):
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("--tls-cert and --tls-key go together")
+        if self.tls_client_auth == "required" and not (self.tls_cert and self.tls_ca):
+            raise ValueError("--tls-client-auth required needs --tls-cert, --tls-key and --tls-ca")
+        if self.tls_ca and self.tls_client_auth != "required":
+            raise ValueError("--tls-ca checks client certificates: add --tls-client-auth required")
+        return self
 
     @property
     def address(self) -> str:
@@ -50,6 +85,9 @@ class ServiceConfig(BaseModel):
 def _explain(exc: ValidationError) -> str:
     lines = []
     for err in exc.errors():
+        if not err["loc"]:  # a check across fields: its message names the flags
+            lines.append(str(err["msg"]).removeprefix("Value error, "))
+            continue
         flag = "--" + "-".join(str(p) for p in err["loc"]).replace("_", "-")
         lines.append(f"{flag}: {err['msg']} (got {err.get('input')!r})")
     return "; ".join(lines)

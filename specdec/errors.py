@@ -59,6 +59,12 @@ class ResourceExhausted(SpecdecError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
+class Unauthenticated(SpecdecError):
+    """No valid bearer token came with the call (see `specdec.auth`)."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
 class DeadlineExceeded(SpecdecError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 
@@ -74,7 +80,7 @@ class Internal(SpecdecError):
 _BY_CODE = {
     cls.code: cls
     for cls in (InvalidArgument, NotFound, FailedPrecondition, Aborted, Unavailable,
-                ResourceExhausted, DeadlineExceeded, Cancelled, Internal)
+                ResourceExhausted, DeadlineExceeded, Cancelled, Internal, Unauthenticated)
 }
 
 

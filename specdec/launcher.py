@@ -62,6 +62,16 @@ class Plan:
     # CPU pinning (`taskset -c LIST`), e.g. target on core 0 and draft on core 1.
     target_cpus: str = ""
     draft_cpus: str = ""
+    # Security and observability, passed through: bearer tokens of the public APIs (orchestrator and
+    # gateway), the log format and an OTLP collector of every service.
+    auth_tokens_file: str = ""
+    log_format: str = "text"
+    otel_endpoint: str = ""
+    extra_http_args: list[str] = field(default_factory=list)
+
+    def _common_args(self) -> list[str]:
+        args = ["--log-format", self.log_format] if self.log_format != "text" else []
+        return args + (["--otel-endpoint", self.otel_endpoint] if self.otel_endpoint else [])
 
     def commands(self) -> dict[str, list[str]]:
         py = sys.executable
@@ -73,14 +83,14 @@ class Plan:
         }
         if self.target_threads:
             cmds["target"] += ["--threads", str(self.target_threads)]
-        cmds["target"] += self.extra_target_args
+        cmds["target"] += self._common_args() + self.extra_target_args
         if self.proposer != "none":
             cmds["draft"] = [py, "-m", "draft_service", "--host", self.host, "--port", str(self.draft_port),
                              "--proposer", self.proposer, "--model", self.draft_model, "--dtype", self.draft_dtype,
                              "--ngram-min", str(self.ngram_min), "--ngram-max", str(self.ngram_max)]
             if self.draft_threads:
                 cmds["draft"] += ["--threads", str(self.draft_threads)]
-            cmds["draft"] += self.extra_draft_args
+            cmds["draft"] += self._common_args() + self.extra_draft_args
         for name, cpus in (("target", self.target_cpus), ("draft", self.draft_cpus)):
             if cpus and name in cmds:
                 cmds[name] = ["taskset", "-c", cpus, *cmds[name]]
@@ -90,12 +100,16 @@ class Plan:
             "--draft", (self.draft_via or f"{self.host}:{self.draft_port}") if self.proposer != "none" else "",
             "--redis-url", f"redis://{self.host}:{self.redis_port}/0",
             "--model", self.target_model, "--draft-length", str(self.draft_length),
-            *self.extra_orchestrator_args,
+            *self._common_args(), *self._auth_args(), *self.extra_orchestrator_args,
         ]
         if self.http_port:
             cmds["http"] = [py, "-m", "http_gateway", "--host", self.host, "--port", str(self.http_port),
-                            "--orchestrator", f"{self.host}:{self.orchestrator_port}"]
+                            "--orchestrator", f"{self.host}:{self.orchestrator_port}",
+                            *self._common_args(), *self._auth_args(), *self.extra_http_args]
         return cmds
+
+    def _auth_args(self) -> list[str]:
+        return ["--auth-tokens-file", self.auth_tokens_file] if self.auth_tokens_file else []
 
     def grpc_addresses(self) -> dict[str, str]:
         names = {"target": self.target_port, "orchestrator": self.orchestrator_port}

@@ -6,7 +6,7 @@ import asyncio
 import logging
 import signal
 import sys
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -25,13 +25,18 @@ def create_server(
     address: str,
     register: Iterable[Callable[[grpc.aio.Server], None]],
     service_names: Iterable[str],
+    credentials: grpc.ServerCredentials | None = None,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    options: Sequence[tuple[str, object]] = (),
 ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     """Build a server with our servicers, the standard health service and reflection.
 
     Returns the server, the bound port (bind port 0 in tests) and the health servicer, whose
-    status starts as NOT_SERVING until `mark_serving` is called.
+    status starts as NOT_SERVING until `mark_serving` is called. `credentials` (see
+    `specdec.tls`) serve TLS instead of plaintext; `options` override the channel options
+    (e.g. a smaller `grpc.max_receive_message_length`).
     """
-    server = grpc.aio.server(options=CHANNEL_OPTIONS)
+    server = grpc.aio.server(options=_merge_options(CHANNEL_OPTIONS, options), interceptors=list(interceptors))
     for add in register:
         add(server)
     health_servicer = health.aio.HealthServicer()
@@ -40,7 +45,7 @@ def create_server(
     reflection.enable_server_reflection(
         names + [health.SERVICE_NAME, reflection.SERVICE_NAME], server
     )
-    port = server.add_insecure_port(address)
+    port = server.add_secure_port(address, credentials) if credentials is not None else server.add_insecure_port(address)
     if port == 0:
         raise RuntimeError(f"could not bind {address}: is the port in use?")
     return server, port, health_servicer
@@ -62,31 +67,53 @@ async def serve_until_signalled(server: grpc.aio.Server, grace: float = 5.0) -> 
     await server.stop(grace)
 
 
-def channel(address: str) -> grpc.aio.Channel:
-    """An insecure channel to one of our services, with our message-size limits.
+def _merge_options(base: Sequence[tuple[str, object]], extra: Sequence[tuple[str, object]]) -> list:
+    """`base` with the keys of `extra` replaced (gRPC would take the first of a repeated key)."""
+    keys = {k for k, _ in extra}
+    return [(k, v) for k, v in base if k not in keys] + list(extra)
 
+
+def channel(address: str, credentials: grpc.ChannelCredentials | None = None,
+            options: Sequence[tuple[str, object]] = ()) -> grpc.aio.Channel:
+    """A channel to one of our services, with our message-size limits, carrying trace context.
+
+    Plaintext unless `credentials` are given (mutual TLS: `specdec.tls.ClientTLS.credentials()`).
     Reconnection backs off to at most 2 s (gRPC's default grows to 120 s), so a replica that
     comes back after an outage is used again within seconds.
     """
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS + [
+    from specdec.tracing import client_interceptors
+
+    opts = _merge_options(CHANNEL_OPTIONS + [
         ("grpc.initial_reconnect_backoff_ms", 500), ("grpc.max_reconnect_backoff_ms", 2000),
-    ])
+    ], options)
+    if credentials is not None:
+        return grpc.aio.secure_channel(address, credentials, options=opts, interceptors=client_interceptors())
+    return grpc.aio.insecure_channel(address, options=opts, interceptors=client_interceptors())
 
 
-def configure_logging(level: str = "INFO") -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+def configure_logging(level: str = "INFO", fmt: str = "text", service: str = "") -> None:
+    """Log lines with request, session and trace ids: text for people, `fmt="json"` for machines."""
+    from specdec.logs import configure
+
+    configure(level, fmt, service)
 
 
 async def serve_servicer(address: str, register: Callable[[grpc.aio.Server], None], service_name: str,
-                         description: str) -> None:
-    """Start a server for one servicer (plus health and reflection), mark it SERVING, run until signalled."""
-    server, port, health_servicer = create_server(address, [register], [service_name])
+                         description: str, credentials: grpc.ServerCredentials | None = None,
+                         interceptors: Sequence[grpc.aio.ServerInterceptor] | None = None,
+                         options: Sequence[tuple[str, object]] = ()) -> None:
+    """Start a server for one servicer (plus health and reflection), mark it SERVING, run until signalled.
+
+    `interceptors` default to `default_interceptors()` (tracing and log ids, safe decoding).
+    """
+    if interceptors is None:
+        interceptors = default_interceptors()
+    server, port, health_servicer = create_server(address, [register], [service_name], credentials, interceptors,
+                                                  options)
     await server.start()
     await mark_serving(health_servicer, [service_name])
-    log.info("%s listening on %s", description, f"{address.rsplit(':', 1)[0]}:{port}")
+    log.info("%s listening on %s (%s)", description, f"{address.rsplit(':', 1)[0]}:{port}",
+             "TLS" if credentials is not None else "plaintext")
     await serve_until_signalled(server)
 
 
@@ -104,10 +131,26 @@ def start_metrics(registry, host: str, port: int | None) -> int:
     return bound
 
 
+def default_interceptors() -> list[grpc.aio.ServerInterceptor]:
+    """What every service runs: a span and log ids per call, then requests that fail to parse refused."""
+    from specdec.interceptors import DecodeGuard
+    from specdec.tracing import ServerTracing
+
+    return [ServerTracing(), DecodeGuard()]
+
+
 def run_main(config_cls, serve, prog: str, argv=None, startup_errors: tuple[type[Exception], ...] = ()) -> None:
-    """The entry point of every service: flags → config → logging → asyncio.run(serve(config))."""
+    """The entry point of every service: flags → config → logging, tracing → asyncio.run(serve(config))."""
+    from specdec.tracing import setup as setup_tracing
+
     config = config_cls.from_args(argv, prog=prog)
-    configure_logging(config.log_level)
+    service = prog.rsplit(" ", 1)[-1]
+    configure_logging(config.log_level, config.log_format, service)
+    try:
+        setup_tracing(service, config.otel_endpoint, config.otel_file)
+    except RuntimeError as exc:
+        log.error("cannot start: %s", exc)
+        sys.exit(2)
     try:
         asyncio.run(serve(config))
     except startup_errors as exc:

@@ -13,6 +13,7 @@ from specdec.runtime.latency import LatencyProfile
 from specdec.runtime.models import load_model
 from specdec.runtime.verifier import Verifier
 from specdec.serving import run_main, serve_servicer, start_metrics
+from specdec.tls import server_credentials_of
 from specdec.v1 import target_pb2, target_pb2_grpc
 from target_service.config import TargetConfig
 from target_service.servicer import TargetServicer
@@ -40,7 +41,8 @@ async def serve(config: TargetConfig) -> None:
     servicer.info.metrics_port = start_metrics(metrics.registry, config.host, config.metrics_port)
     info = servicer.info
     await serve_servicer(config.address, lambda s: target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, s),
-                         SERVICE_NAME, f"target service ({info.model} {info.dtype}, batches of up to {config.max_batch})")
+                         SERVICE_NAME, f"target service ({info.model} {info.dtype}, batches of up to {config.max_batch})",
+                         credentials=server_credentials_of(config))
 
 
 def main(argv: Sequence[str] | None = None) -> None:

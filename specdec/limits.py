@@ -1,0 +1,115 @@
+"""Input and usage limits of the public API that are not plain field checks.
+
+- `check_session_id`: a session id is one we issued (letters, digits, `-`, `_`; at most 64), so a
+  client cannot make the store build keys from arbitrary bytes.
+- `PerIdentityLimit`: generations one token (identity) may run at once on this orchestrator
+  replica; the next one gets RESOURCE_EXHAUSTED naming the limit. `ConcurrencyLimit` applies it
+  to the generation methods as a server interceptor (after `specdec.auth.AuthInterceptor`).
+
+Message size is a server option (`--max-message-bytes`, gRPC answers RESOURCE_EXHAUSTED);
+prompt tokens, new tokens and stop strings are checked with the request
+(`orchestrator.generation.Generator.parse`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import re
+from collections import Counter
+from typing import Iterable, Iterator
+
+import grpc
+
+from specdec.auth import current_identity
+from specdec.errors import InvalidArgument, ResourceExhausted
+from specdec.interceptors import method_handler
+
+SESSION_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def check_session_id(session_id: str) -> str:
+    if not SESSION_ID.fullmatch(session_id):
+        raise InvalidArgument("session_id is not a session id: send the id a previous response returned "
+                              "(letters, digits, '-' or '_', at most 64 characters)")
+    return session_id
+
+
+class PerIdentityLimit:
+    """Counts the generations each identity runs; the anonymous identity ("", auth off) is not limited."""
+
+    def __init__(self, limit: int, flag: str = "--max-concurrent-per-token") -> None:
+        self.limit = limit
+        self.flag = flag
+        self.running: Counter[str] = Counter()
+
+    def acquire(self, identity: str) -> None:
+        """Take a slot, or raise ResourceExhausted naming the limit."""
+        if identity and self.limit and self.running[identity] >= self.limit:
+            raise ResourceExhausted(
+                f"too many generations at once for this token: the limit is {self.flag}={self.limit} "
+                "per orchestrator replica; wait for one to finish"
+            )
+        self.running[identity] += 1
+
+    def release(self, identity: str) -> None:
+        self.running[identity] -= 1
+        if self.running[identity] <= 0:
+            del self.running[identity]
+
+    @contextlib.contextmanager
+    def hold(self, identity: str) -> Iterator[None]:
+        self.acquire(identity)
+        try:
+            yield
+        finally:
+            self.release(identity)
+
+
+GENERATION_METHODS = ("/specdec.v1.Orchestrator/Generate", "/specdec.v1.Orchestrator/GenerateUnary")
+
+
+class ConcurrencyLimit(grpc.aio.ServerInterceptor):
+    """Holds a `PerIdentityLimit` slot for the caller's identity while a generation method runs."""
+
+    def __init__(self, limit: PerIdentityLimit, methods: Iterable[str] = GENERATION_METHODS) -> None:
+        self.limit = limit
+        self.methods = set(methods)
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or handler_call_details.method not in self.methods or handler.request_streaming:
+            return handler
+        limit = self.limit
+        if handler.unary_unary is not None:
+            inner = handler.unary_unary
+
+            async def unary(request, context):
+                identity = current_identity.get()
+                try:
+                    limit.acquire(identity)
+                except ResourceExhausted as exc:
+                    await context.abort(exc.code, str(exc))
+                try:
+                    return await inner(request, context)
+                finally:
+                    limit.release(identity)
+
+            return method_handler(handler, unary_unary=unary)
+        inner_stream = handler.unary_stream
+        if not inspect.isasyncgenfunction(inner_stream):
+            return handler
+
+        async def stream(request, context):
+            identity = current_identity.get()
+            try:
+                limit.acquire(identity)
+            except ResourceExhausted as exc:
+                await context.abort(exc.code, str(exc))
+            try:
+                async for item in inner_stream(request, context):
+                    yield item
+            finally:
+                limit.release(identity)
+
+        return method_handler(handler, unary_stream=stream)
