@@ -20,7 +20,7 @@ def test_seed_reproduces_a_generation(tiny_pipeline):
                 for _ in range(2)]
         other = client.generate(PROMPT, max_new_tokens=32, temperature=1.0, top_p=0.95, seed=4321, draft_length=4)
     assert runs[0].token_ids == runs[1].token_ids
-    assert runs[0].stats["seed"] == "1234"
+    assert runs[0].stats["seed"] == 1234
     assert other.token_ids != runs[0].token_ids
 
 
