@@ -24,7 +24,10 @@ class DraftConfig(ServiceConfig):
     idle_ttl_s: float = Field(900.0, gt=0, description="Seconds an unused session cache is kept.")
     max_batch: int = Field(16, ge=1, le=256, description="Most requests drafted (model proposer) in one forward pass (1 = no batching).")
     batch_window_ms: float = Field(
-        2.0, ge=0, le=1000, description="How long the first queued request waits for others to share its forward pass."
+        5.0, ge=0, le=1000,
+        description="Longest wait for the sessions of the previous forward pass to send their next request (the "
+                    "pass starts at once when they are back or max-batch requests wait; the wait adapts to their "
+                    "measured turnaround, up to this).",
     )
     max_concurrent: int = Field(64, ge=1, description="Admission: requests served at once; more wait in the queue.")
     max_queued: int = Field(

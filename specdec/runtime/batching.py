@@ -2,11 +2,18 @@
 
 A request becomes a `Job`: one or more scoring steps on one session's KV cache (a verify is one
 step: score `k + 1` positions; a draft of `k` tokens is `k` steps of one token each). The
-`Batcher` owns the model thread. It collects jobs for a short window after the first one
-arrives (or until `max_batch` are waiting), then runs one step of every job in the batch as ONE
-forward pass (`SessionCaches.score_batch`), hands each job its slice of the result, and repeats.
-Jobs with more steps stay in the batch; new jobs join it at the next step boundary (continuous
-batching), so a long draft never holds a short one back by more than one step.
+`Batcher` owns the model thread. It runs one step of every job in the batch as ONE forward pass
+(`SessionCaches.score_batch`), hands each job its slice of the result, and repeats. Jobs with
+more steps stay in the batch; new jobs join it at the next step boundary (continuous batching),
+so a long draft never holds a short one back by more than one step.
+
+When the batch is empty, the next one starts as soon as the sessions of the previous batch are
+waiting again (all but one in eight; their clients run closed loops: each sends its next request
+a little after its answer), or `max_batch` jobs wait, or the wait since the previous step ended
+(or since the oldest job arrived, if later) reaches three times the measured turnaround of
+returning sessions, capped at `window_s`. Without that rule two closed-loop clients settle into
+alternating single-job passes (each arrives while the other computes); with it they share
+passes, and a lone client never waits at all.
 
 Each batch holds a session at most once (a second job for the same session waits for the first
 to finish), so every session's cache sees its requests in order. Before each step, jobs whose
@@ -38,8 +45,8 @@ log = logging.getLogger(__name__)
 class BatchConfig:
     max_batch: int = 16
     """Most jobs in one forward pass; 1 disables batching."""
-    window_s: float = 0.002
-    """How long the first waiting job waits for company before its batch starts."""
+    window_s: float = 0.05
+    """The longest a waiting job waits for the sessions of the previous batch to come back."""
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:
@@ -131,6 +138,10 @@ class Batcher:
         self._active: list[Job] = []
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
+        self._last_sessions: set[str] = set()  # the sessions of the previous step
+        self._last_step_end = 0.0  # time.monotonic() when the previous step ended
+        self._turnaround_s = 0.005  # EWMA: a session's job finished → its next job arrived
+        self._finished_at: dict[str, float] = {}  # session → when its last job finished (recent ones)
         self.batches = 0  # forward passes run (for tests and GetInfo)
 
     @property
@@ -195,6 +206,10 @@ class Batcher:
     def _submit(self, job: Job) -> None:
         if self._wakeup is None:
             self._wakeup = asyncio.Event()
+        finished_at = self._finished_at.pop(job.session_id, None)
+        if finished_at is not None:
+            sample = min(max(0.0, job.enqueued - finished_at), self.config.window_s)
+            self._turnaround_s += 0.2 * (sample - self._turnaround_s)
         self._pending.append(job)
         self._kick()
         if self._task is None or self._task.done():
@@ -248,11 +263,23 @@ class Batcher:
                 if finished:
                     job.finish()
             self._active = [j for j in self._active if not j.done]
+            self._last_sessions = {job.session_id for job in batch}
+            self._last_step_end = time.monotonic()
+            for job in batch:
+                if job.done:
+                    self._finished_at[job.session_id] = self._last_step_end
+            while len(self._finished_at) > 4 * self.config.max_batch + 16:
+                del self._finished_at[next(iter(self._finished_at))]  # sessions that did not come back
 
     async def _gather_window(self) -> None:
-        """Wait until `max_batch` jobs are pending or the oldest has waited `window_s`."""
+        """Wait until the previous batch's sessions are all back, `max_batch` jobs wait, or the window ends."""
         while len(self._pending) < self.config.max_batch:
-            remaining = self._pending[0].enqueued + self.config.window_s - time.monotonic()
+            missing = self._last_sessions - {job.session_id for job in self._pending}
+            if len(missing) <= len(self._last_sessions) // 8:
+                return  # (nearly) everyone who shared the previous pass is here, or a lone client: go
+            start = max(self._pending[0].enqueued, self._last_step_end)
+            wait_s = min(self.config.window_s, max(0.002, 3 * self._turnaround_s))
+            remaining = start + wait_s - time.monotonic()
             if remaining <= 0:
                 return
             self._wakeup.clear()

@@ -17,9 +17,9 @@ feed N; the 2-D attention mask hides both kinds of padding and each row gets its
 ids (L_i, L_i + 1, ...), so row i computes exactly what it would alone (up to float rounding).
 Right-padding the feed keeps every query row attending to at least one real token, so no softmax
 row is empty and no NaN can leak into the cache. Afterwards each session's cache is extended
-with its own F_i new keys/values (a copy, never a view into the batch tensor). A row that must
-re-prefill a long prefix is prefilled alone first, so one cache miss does not pad the whole
-batch to its length.
+with its own F_i new keys/values (a copy, never a view into the batch tensor). Rows that must
+re-prefill a long prefix (new sessions, lost caches) prefill it first in a pass of their own, so
+that one cache miss does not pad the whole batch to its length.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from transformers.cache_utils import DynamicLayer
 from specdec.errors import InvalidArgument
 
 PREFILL_ALONE_ABOVE = 16
-"""In a batch, a row that must re-prefill more than this many tokens is prefilled on its own first."""
+"""In a batch, rows that must re-prefill more than this many tokens do so first, in a pass of their own."""
 
 
 @dataclass
@@ -70,6 +70,36 @@ class _Row:
     entry: _Entry
     feed: list[int]
     keep: int  # history tokens the cache already covered
+
+
+class _BatchLayer(DynamicLayer):
+    """One layer of a batched pass: the rows' cached keys/values, left-padded to `p`, plus the pass's own.
+
+    The `[B, H, P + N, D]` buffer is filled once, when the pass delivers its new keys/values (so
+    shapes and dtype come from the model itself); no other copy of the pasts is made.
+    """
+
+    def __init__(self, rows: list[DynamicLayer], past: list[int], p: int) -> None:
+        super().__init__()
+        self.rows, self.past, self.p = rows, past, p
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        b, heads, n, _ = key_states.shape  # [B, H, N, D]
+        self.device = key_states.device
+        self.keys = key_states.new_zeros((b, heads, self.p + n, key_states.shape[-1]))
+        self.values = value_states.new_zeros((b, heads, self.p + n, value_states.shape[-1]))
+        for i, (layer, length) in enumerate(zip(self.rows, self.past)):
+            if length:
+                self.keys[i, :, self.p - length : self.p] = layer.keys[0]
+                self.values[i, :, self.p - length : self.p] = layer.values[0]
+        self.keys[:, :, self.p :] = key_states
+        self.values[:, :, self.p :] = value_states
+        self.rows = []  # the sessions' tensors are no longer needed by this pass
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.p
 
 
 def common_prefix_length(a: list[int], b: list[int]) -> int:
@@ -187,65 +217,59 @@ class SessionCaches:
         """Feed every row's tokens into its cache; each row's last `len(new_tokens) + 1` logits."""
         if not rows:
             return []
+        tails = [len(row.request.new_tokens) + 1 for row in rows]
         if len(rows) == 1:
-            return [self._forward_one(rows[0].entry, rows[0].feed, len(rows[0].request.new_tokens) + 1)]
+            return [self._forward_one(rows[0].entry, rows[0].feed, tails[0])]
         if not all(self._batchable(row.entry.cache) for row in rows):
-            return [self._forward_one(r.entry, r.feed, len(r.request.new_tokens) + 1) for r in rows]
-        for row in rows:  # a long re-prefill runs alone, then joins the batch with its block
-            tail = len(row.request.new_tokens) + 1
-            if len(row.feed) - tail > PREFILL_ALONE_ABOVE:
-                self._forward_one(row.entry, row.feed[:-tail], 1)
-                self._extend(row.entry, row.feed[:-tail])
+            return [self._forward_one(row.entry, row.feed, tail) for row, tail in zip(rows, tails)]
+        # Rows that must re-prefill a long prefix (a new session, a lost cache) prefill it first, in
+        # a pass of their own, so that one cache miss does not pad the whole batch to its length.
+        long = [(row, tail) for row, tail in zip(rows, tails) if len(row.feed) - tail > PREFILL_ALONE_ABOVE]
+        if long:
+            prefixes = [row.feed[:-tail] for row, tail in long]
+            if len(long) == 1:
+                self._forward_one(long[0][0].entry, prefixes[0], 1)
+            else:
+                self._forward_padded([row.entry for row, _ in long], prefixes, [1] * len(long))
+            for (row, tail), prefix in zip(long, prefixes):
+                self._extend(row.entry, prefix)
                 row.feed = row.feed[-tail:]
-        return self._forward_padded(rows)
+        return self._forward_padded([row.entry for row in rows], [row.feed for row in rows], tails)
 
     def _forward_one(self, entry: _Entry, feed: list[int], keep_logits: int) -> torch.Tensor:
         ids = torch.tensor([feed], dtype=torch.long)  # [1, S]
         out = self.model(input_ids=ids, cache=entry.cache, use_cache=True, logits_to_keep=keep_logits)
         return out.logits[0, -keep_logits:]  # [keep_logits, V]
 
-    def _forward_padded(self, rows: list[_Row]) -> list[torch.Tensor]:
-        b = len(rows)
-        past = [len(row.entry.tokens) for row in rows]  # L_i
-        width = [len(row.feed) for row in rows]  # F_i
+    def _forward_padded(self, entries: list[_Entry], feeds: list[list[int]], tails: list[int]) -> list[torch.Tensor]:
+        """One pass over several sessions (layout in the module docstring); each row's last `tail` logits.
+
+        Each entry's cache is extended by its feed; the caller extends `entry.tokens`.
+        """
+        b = len(entries)
+        past = [len(entry.tokens) for entry in entries]  # L_i
+        width = [len(feed) for feed in feeds]  # F_i
         p, n = max(past), max(width)
         ids = torch.zeros((b, n), dtype=torch.long)  # [B, N]; pads are token 0, masked out
         mask = torch.zeros((b, p + n), dtype=torch.long)  # [B, P + N]
         positions = torch.zeros((b, n), dtype=torch.long)  # [B, N]
-        for i, row in enumerate(rows):
-            ids[i, : width[i]] = torch.tensor(row.feed, dtype=torch.long)
+        for i, feed in enumerate(feeds):
+            ids[i, : width[i]] = torch.tensor(feed, dtype=torch.long)
             mask[i, p - past[i] : p + width[i]] = 1
             positions[i] = torch.arange(past[i], past[i] + n)
+        n_layers = len(entries[0].cache.layers)
         batch_cache = DynamicCache(config=self.model.config)
-        if p > 0:
-            batch_cache = DynamicCache(ddp_cache_data=self._stack_past(rows, past, p), config=self.model.config)
+        batch_cache.layers = [_BatchLayer([entry.cache.layers[layer_idx] for entry in entries], past, p)
+                              for layer_idx in range(n_layers)]
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=batch_cache,
-                         use_cache=True)
-        logits = []
-        for i, row in enumerate(rows):
-            tail = len(row.request.new_tokens) + 1
-            logits.append(out.logits[i, width[i] - tail : width[i]].clone())  # [tail, V]
+                         use_cache=True, logits_to_keep=max(0, n - min(w - t for w, t in zip(width, tails))))
+        kept = out.logits.shape[1]  # the last `kept` positions of every row
+        logits = [out.logits[i, kept - n + width[i] - tails[i] : kept - n + width[i]].clone() for i in range(b)]
         for layer_idx, layer in enumerate(batch_cache.layers):  # each session takes its own new keys
-            for i, row in enumerate(rows):
-                row.entry.cache.update(layer.keys[i : i + 1, :, p : p + width[i]],
-                                       layer.values[i : i + 1, :, p : p + width[i]], layer_idx)
+            for i, entry in enumerate(entries):
+                entry.cache.update(layer.keys[i : i + 1, :, p : p + width[i]],
+                                   layer.values[i : i + 1, :, p : p + width[i]], layer_idx)
         return logits
-
-    def _stack_past(self, rows: list[_Row], past: list[int], p: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer, the rows' cached keys and values left-padded with zeros to `p`: `[B, H, P, D]`."""
-        ref = next(row.entry.cache for row, length in zip(rows, past) if length > 0)
-        stacked = []
-        for layer_idx, ref_layer in enumerate(ref.layers):
-            _, heads, _, dim = ref_layer.keys.shape
-            keys = ref_layer.keys.new_zeros((len(rows), heads, p, dim))
-            values = ref_layer.values.new_zeros((len(rows), heads, p, ref_layer.values.shape[-1]))
-            for i, row in enumerate(rows):
-                if past[i]:
-                    layer = row.entry.cache.layers[layer_idx]
-                    keys[i, :, p - past[i] :] = layer.keys[0]
-                    values[i, :, p - past[i] :] = layer.values[0]
-            stacked.append((keys, values))
-        return stacked
 
     @staticmethod
     def _batchable(cache: DynamicCache) -> bool:

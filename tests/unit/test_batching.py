@@ -47,7 +47,8 @@ def test_batched_scoring_equals_single_scoring_over_rounds(model):
     rng = random.Random(0)
     batched, single = SessionCaches(model, 512), SessionCaches(model, 512)
     histories = {f"s{i}": tokens(rng, rng.randrange(1, 30)) for i in range(6)}
-    histories["long"] = tokens(rng, PREFILL_ALONE_ABOVE + 20)  # re-prefilled alone, then joins the batch
+    for i, extra in enumerate((20, 5, 33)):  # long re-prefills: a pass of their own first, then the batch
+        histories[f"long{i}"] = tokens(rng, PREFILL_ALONE_ABOVE + extra)
     for _ in range(5):
         requests = [ScoreRequest(sid, list(h), tokens(rng, rng.randrange(0, 6))) for sid, h in histories.items()]
         results = batched.score_batch(requests)
@@ -257,4 +258,32 @@ def test_batch_config_is_validated():
         BatchConfig(max_batch=0)
     with pytest.raises(ValueError):
         BatchConfig(window_s=-1)
-    assert np.isclose(BatchConfig().window_s, 0.002)
+    assert np.isclose(BatchConfig().window_s, 0.05)
+
+
+async def test_closed_loop_clients_share_passes_and_a_lone_client_never_waits(model):
+    """Two clients that each send their next request 5 ms after an answer: without waiting for the
+    previous batch's sessions they would alternate in single-job passes."""
+    caches = SlowCaches(model, 0.04)
+    verifier = Verifier(caches, V)
+    batcher = Batcher(caches, BatchConfig(max_batch=8, window_s=0.03))
+    greedy = SamplingParams()
+
+    async def client(sid: str, offset: float, rounds: int) -> list:
+        await asyncio.sleep(offset)
+        history, steps = [5, 6], []
+        for _ in range(rounds):
+            (verdict, _), step = await batcher.run(verifier.job(sid, history, [], None, greedy, 0))
+            steps.append(step)
+            history = history + [verdict.token]
+            await asyncio.sleep(0.005)  # the orchestrator's turnaround
+        return steps
+
+    a, b = await asyncio.gather(client("a", 0.0, 6), client("b", 0.02, 6))  # "b" starts mid-pass of "a"
+    assert batcher.batches <= 8, f"{batcher.batches} passes for 12 requests: the clients did not pair up"
+    assert sum(s.batch_size == 2 for s in a + b) >= 8
+    before = batcher.batches
+    alone = await client("c", 0.0, 3)  # "a" and "b" are gone: after one window "c" runs alone, then at once
+    assert batcher.batches - before == 3
+    assert all(s.queue_ns < 0.01e9 for s in alone[1:])
+    await batcher.close()
