@@ -119,7 +119,7 @@ def public_api_security(config: OrchestratorConfig) -> dict:
         log.warning("no bearer tokens configured (--auth-tokens-file, $%s): the API is open to anyone who "
                     "reaches it", config.auth_tokens_env)
     return dict(credentials=credentials,
-                interceptors=[ServerTracing(), AuthInterceptor(tokens),
+                interceptors=[ServerTracing(logging.INFO), AuthInterceptor(tokens),
                               ConcurrencyLimit(PerIdentityLimit(config.max_concurrent_per_token)), DecodeGuard()],
                 options=[("grpc.max_receive_message_length", config.max_message_bytes)])
 

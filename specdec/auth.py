@@ -70,8 +70,8 @@ def parse_tokens(text: str, source: str) -> list[_Entry]:
         if not token:
             raise ValueError(f"{source}: entry {n} has an empty token")
         if len(token) < 16:
-            raise ValueError(f"{source}: entry {n} ({name or 'unnamed'}) is shorter than 16 characters; "
-                             "use a long random token (e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`)")
+            raise ValueError(f"{source}: entry {n} ({name or 'unnamed'}) is shorter than 16 characters; use a long "
+                             "random token (`python -c 'import secrets; print(secrets.token_urlsafe(32))'`)")
         entries.append(_Entry(token.encode(), name or identity_of_token(token)))
     return entries
 

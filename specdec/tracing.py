@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import time
 from typing import Any, Callable, MutableMapping
 
 import grpc
@@ -31,6 +32,7 @@ from specdec import logs
 from specdec.interceptors import is_open_method, wrap_handler
 
 log = logging.getLogger(__name__)
+access_log = logging.getLogger("specdec.access")
 REQUEST_ID_KEY = "x-request-id"
 _configured = False
 
@@ -79,7 +81,8 @@ def setup(service: str, endpoint: str = "", file: str = "") -> None:
             raise RuntimeError("exporting traces over OTLP needs `pip install opentelemetry-exporter-otlp-proto-grpc` "
                                "(or `pip install specdec[otlp]`)") from exc
         provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint or None)))
-        log.info("exporting traces over OTLP to %s", endpoint or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "the default"))
+        log.info("exporting traces over OTLP to %s",
+                 endpoint or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "the default"))
     if "console" in wanted:
         provider.add_span_processor(SimpleSpanProcessor(ConsoleSpanExporter()))
     if file:
@@ -123,13 +126,15 @@ def _metadata_dict(metadata) -> dict[str, str]:
 class _CallScope:
     """One served call: its SERVER span and the ids the log lines carry."""
 
-    def __init__(self, method: str, metadata: dict[str, str], request, context) -> None:
+    def __init__(self, method: str, metadata: dict[str, str], request, context, access_level: int) -> None:
         self.method = method.lstrip("/")
         self.metadata = metadata
         self.request = request
         self.context = context
+        self.access_level = access_level
         self._span_cm = None
         self.span = None
+        self.started = 0.0
 
     def __enter__(self):
         rid = self.metadata.get(REQUEST_ID_KEY, "")
@@ -146,6 +151,7 @@ class _CallScope:
                                                        attributes=attrs, record_exception=False,
                                                        set_status_on_exception=False)
         self.span = self._span_cm.__enter__()
+        self.started = time.perf_counter()
         return self
 
     def observe(self, item) -> None:
@@ -163,15 +169,21 @@ class _CallScope:
             pass
         if exc_type is not None and code in (None, grpc.StatusCode.OK):
             code = grpc.StatusCode.CANCELLED if exc_type.__name__ == "CancelledError" else grpc.StatusCode.UNKNOWN
-        if code is not None:
-            self.span.set_attribute("rpc.grpc.status_code", code.value[0])
-            if code not in (grpc.StatusCode.OK,):
-                self.span.set_status(Status(StatusCode.ERROR, code.name))
+        code = code or grpc.StatusCode.OK
+        self.span.set_attribute("rpc.grpc.status_code", code.value[0])
+        if code != grpc.StatusCode.OK:
+            self.span.set_status(Status(StatusCode.ERROR, code.name))
+        elapsed_ms = (time.perf_counter() - self.started) * 1e3
+        access_log.log(self.access_level, "%s %s %.1f ms", self.method, code.name, elapsed_ms)
         return self._span_cm.__exit__(exc_type, exc, tb)
 
 
 class ServerTracing(grpc.aio.ServerInterceptor):
-    """A SERVER span per call (child of the caller's traceparent) and the log ids of the call."""
+    """A SERVER span per call (child of the caller's traceparent), the log ids of the call, and one
+    access log line per call (method, status, milliseconds) at `access_level`."""
+
+    def __init__(self, access_level: int = logging.DEBUG) -> None:
+        self.access_level = access_level
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -182,7 +194,7 @@ class ServerTracing(grpc.aio.ServerInterceptor):
         scopes: list[_CallScope] = []
 
         def scope(request, context):
-            call = _CallScope(method, metadata, request, context)
+            call = _CallScope(method, metadata, request, context, self.access_level)
             scopes.append(call)
             return call
 

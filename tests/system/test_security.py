@@ -23,7 +23,7 @@ import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specdec import Client, errors
-from specdec.launcher import _wait_redis, free_port, redis_server_binary
+from specdec.launcher import free_port, redis_server_binary
 from specdec.tls import ClientTLS, make_pki
 from specdec.v1 import common_pb2, draft_pb2_grpc, orchestrator_pb2 as pb, orchestrator_pb2_grpc, target_pb2_grpc
 

@@ -164,3 +164,33 @@ async def test_a_request_that_does_not_parse_is_invalid_argument(tokens_file):
             assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
     finally:
         await server.stop(0)
+
+
+def test_per_identity_limit_counts_each_token_apart():
+    from specdec.errors import ResourceExhausted
+    from specdec.limits import PerIdentityLimit
+
+    limit = PerIdentityLimit(2)
+    with limit.hold("alice"), limit.hold("alice"):
+        with pytest.raises(ResourceExhausted, match="--max-concurrent-per-token=2"):
+            limit.acquire("alice")
+        with limit.hold("bob"):
+            pass
+        for _ in range(5):  # the anonymous identity (auth off) is not limited
+            limit.acquire("")
+    assert limit.running == {"": 5}
+    limit.acquire("alice")  # the slots came back
+    assert limit.running["alice"] == 1
+
+
+@pytest.mark.parametrize("sid, ok", [("0123456789abcdef0123456789abcdef", True), ("a-b_C9", True), ("", False),
+                                     ("x" * 65, False), ("a b", False), ("{x}", False), ("é", False), ("a\n", False)])
+def test_session_ids_must_look_like_ours(sid, ok):
+    from specdec.errors import InvalidArgument
+    from specdec.limits import check_session_id
+
+    if ok:
+        assert check_session_id(sid) == sid
+    else:
+        with pytest.raises(InvalidArgument, match="not a session id"):
+            check_session_id(sid)
