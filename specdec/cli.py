@@ -265,6 +265,10 @@ def cmd_status(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdec", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    from specdec.drafts.cli import add_draft_parser  # `specdec draft build|profile`
+    add_draft_parser(sub)
+    from loadtest.cli import add_loadtest_parser  # `specdec loadtest`
+    add_loadtest_parser(sub)
 
     up = sub.add_parser("up", help="start Redis, draft, target and orchestrator locally")
     _add_plan_flags(up)
@@ -279,16 +283,17 @@ def build_parser() -> argparse.ArgumentParser:
                        help="orchestrator address; several, comma-separated, are tried in turn "
                             f"(default: $SPECDEC_ADDRESS or {DEFAULT_ADDRESS!r})")
         p.add_argument("--timeout", type=float, default=timeout_default, help="deadline in seconds")
-
-    def add_sampling(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--max-new-tokens", type=int, default=None)
-        p.add_argument("--temperature", type=float, default=None, help="0 (default) is greedy")
         p.add_argument("--token", default=os.environ.get("SPECDEC_TOKEN", ""),
-                       help="bearer token for an orchestrator that requires one (default: $SPECDEC_TOKEN)")
+                       help="bearer token for an orchestrator that requires one (default: $SPECDEC_TOKEN, "
+                            "which is better: other users can read a command line)")
         p.add_argument("--tls-ca", default=os.environ.get("SPECDEC_TLS_CA", ""),
                        help="PEM CA to verify a TLS orchestrator with (default: $SPECDEC_TLS_CA; unset: plaintext)")
         p.add_argument("--tls-cert", default="", help="PEM client certificate, for an orchestrator that asks for one")
         p.add_argument("--tls-key", default="", help="PEM private key of --tls-cert")
+
+    def add_sampling(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--max-new-tokens", type=int, default=None)
+        p.add_argument("--temperature", type=float, default=None, help="0 (default) is greedy")
         p.add_argument("--top-p", type=float, default=None)
         p.add_argument("--top-k", type=int, default=None)
         p.add_argument("--seed", type=int, default=None)
