@@ -124,3 +124,8 @@ class TargetBackend(_ModelBackend):
         return Verdict(reply.num_accepted, reply.token_id, reply.bonus,
                        time.perf_counter_ns() - start, reply.compute_ns)
 
+    async def save_snapshot(self, session_id: str) -> int:
+        """Ask this replica to write the session's KV cache to Redis; the tokens it covers."""
+        reply = await self.stub.SaveSnapshot(common_pb2.SaveSnapshotRequest(session_id=session_id),
+                                             timeout=self.timeout_s)
+        return reply.tokens

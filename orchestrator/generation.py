@@ -69,6 +69,7 @@ class Generator:
                  metrics: OrchestratorMetrics | None = None) -> None:
         self.config = config
         self.metrics = metrics if metrics is not None else OrchestratorMetrics()
+        self._background: set[asyncio.Task] = set()
         self.admission = Admission(config.max_concurrent, config.max_queued, name="orchestrator")
         self.metrics.track_admission(self.admission)
         self.store = store
@@ -364,6 +365,10 @@ class Generator:
                 if finish != pb.FINISH_REASON_UNSPECIFIED:
                     if policy is not None:
                         await self._merge_prior(policy)
+                    if self.config.kv_snapshots:  # in the background: the client is not kept waiting
+                        task = asyncio.get_running_loop().create_task(self.target.save_snapshot(state.session_id))
+                        self._background.add(task)
+                        task.add_done_callback(self._background.discard)
                     chunk.text = text.release(final=True)
                     chunk.stats.CopyFrom(self._stats(gen, sent, state.seed))
                     timer.observe_finish(FINISH_NAMES[finish], chunk.stats.prompt_tokens, sent)

@@ -256,6 +256,19 @@ class TargetPool(ReplicaPool[TargetBackend]):
             return verdict
 
 
+    async def save_snapshot(self, session_id: str) -> int:
+        """Snapshot the session's cache on the replica that holds it (0 if none is known)."""
+        address = self._affinity.get(session_id)
+        replica = self.replicas.get(address) if address else None
+        if replica is None:
+            return 0
+        try:
+            return await replica.backend.save_snapshot(session_id)
+        except grpc.aio.AioRpcError as exc:
+            log.warning("snapshot of %s on %s failed: %s", session_id, replica.address, exc.details())
+            return 0
+
+
 class DraftPool(ReplicaPool[DraftBackend]):
     """Propose on the session's draft replica; a failure marks it down and the round runs at k = 0."""
 

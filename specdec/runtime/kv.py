@@ -24,6 +24,7 @@ that one cache miss does not pad the whole batch to its length.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -34,7 +35,10 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from specdec.errors import InvalidArgument
+from specdec.errors import FailedPrecondition, InvalidArgument
+from specdec.runtime.snapshot import SnapshotPolicy, decode, encode
+
+log = logging.getLogger(__name__)
 
 PREFILL_ALONE_ABOVE = 16
 """In a batch, rows that must re-prefill more than this many tokens do so first, in a pass of their own."""
@@ -120,7 +124,7 @@ class SessionCaches:
     """A bounded LRU of per-session KV caches for `model` (thread-safe; one forward at a time)."""
 
     def __init__(self, model: torch.nn.Module, max_context: int, max_sessions: int = 64,
-                 idle_ttl_s: float = 900.0) -> None:
+                 idle_ttl_s: float = 900.0, snapshots: SnapshotPolicy | None = None) -> None:
         self.model = model
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.max_context = max_context
@@ -128,6 +132,7 @@ class SessionCaches:
         self.idle_ttl_s = idle_ttl_s
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
         self._tokens = 0  # sum of len(entry.tokens) over _entries; readable without the lock
+        self.snapshots = snapshots
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -208,8 +213,10 @@ class SessionCaches:
         if top >= self.vocab_size:
             raise InvalidArgument(f"token id {top} is outside the vocabulary (size {self.vocab_size})")
         if entry is None:
-            entry = _Entry(tokens=[], cache=DynamicCache(config=self.model.config))
+            entry = self._restore(request.session_id, needed) or _Entry(tokens=[], cache=DynamicCache(config=self.model.config))
             self._entries[request.session_id] = entry
+            keep = common_prefix_length(entry.tokens, needed)
+            feed = history[keep:] + new_tokens
         self._crop(entry, keep)
         return _Row(request, entry, feed, keep)
 
@@ -277,6 +284,41 @@ class SessionCaches:
         return all(type(layer) is DynamicLayer for layer in cache.layers)
 
     # -- bookkeeping ------------------------------------------------------------------------
+
+    # -- snapshots ----------------------------------------------------------------------------
+
+    def snapshot(self, session_id: str) -> tuple[int, bytes]:
+        """The session's cache as a snapshot blob and the tokens it covers; (0, b"") if there is
+        no cache or it is shorter than worth restoring. Writing it is `self.snapshots.store.put`."""
+        if self.snapshots is None:
+            raise FailedPrecondition("this service runs without a snapshot store (--snapshot-redis-url)")
+        with self._lock:
+            entry = self._entries.get(session_id)
+            if entry is None or len(entry.tokens) < self.snapshots.min_tokens:
+                return 0, b""
+            return len(entry.tokens), encode(entry.cache, entry.tokens, self.snapshots.identity)
+
+    def _restore(self, session_id: str, needed: list[int]) -> _Entry | None:
+        """On a cache miss, the session's snapshot if it covers enough of `needed` to beat a prefill."""
+        policy = self.snapshots
+        if policy is None or len(needed) < policy.min_tokens:
+            return None
+        try:
+            if policy.store.tokens(session_id) < policy.min_tokens:
+                return None
+            blob = policy.store.get(session_id)
+            if blob is None:
+                return None
+            tokens, cache = decode(blob, policy.identity, self.model.config)
+        except Exception as exc:  # noqa: BLE001 - a snapshot is an optimisation: fall back to prefill
+            log.warning("snapshot of %s not restored (%s); re-prefilling", session_id, exc)
+            return None
+        if common_prefix_length(tokens, needed) < policy.min_tokens:
+            return None
+        policy.restores += 1
+        entry = _Entry(tokens=tokens, cache=cache)
+        self._tokens += len(tokens)
+        return entry
 
     def rollback(self, session_id: str, length: int) -> int:
         """Cut a session's cache back to its first `length` tokens; returns what it now covers."""

@@ -104,6 +104,17 @@ return n
 """
 
 
+@dataclass
+class SnapshotPolicy:
+    """How a service uses snapshots: where, for which model, and from what length they pay."""
+
+    store: SnapshotStore
+    identity: SnapshotIdentity
+    min_tokens: int  # below this many tokens a re-prefill is as cheap (bench/snapshot.py)
+    saves: int = 0
+    restores: int = 0
+
+
 class SnapshotStore:
     """Snapshots of one role's caches ("target" or "draft") in Redis (blocking client: the
     services call it from their compute thread)."""

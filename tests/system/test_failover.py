@@ -8,6 +8,8 @@ to 40 ms (a labelled simulation) so that a stream lasts long enough to be interr
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import pytest
 import redis
@@ -111,3 +113,34 @@ def test_redis_killed_fails_in_flight_requests_cleanly_and_persisted_sessions_su
         assert stored == prompt_ids + tokens
         rest = list(stub.Generate(pb.GenerateRequest(session_id=session, resume_from=len(tokens)), timeout=120))
     assert tokens + [t for c in rest for t in c.token_ids] == expected
+
+
+def _info(address: str):
+    from specdec.v1 import common_pb2, target_pb2_grpc
+
+    with grpc.insecure_channel(address) as ch:
+        return target_pb2_grpc.TargetServiceStub(ch).GetInfo(common_pb2.GetInfoRequest(), timeout=10)
+
+
+def test_kv_snapshot_moves_a_session_to_another_replica_without_a_prefill(cluster, tiny_models):
+    redis_port = cluster.redis()
+    snap = ("--snapshot-redis-url", f"redis://127.0.0.1:{redis_port}/0", "--snapshot-min-tokens", "8")
+    targets = [cluster.target("target-1", *snap), cluster.target("target-2", *snap)]
+    address = cluster.orchestrator("orchestrator", targets, [cluster.draft("draft")], redis_port, "--kv-snapshots")
+    ch, stub = orchestrator_stub(address)
+    with ch:
+        first = stub.GenerateUnary(request(PROMPT, max_new_tokens=24), timeout=120)
+        holder = next(n for n in ("target-1", "target-2") if cached_sessions(cluster.addresses[n]) > 0)
+        deadline = time.monotonic() + 30
+        while _info(cluster.addresses[holder]).snapshot_saves < 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _info(cluster.addresses[holder]).snapshot_saves == 1
+        history = [int(t) for t in redis.Redis(port=redis_port).lrange(tokens_key(first.session_id), 0, -1)]
+        cluster.kill(holder)
+        second = stub.GenerateUnary(request(" and so", session_id=first.session_id, max_new_tokens=16), timeout=120)
+    survivor = "target-2" if holder == "target-1" else "target-1"
+    assert _info(cluster.addresses[survivor]).snapshot_restores == 1
+    tokenizer = load_tokenizer(str(tiny_models["target"]))
+    turn = list(tokenizer(" and so", add_special_tokens=False)["input_ids"])
+    expected = Reference(str(tiny_models["target"])).greedy_ids(history + turn, 16)
+    assert list(second.token_ids) == expected  # the restored cache continues exactly like a prefill
