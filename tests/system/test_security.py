@@ -9,12 +9,16 @@ simulation) so streams are still running when a concurrent request arrives.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import ssl
 import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -114,8 +118,16 @@ def secure(tiny_models, tmp_path_factory):
             "--max-new-tokens-limit", "200"])
         _wait_serving(addresses["orchestrator"], grpc.ssl_channel_credentials(pki.ca.read_bytes()),
                       procs["orchestrator"])
+        http_port = free_port()
+        procs["http"] = _spawn(logs, "http", [
+            py, "-m", "http_gateway", "--host", HOST, "--port", str(http_port),
+            "--orchestrator", addresses["orchestrator"], "--orchestrator-tls-ca", str(pki.ca), *server_tls,
+            "--auth-tokens-file", str(tokens), "--max-body-bytes", "65536"])
+        https = ssl.create_default_context(cafile=str(pki.ca))
+        base = f"https://{HOST}:{http_port}"
+        _wait_https(f"{base}/health", https, procs["http"])
         yield {"addresses": addresses, "pki": pki, "redis": store, "logs": logs, "redis_tls": redis_tls,
-               "backend_creds": backend_creds}
+               "backend_creds": backend_creds, "https": https, "http": base}
     finally:
         for proc in procs.values():
             if proc.poll() is None:
@@ -125,6 +137,34 @@ def secure(tiny_models, tmp_path_factory):
                 proc.wait(10)
             except subprocess.TimeoutExpired:
                 proc.kill()
+
+
+def _wait_https(url: str, context: ssl.SSLContext, proc: subprocess.Popen, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert proc.poll() is None, f"the gateway exited with {proc.returncode}"
+        try:
+            with urllib.request.urlopen(url, timeout=5, context=context) as reply:
+                if reply.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        assert time.monotonic() < deadline, f"{url} did not become healthy"
+        time.sleep(0.3)
+
+
+def _https(secure, method: str, path: str, token: str | None = None, body: dict | bytes | None = None):
+    """(status, headers, JSON body) of one request to the gateway."""
+    data = json.dumps(body).encode() if isinstance(body, dict) else body
+    headers = {"content-type": "application/json"}
+    if token is not None:
+        headers["authorization"] = f"Bearer {token}"
+    request = urllib.request.Request(secure["http"] + path, data=data, method=method, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=120, context=secure["https"]) as reply:
+            return reply.status, reply.headers, json.loads(reply.read())
+    except urllib.error.HTTPError as err:
+        return err.code, err.headers, json.loads(err.read())
 
 
 def _wait_redis_client(store: redis.Redis, proc: subprocess.Popen) -> None:
@@ -257,6 +297,30 @@ def test_logs_never_show_tokens_or_the_redis_password(secure, alice):
     assert "bearer tokens required: 2 configured" in text
     for secret in (ALICE, BOB, REDIS_PASSWORD):
         assert secret not in text
+
+
+def test_the_http_api_needs_a_token_and_forwards_it(secure):
+    status, headers, body = _https(secure, "GET", "/v1/models")
+    assert status == 401 and headers["WWW-Authenticate"] == "Bearer"
+    assert body["error"]["code"] == "invalid_api_key" and "bearer token" in body["error"]["message"]
+    assert _https(secure, "GET", "/v1/models", token="wrong-token-wrong-token")[0] == 401
+    status, _, body = _https(secure, "GET", "/v1/models", token=ALICE)
+    assert status == 200
+    model = body["data"][0]["id"]
+    status, _, body = _https(secure, "POST", "/v1/completions", token=ALICE,
+                             body={"model": model, "prompt": PROMPT, "max_tokens": 4, "temperature": 0})
+    assert status == 200 and body["choices"][0]["text"] is not None
+    session = body["specdec"]["session_id"]
+    # The orchestrator saw alice (the gateway forwarded her token): bob cannot continue her session.
+    status, _, body = _https(secure, "POST", "/v1/completions", token=BOB,
+                             body={"model": model, "prompt": " more", "max_tokens": 2, "session_id": session})
+    assert status == 404 and body["error"]["code"] == "session_not_found"
+    status, _, body = _https(secure, "POST", "/v1/chat/completions", token=None,
+                             body={"model": model, "messages": [{"role": "user", "content": "Hi"}]})
+    assert status == 401
+    status, _, body = _https(secure, "POST", "/v1/completions", token=ALICE, body=b"x" * 70_000)
+    assert status == 413 and "--max-body-bytes=65536" in body["error"]["message"]
+    assert _https(secure, "GET", "/health")[0] == 200  # open; the gateway uses its own token behind it
 
 
 # -- limits -------------------------------------------------------------------------------------
