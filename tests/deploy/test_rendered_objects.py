@@ -317,7 +317,7 @@ def test_in_chart_redis_uses_the_generated_secret(render):
     assert flag(redis_container["args"], "--appendonly") == "no"
     orchestrator = container(r.component("Deployment", "orchestrator")["spec"]["template"]["spec"])
     url = flag(orchestrator["args"], "--redis-url")
-    assert url == f"redis://:$(REDIS_PASSWORD)@{service['metadata']['name']}.{NAMESPACE}.svc.cluster.local:6379/0"
+    assert url == f"redis://{service['metadata']['name']}.{NAMESPACE}.svc.cluster.local:6379/0"
     [password] = [e for e in orchestrator["env"] if e["name"] == "REDIS_PASSWORD"]
     assert password["valueFrom"]["secretKeyRef"] == {"name": secret["metadata"]["name"], "key": "redis-password"}
     # Kubernetes expands $(REDIS_PASSWORD) in args only from env vars defined in the container.
@@ -344,7 +344,7 @@ def test_external_redis_renders_no_redis_and_uses_the_existing_secret(render):
         assert r.component(kind, "redis") is None, kind
     assert not r.of_kind("Secret")
     orchestrator = container(r.component("Deployment", "orchestrator")["spec"]["template"]["spec"])
-    assert flag(orchestrator["args"], "--redis-url") == "rediss://:$(REDIS_PASSWORD)@sessions.redis.example.com:6380/2"
+    assert flag(orchestrator["args"], "--redis-url") == "rediss://sessions.redis.example.com:6380/2"
     [password] = [e for e in orchestrator["env"] if e["name"] == "REDIS_PASSWORD"]
     assert password["valueFrom"]["secretKeyRef"] == {"name": "specdec-redis", "key": "password"}
 

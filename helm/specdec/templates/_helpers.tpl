@@ -75,8 +75,8 @@ redis-password
 {{- end }}
 
 {{/*
-The orchestrator's --redis-url. With auth, the password is the container's $(REDIS_PASSWORD)
-(Kubernetes expands it in args from the env var the Secret fills), so it is never in a value.
+The orchestrator's --redis-url, without credentials: with auth the orchestrator reads the
+password from its $REDIS_PASSWORD, which the Secret fills, so it is in no value and no argv.
 */}}
 {{- define "specdec.redisUrl" -}}
 {{- $url := "" }}
@@ -89,7 +89,6 @@ The orchestrator's --redis-url. With auth, the password is the container's $(RED
 {{- if contains "@" $url }}
 {{- fail "redis.external.url must not hold credentials: the password comes from redis.auth.existingSecret" }}
 {{- end }}
-{{- $url = regexReplaceAll "^(rediss?://)" $url "${1}:$(REDIS_PASSWORD)@" }}
 {{- end }}
 {{- $url }}
 {{- end }}
