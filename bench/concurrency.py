@@ -50,6 +50,7 @@ def reference_outputs(prompts, max_new: int) -> dict[str, list[int]]:
 
     from specdec.runtime.models import load_model
 
+    torch.set_num_threads(1)
     loaded = load_model(DEFAULT_MODEL, dtype="float32", progress=False)
     out = {}
     for p in prompts:
@@ -163,7 +164,7 @@ def start_pipeline(base_port: int, max_batch: int, args) -> Pipeline:
     if args.window_ms is not None:
         batching += ["--batch-window-ms", str(args.window_ms)]
     plan = Plan(proposer=args.proposer, log_dir=tempfile.mkdtemp(prefix=f"bench-concurrency-{max_batch}-"),
-                orchestrator_port=base_port, draft_port=base_port + 1, target_port=base_port + 2,
+                target_threads=args.target_threads or None, orchestrator_port=base_port, draft_port=base_port + 1, target_port=base_port + 2,
                 redis_port=base_port + 3, extra_target_args=[*batching, "--metrics-port", str(base_port + 4)],
                 extra_draft_args=batching if args.proposer == "model" else [])
     pipeline = Pipeline(plan)
@@ -203,6 +204,10 @@ def main() -> None:
     parser.add_argument("--max-batch", type=int, default=16)
     parser.add_argument("--window-ms", type=float, default=None,
                         help="--batch-window-ms of the services (default: theirs)")
+    parser.add_argument("--target-threads", type=int, default=1,
+                        help="torch threads of the target (0: torch's choice). On this shared 2-core machine two "
+                             "threads stall each other under load: a 16-session pass took 3-10 s with 2 threads "
+                             "and 0.5-0.8 s with 1")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--warmup-s", type=float, default=15.0)
     parser.add_argument("--window-s", type=float, default=45.0)
@@ -244,7 +249,8 @@ def main() -> None:
     unbatched = {c["concurrency"]: c for c in results["modes"]["unbatched"]}
     lo, hi = min(levels), max(levels)
     results.update({
-        "pair": f"target {DEFAULT_MODEL} float32 + {args.proposer} draft, k={args.draft_length}",
+        "pair": f"target {DEFAULT_MODEL} float32 ({args.target_threads or 'default'} thread) + {args.proposer} draft, "
+                f"k={args.draft_length}",
         "concurrency": levels,
         "settings": vars(args),
         "machine": {"cpus": __import__("os").cpu_count(), "platform": platform.platform()},

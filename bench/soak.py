@@ -152,7 +152,7 @@ def main() -> None:
     parser.add_argument("--base-port", type=int, default=52200)
     parser.add_argument("--out", default=str(RESULTS / "soak.json"))
     args = parser.parse_args()
-    plan = Plan(proposer=args.proposer, log_dir=tempfile.mkdtemp(prefix="bench-soak-"),
+    plan = Plan(proposer=args.proposer, log_dir=tempfile.mkdtemp(prefix="bench-soak-"), target_threads=1,
                 orchestrator_port=args.base_port, draft_port=args.base_port + 1, target_port=args.base_port + 2,
                 redis_port=args.base_port + 3)
     pipeline = Pipeline(plan)

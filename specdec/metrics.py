@@ -29,7 +29,9 @@ Orchestrator (`OrchestratorMetrics`; the orchestrator calls `observe_round` and 
   (histograms): a call's wall time minus the compute the service reports, and that compute.
 - `specdec_num_requests_running`, `specdec_num_requests_waiting` (gauges),
   `specdec_request_success_total{finish_reason}`, `specdec_prompt_tokens_total`,
-  `specdec_generation_tokens_total`, `specdec_draft_fallbacks_total` (counters).
+  `specdec_generation_tokens_total`, `specdec_draft_fallbacks_total`, and with
+  `track_admission(admission)` `specdec_admission_rejections_total` and
+  `specdec_requests_dropped_total{reason}` (counters).
 
 Useful PromQL::
 
@@ -225,15 +227,25 @@ class OrchestratorMetrics:
                              registry=r).labels(s)
         self.waiting = Gauge("specdec_num_requests_waiting", "Generation requests queued for admission.", ["service"],
                              registry=r).labels(s)
+        self.rejections = counter("specdec_admission_rejections", "Requests refused with RESOURCE_EXHAUSTED.")
+        self._dropped = Counter("specdec_requests_dropped", "Requests dropped while queued for admission.",
+                                ["service", "reason"], registry=r)
         self._lock = threading.Lock()
         self._active = 0
         self.running.set_function(lambda: self._active)
         self.waiting.set(0)
 
     def track_admission(self, admission) -> None:
-        """Read running/waiting from a `specdec.admission.Admission` instead of the request timers."""
+        """Read running/waiting from a `specdec.admission.Admission` (and count its refusals and drops)."""
         self.running.set_function(lambda: admission.running)
         self.waiting.set_function(lambda: admission.waiting)
+        admission.observer = self
+
+    def on_reject(self) -> None:
+        self.rejections.inc()
+
+    def on_dropped(self, reason: str) -> None:
+        self._dropped.labels(self.service, reason).inc()
 
     def start_request(self) -> RequestTimer:
         return RequestTimer(self)

@@ -97,3 +97,31 @@ def test_service_metrics_are_scraped_over_http():
     assert got[("specdec_admission_rejections_total", t)] == 1
     assert got[("specdec_requests_dropped_total", (("reason", "deadline"), ("service", "target")))] == 1
     assert got[("specdec_requests_dropped_total", (("reason", "cancelled"), ("service", "target")))] == 0
+
+
+async def test_orchestrator_metrics_follow_an_admission_counter():
+    import asyncio
+
+    import pytest
+
+    from specdec.admission import Admission, Overloaded
+
+    m = OrchestratorMetrics()
+    admission = Admission(max_concurrent=1, max_queued=0, name="orchestrator")
+    m.track_admission(admission)
+    gate = asyncio.Event()
+
+    async def hold():
+        async with admission.slot():
+            await gate.wait()
+
+    holder = asyncio.ensure_future(hold())
+    await asyncio.sleep(0.01)
+    assert value(m.registry, "specdec_num_requests_running", service="orchestrator") == 1
+    with pytest.raises(Overloaded):
+        async with admission.slot():
+            pass
+    assert value(m.registry, "specdec_admission_rejections_total", service="orchestrator") == 1
+    gate.set()
+    await holder
+    assert value(m.registry, "specdec_num_requests_running", service="orchestrator") == 0
