@@ -265,6 +265,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdec", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    from loadtest.cli import add_loadtest_parser  # `specdec loadtest`
+    add_loadtest_parser(sub)
 
     up = sub.add_parser("up", help="start Redis, draft, target and orchestrator locally")
     _add_plan_flags(up)
