@@ -2,8 +2,8 @@
 
     python bench/snapshot.py --out bench/results/snapshot.json
 
-For each context length: the target's prefill of the whole context (what a replica without the
-cache pays), and a restore (fetch the snapshot from a real local Redis + decode it into a cache),
+For each context length: the target's prefill of the whole context with logits for its last
+position only (what a replica without the cache pays), and a restore (fetch the snapshot from a real local Redis + decode it into a cache),
 plus the one-off cost of writing it (encode + put). Medians over --repeats, measured side by
 side in one run. A restore is worth it where it beats the prefill; the services' threshold flag
 takes the crossover from here.
@@ -74,7 +74,7 @@ def main() -> None:
                 def prefill():
                     cache = DynamicCache(config=model.config)
                     with torch.inference_mode():
-                        model(torch.tensor([tokens]), cache=cache, use_cache=True)
+                        model(torch.tensor([tokens]), cache=cache, use_cache=True, logits_to_keep=1)
                     return cache
 
                 prefill_s, cache = timed(prefill, args.repeats)
