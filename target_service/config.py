@@ -19,10 +19,10 @@ class TargetConfig(ServiceConfig):
     idle_ttl_s: float = Field(900.0, gt=0, description="Seconds an unused session cache is kept.")
     max_batch: int = Field(16, ge=1, le=256, description="Most requests verified in one forward pass (1 = no batching).")
     batch_window_ms: float = Field(
-        50.0, ge=0, le=1000,
+        200.0, ge=0, le=1000,
         description="Longest wait for the sessions of the previous forward pass to send their next request (the "
                     "pass starts at once when they are back or max-batch requests wait; the wait adapts to their "
-                    "measured turnaround, up to this).",
+                    "measured turnaround and to the pass time, up to this).",
     )
     max_concurrent: int = Field(64, ge=1, description="Admission: requests served at once; more wait in the queue.")
     max_queued: int = Field(

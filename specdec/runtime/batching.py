@@ -10,10 +10,11 @@ so a long draft never holds a short one back by more than one step.
 When the batch is empty, the next one starts as soon as the sessions of the previous batch are
 waiting again (all but one in eight; their clients run closed loops: each sends its next request
 a little after its answer), or `max_batch` jobs wait, or the wait since the previous step ended
-(or since the oldest job arrived, if later) reaches three times the measured turnaround of
-returning sessions, capped at `window_s`. Without that rule two closed-loop clients settle into
-alternating single-job passes (each arrives while the other computes); with it they share
-passes, and a lone client never waits at all.
+(or since the oldest job arrived, if later) reaches the larger of three times the measured
+turnaround of returning sessions and half the previous pass's compute time (a second pass for the
+latecomers would cost a whole pass), capped at `window_s`. Without that rule closed-loop clients
+settle into alternating partial passes (each group arrives while the other computes); with it
+they share passes, and a lone client never waits at all.
 
 Each batch holds a session at most once (a second job for the same session waits for the first
 to finish), so every session's cache sees its requests in order. Before each step, jobs whose
@@ -141,6 +142,7 @@ class Batcher:
         self._last_sessions: set[str] = set()  # the sessions of the previous step
         self._last_step_end = 0.0  # time.monotonic() when the previous step ended
         self._turnaround_s = 0.005  # EWMA: a session's job finished → its next job arrived
+        self._last_pass_s = 0.0  # compute time of the previous step
         self._finished_at: dict[str, float] = {}  # session → when its last job finished (recent ones)
         self.batches = 0  # forward passes run (for tests and GetInfo)
 
@@ -246,6 +248,7 @@ class Batcher:
             if not self._active:
                 continue
             batch = list(self._active)
+            started = time.monotonic()
             try:
                 outcomes = await loop.run_in_executor(self.executor, self._step, batch)
             except Exception as exc:  # the forward failed: every job of the batch fails with it
@@ -265,6 +268,7 @@ class Batcher:
             self._active = [j for j in self._active if not j.done]
             self._last_sessions = {job.session_id for job in batch}
             self._last_step_end = time.monotonic()
+            self._last_pass_s = self._last_step_end - started
             for job in batch:
                 if job.done:
                     self._finished_at[job.session_id] = self._last_step_end
@@ -278,7 +282,7 @@ class Batcher:
             if len(missing) <= len(self._last_sessions) // 8:
                 return  # (nearly) everyone who shared the previous pass is here, or a lone client: go
             start = max(self._pending[0].enqueued, self._last_step_end)
-            wait_s = min(self.config.window_s, max(0.002, 3 * self._turnaround_s))
+            wait_s = min(self.config.window_s, max(0.002, 3 * self._turnaround_s, 0.5 * self._last_pass_s))
             remaining = start + wait_s - time.monotonic()
             if remaining <= 0:
                 return
