@@ -265,6 +265,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdec", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    from specdec.drafts.cli import add_draft_parser  # `specdec draft build|profile`
+    add_draft_parser(sub)
     from loadtest.cli import add_loadtest_parser  # `specdec loadtest`
     add_loadtest_parser(sub)
 

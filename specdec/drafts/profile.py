@@ -1,0 +1,474 @@
+"""`specdec draft profile`: latency, acceptance and end-to-end speedup of candidate drafts.
+
+For each candidate (built drafts, the bf16 copy of the target, prompt lookup):
+- step latency: median time of one single-token decode step with a KV cache, through the same
+  `SessionCaches` code the draft service runs, in the dtype the draft service would use;
+- acceptance on held-out prompts, greedy, against the target's own greedy continuation:
+  `agreement` (per position, the draft's next token equals the target's: the per-token α of
+  `E(k) = (1 − α^(k+1)) / (1 − α)`), and simulated rounds at a fixed k through the draft
+  service's own proposer (`acceptance_rate` = accepted / drafted, `mean_accepted_length` =
+  accepted per round);
+- `ideal_speedup`: `max_k E(k) / T(k) × T(0)` from the measured α, draft step and target verify
+  times (sequential rounds, no network), the bound a perfect system reaches;
+- end to end: a real pipeline of processes (`specdec.launcher`) per candidate, each held-out
+  prompt run at k = 0, the fixed k and `auto` in turn (interleaved), speedup = median over
+  prompts of tokens/s against k = 0 on the same prompt.
+
+Writes JSON and a plot of acceptance against draft latency against speedup.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from specdec.core.sampling import SamplingParams
+from specdec.data import bundled_prompts
+from specdec.defaults import DEFAULT_MODEL, cache_dir
+from specdec.drafts.build import REPORT_FILE
+from specdec.drafts.data import TeacherData, cached_teacher_data, load_prompt_file
+from specdec.runtime.kv import SessionCaches
+from specdec.runtime.models import LoadedModel, load_model
+from specdec.runtime.proposers import ModelProposer, NgramProposer, Proposer
+
+GREEDY = SamplingParams()
+
+
+@dataclass
+class ProfileConfig:
+    """Every field is a `specdec draft profile` flag."""
+
+    target: str = DEFAULT_MODEL
+    drafts: list[str] = field(default_factory=list)  # built draft directories (or any model spec)
+    copy: bool = True  # also profile the target itself in `draft_dtype` (the full default pair)
+    ngram: bool = False  # also profile prompt lookup
+    draft_dtype: str = "bfloat16"
+    target_dtype: str = "float32"
+    k: int = 4  # fixed draft length for acceptance and the fixed-k end-to-end mode
+    heldout: str | None = None  # held-out prompt file (default: the bundled prompt set)
+    heldout_tokens: int = 64  # target greedy tokens per held-out prompt for acceptance
+    top_k: int = 32  # only part of the cache key of the held-out text (shared with `draft build`)
+    latency_steps: int = 24
+    threads: int | None = None  # torch threads for the in-process latency and acceptance measurements
+    e2e: bool = True
+    e2e_tokens: int = 48
+    e2e_prompts: int = 8  # how many held-out prompts the end-to-end runs use
+    repeats: int = 1
+    target_threads: int | None = None  # pipeline processes (default: torch's choice)
+    draft_threads: int | None = None
+    target_cpus: str = ""  # taskset core lists for the pipeline processes (e.g. "0" and "1")
+    draft_cpus: str = ""
+    overlap: bool = False  # orchestrator --overlap
+    ngram_min: int = 2
+    ngram_max: int = 3
+    out: str = "drafts-profile.json"
+    plot: str | None = None  # PNG path (default: the JSON path with .png)
+    cache: str | None = None
+    progress: bool = True
+
+    def validate(self) -> None:
+        if self.k < 1:
+            raise ValueError("--k must be >= 1")
+        if not (self.drafts or self.copy or self.ngram):
+            raise ValueError("nothing to profile: pass --draft DIR, --copy or --ngram")
+        for name in ("heldout_tokens", "latency_steps", "e2e_tokens", "e2e_prompts", "repeats"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+
+
+def _say(config: ProfileConfig, message: str) -> None:
+    if config.progress:
+        print(f"specdec draft profile: {message}", file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------- latency
+
+
+def step_latency_ms(caches: SessionCaches, context: list[int], steps: int) -> float:
+    """Median ms of one single-token decode step after prefilling `context`."""
+    sid = f"latency-{uuid.uuid4().hex}"
+    history = list(context)
+    caches.score(sid, history, [])  # prefill
+    times = []
+    for _ in range(steps + 2):
+        token = int(history[-1])
+        history.append(token)  # any token will do for timing
+        start = time.perf_counter()
+        caches.score(sid, history, [])
+        times.append(time.perf_counter() - start)
+    caches.release(sid)
+    return statistics.median(times[2:]) * 1e3  # first two warm up
+
+
+def verify_latency_ms(caches: SessionCaches, context: list[int], max_k: int, reps: int = 5) -> dict[int, float]:
+    """Median ms for the target to score k + 1 positions (k draft tokens), for k = 0..max_k."""
+    sid = f"verify-{uuid.uuid4().hex}"
+    caches.score(sid, context, [])
+    caches.score(sid, context, [])  # warm
+    out = {}
+    for k in range(max_k + 1):
+        times = []
+        for _ in range(reps):
+            caches.rollback(sid, len(context) - 1)
+            start = time.perf_counter()
+            caches.score(sid, context, [int(context[-1])] * k)
+            times.append(time.perf_counter() - start)
+        out[k] = statistics.median(times) * 1e3
+    caches.release(sid)
+    return out
+
+
+def ngram_latency_ms(proposer: NgramProposer, context: list[int], k: int, steps: int) -> float:
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        list(proposer.propose("latency", context, k, GREEDY, 0))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3 / k  # per drafted position
+
+
+# --------------------------------------------------------------------------- acceptance
+
+
+def simulate_rounds(proposer: Proposer, prompt: list[int], continuation: list[int], k: int) -> dict:
+    """Greedy speculative rounds over the target's own continuation, as the pipeline runs them.
+
+    Each round the draft proposes up to k tokens (never more than the tokens still wanted − 1);
+    the accepted ones are its longest prefix matching the target, and the target adds one.
+    """
+    sid = f"sim-{uuid.uuid4().hex}"
+    pos = drafted = accepted = rounds = 0
+    while pos < len(continuation):
+        kk = min(k, len(continuation) - pos - 1)
+        history = prompt + continuation[:pos]
+        proposals = [t.token_id for t in proposer.propose(sid, history, kk, GREEDY, 0)] if kk > 0 else []
+        n = 0
+        while n < len(proposals) and proposals[n] == continuation[pos + n]:
+            n += 1
+        drafted, accepted, rounds, pos = drafted + len(proposals), accepted + n, rounds + 1, pos + n + 1
+    proposer.release(sid)
+    return {"drafted": drafted, "accepted": accepted, "rounds": rounds, "tokens": len(continuation)}
+
+
+@torch.inference_mode()
+def model_agreement(draft: LoadedModel, data: TeacherData) -> float:
+    """Per position: the draft's argmax (teacher-forced) equals the target's greedy token."""
+    hits = total = 0
+    for tokens, start in zip(data.tokens, data.start):
+        logits = draft.model(tokens[None, :-1]).logits[0, start:]  # [r, V]
+        hits += int((logits.argmax(-1) == tokens[start + 1:]).sum())
+        total += len(tokens) - 1 - start
+    return hits / max(total, 1)
+
+
+def ngram_agreement(proposer: NgramProposer, data: TeacherData) -> float:
+    """Per position: prompt lookup's one-token proposal equals the target's token (none = miss)."""
+    hits = total = 0
+    for tokens, start in zip(data.tokens, data.start):
+        ids = tokens.tolist()
+        for pos in range(start, len(ids) - 1):
+            got = [t.token_id for t in proposer.propose("agree", ids[: pos + 1], 1, GREEDY, 0)]
+            hits += int(bool(got) and got[0] == ids[pos + 1])
+            total += 1
+    return hits / max(total, 1)
+
+
+def acceptance(proposer: Proposer, data: TeacherData, k: int) -> dict:
+    totals = {"drafted": 0, "accepted": 0, "rounds": 0, "tokens": 0}
+    for tokens, start in zip(data.tokens, data.start):
+        ids = tokens.tolist()
+        got = simulate_rounds(proposer, ids[: start + 1], ids[start + 1:], k)
+        for key in totals:
+            totals[key] += got[key]
+    return {
+        "k": k, **totals,
+        "acceptance_rate": totals["accepted"] / totals["drafted"] if totals["drafted"] else 0.0,
+        "mean_accepted_length": totals["accepted"] / max(totals["rounds"], 1),
+        "tokens_per_round": totals["tokens"] / max(totals["rounds"], 1),
+    }
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """E(k) = (1 − α^(k+1)) / (1 − α): expected tokens per round with per-token acceptance α."""
+    if alpha >= 1.0:
+        return float(k + 1)
+    return (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+def ideal_speedup(alpha: float, draft_ms: float, verify_ms: dict[int, float]) -> tuple[float, int]:
+    """max_k E(k) / T(k) × T(0) with T(k) = k·t_d + t_v(k): sequential rounds, no network."""
+    best, best_k = 1.0, 0
+    for k, tv in verify_ms.items():
+        if k == 0:
+            continue
+        rate = expected_tokens(alpha, k) / (k * draft_ms + tv) * verify_ms[0]
+        if rate > best:
+            best, best_k = rate, k
+    return best, best_k
+
+
+# --------------------------------------------------------------------------- end to end
+
+
+def _summarise(runs: list[dict]) -> dict:
+    tokens = sum(r["tokens"] for r in runs)
+    seconds = sum(r["elapsed_s"] for r in runs)
+    drafted = sum(r["draft_tokens"] for r in runs)
+    accepted = sum(r["accepted_tokens"] for r in runs)
+    rounds = sum(r["rounds"] for r in runs)
+    return {
+        "tokens": tokens, "seconds": round(seconds, 3),
+        "tokens_per_s": round(tokens / seconds, 3) if seconds else None,
+        "median_prompt_tokens_per_s": round(statistics.median(r["tokens"] / r["elapsed_s"] for r in runs), 3),
+        "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
+        "mean_tokens_per_round": round(tokens / rounds, 3) if rounds else None,
+        "identical_to_target_greedy": all(r["identical"] for r in runs),
+    }
+
+
+def _same_prefix(a: list[int], b: list[int]) -> bool:
+    n = min(len(a), len(b))
+    return a[:n] == b[:n]
+
+
+def end_to_end(candidate: dict, config: ProfileConfig, prompts: list[dict], reference: dict[str, list[int]],
+               log_root: Path) -> dict:
+    """A real pipeline for one candidate; every prompt at k = 0, fixed k and auto, interleaved."""
+    from specdec import Client
+    from specdec.launcher import Pipeline, Plan, free_port
+
+    log_dir = Path(tempfile.mkdtemp(prefix=f"{candidate['name']}-", dir=log_root))
+    plan = Plan(target_model=config.target, target_dtype=config.target_dtype, target_threads=config.target_threads,
+                proposer=candidate["kind"], draft_model=candidate.get("model", config.target),
+                draft_dtype=config.draft_dtype, draft_threads=config.draft_threads, draft_length="auto",
+                ngram_min=config.ngram_min, ngram_max=config.ngram_max, target_cpus=config.target_cpus,
+                draft_cpus=config.draft_cpus, log_dir=str(log_dir),
+                extra_orchestrator_args=["--overlap"] if config.overlap else [],
+                orchestrator_port=free_port(), draft_port=free_port(), target_port=free_port(),
+                redis_port=free_port())
+    pipeline = Pipeline(plan)
+    pipeline.start(echo=lambda *_: None)
+    modes = ["0", str(config.k), "auto"]
+    runs: dict[str, list[dict]] = {m: [] for m in modes}
+    try:
+        with Client(plan.grpc_addresses()["orchestrator"]) as client:
+            client.generate("Warm up.", max_new_tokens=8, draft_length="auto")
+            for repeat in range(config.repeats):
+                for item in prompts:
+                    request = {"messages": item["messages"]} if "messages" in item else {"prompt": item["prompt"]}
+                    for mode in modes:
+                        out = client.generate(**request, max_new_tokens=config.e2e_tokens,
+                                              draft_length=mode if mode == "auto" else int(mode))
+                        s = out.stats
+                        expected = reference.get(item["id"])
+                        runs[mode].append({
+                            "prompt": item["id"], "repeat": repeat, "tokens": s["completion_tokens"],
+                            "elapsed_s": s["elapsed_s"], "rounds": s["rounds"], "draft_tokens": s["draft_tokens"],
+                            "accepted_tokens": s["accepted_tokens"],
+                            "identical": expected is None or _same_prefix(out.token_ids, expected),
+                        })
+                        _say(config, f"{candidate['name']:>18} k={mode:<4} {item['id']:18} "
+                                     f"{s['completion_tokens'] / s['elapsed_s']:6.2f} tok/s")
+    finally:
+        pipeline.stop()
+    result = {m: {"summary": _summarise(r), "runs": r} for m, r in runs.items()}
+    base = {(r["prompt"], r["repeat"]): r["tokens"] / r["elapsed_s"] for r in runs["0"]}
+    for mode in modes[1:]:
+        ratios = [(r["tokens"] / r["elapsed_s"]) / base[(r["prompt"], r["repeat"])] for r in runs[mode]]
+        total = result[mode]["summary"]["tokens_per_s"] / result["0"]["summary"]["tokens_per_s"]
+        result[mode]["speedup"] = round(statistics.median(ratios), 3)
+        result[mode]["speedup_total"] = round(total, 3)
+    return result
+
+
+# --------------------------------------------------------------------------- the whole profile
+
+
+def _candidates(config: ProfileConfig) -> list[dict]:
+    out = []
+    for spec in config.drafts:
+        report_path = Path(spec).expanduser() / REPORT_FILE
+        report = json.loads(report_path.read_text()) if report_path.is_file() else None
+        name = f"distilled-L{report['depth']}" if report else Path(spec).name
+        if any(c["name"] == name for c in out):
+            name = f"{name}-{Path(spec).name}"
+        out.append({"name": name, "kind": "model", "model": spec, "trained": report is not None,
+                    "build": _build_summary(report) if report else None})
+    if config.copy:
+        out.append({"name": f"target-copy-{config.draft_dtype}", "kind": "model", "model": config.target,
+                    "trained": False, "build": None})
+    if config.ngram:
+        out.append({"name": "prompt-lookup", "kind": "ngram", "model": config.target, "trained": False,
+                    "build": None})
+    return out
+
+
+def _build_summary(report: dict) -> dict:
+    keys = ("layers", "depth", "strategy", "width", "parameters", "data", "training", "heldout")
+    summary = {k: report.get(k) for k in keys}
+    if summary.get("training"):
+        summary["training"] = {k: v for k, v in summary["training"].items() if k != "loss_curve"}
+    return summary
+
+
+def profile_drafts(config: ProfileConfig) -> dict:
+    config.validate()
+    started = time.perf_counter()
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    prompts = load_prompt_file(config.heldout) if config.heldout else bundled_prompts()
+    target = load_model(config.target, dtype=config.target_dtype, threads=config.threads, progress=config.progress)
+    cache = Path(config.cache).expanduser() if config.cache else cache_dir() / "drafts"
+    heldout, _ = cached_teacher_data(cache, target, prompts=prompts, invent=0, max_new_tokens=config.heldout_tokens,
+                                     top_k=config.top_k, sampled_fraction=0.0, seed=0, batch_size=1,
+                                     progress=config.progress, kind="heldout")
+    reference = {p["id"]: t[s + 1:].tolist() for p, t, s in zip(heldout.prompts, heldout.tokens, heldout.start)}
+    context = heldout.tokens[0][: heldout.start[0] + 1].tolist()  # a held-out prompt
+
+    target_caches = SessionCaches(target.model, target.max_context, max_sessions=4)
+    target_step = step_latency_ms(target_caches, context, config.latency_steps)
+    verify = verify_latency_ms(target_caches, context, max(config.k, 8))
+    _say(config, f"target {config.target} ({config.target_dtype}): step {target_step:.1f} ms, verify k+1 "
+                 + " ".join(f"{k}:{v:.0f}" for k, v in verify.items()) + " ms")
+    target_layers = target.model.config.num_hidden_layers
+    del target_caches, target
+
+    candidates = _candidates(config)
+    for cand in candidates:
+        if cand["kind"] == "model":
+            loaded = load_model(cand["model"], dtype=config.draft_dtype, threads=config.threads, progress=False)
+            if loaded.fingerprint != heldout.meta["settings"]["model"]["fingerprint"]:
+                raise ValueError(f"{cand['model']} does not share the target's tokenizer")
+            caches = SessionCaches(loaded.model, loaded.max_context, max_sessions=4)
+            cand["step_ms"] = step_latency_ms(caches, context, config.latency_steps)
+            cand["agreement"] = model_agreement(loaded, heldout)
+            cand["acceptance"] = acceptance(ModelProposer(caches), heldout, config.k)
+            cand["dtype"] = config.draft_dtype
+            del loaded, caches
+        else:
+            proposer = NgramProposer(config.ngram_max, config.ngram_min)
+            cand["step_ms"] = ngram_latency_ms(proposer, context, config.k, config.latency_steps)
+            cand["agreement"] = ngram_agreement(proposer, heldout)
+            cand["acceptance"] = acceptance(proposer, heldout, config.k)
+            cand["dtype"] = "none"
+        cand["latency_ratio"] = cand["step_ms"] / target_step
+        cand["ideal_speedup"], cand["ideal_k"] = ideal_speedup(cand["agreement"], cand["step_ms"], verify)
+        _say(config, f"{cand['name']}: step {cand['step_ms']:.2f} ms ({cand['latency_ratio']:.3f}× target), "
+                     f"agreement {cand['agreement']:.3f}, acceptance@k={config.k} "
+                     f"{cand['acceptance']['acceptance_rate']:.3f}, ideal {cand['ideal_speedup']:.2f}×")
+
+    e2e_prompts = heldout.prompts[: config.e2e_prompts]
+    if config.e2e:
+        log_root = Path(tempfile.mkdtemp(prefix="specdec-profile-"))
+        for cand in candidates:
+            cand["e2e"] = end_to_end(cand, config, e2e_prompts, reference, log_root)
+            e = cand["e2e"]
+            _say(config, f"{cand['name']}: k=0 {e['0']['summary']['median_prompt_tokens_per_s']:.2f} tok/s, "
+                         f"k={config.k} ×{e[str(config.k)]['speedup']:.2f}, auto ×{e['auto']['speedup']:.2f}")
+
+    result = {
+        "target": {"model": config.target, "dtype": config.target_dtype, "step_ms": target_step,
+                   "verify_ms": verify, "layers": target_layers},
+        "heldout": {"prompts": [p["id"] for p in heldout.prompts], "positions": heldout.teacher_positions,
+                    "tokens_per_prompt": config.heldout_tokens},
+        "e2e_prompts": [p["id"] for p in e2e_prompts] if config.e2e else [],
+        "candidates": candidates,
+        "goal": judge(candidates, config.k) if config.e2e else None,
+        "config": asdict(config),
+        "machine": {"cpus": torch.get_num_threads(), "platform": platform.platform(), "torch": torch.__version__},
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+    out = Path(config.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    plot_path = Path(config.plot) if config.plot else out.with_suffix(".png")
+    plot_profile(result, plot_path)
+    _say(config, f"wrote {out} and {plot_path}")
+    return result
+
+
+def best_speedup(cand: dict, k: int) -> float:
+    e = cand.get("e2e") or {}
+    return max((e[m]["speedup"] for m in (str(k), "auto") if m in e), default=float("nan"))
+
+
+def judge(candidates: list[dict], k: int, latency_goal: float = 0.25, acceptance_goal: float = 0.6) -> dict:
+    """The issue's goal per trained draft: latency ≤ 0.25 × target step, acceptance ≥ 0.6, and an
+    end-to-end speedup above every draft that needs no training."""
+    untrained = [c for c in candidates if not c["trained"]]
+    bar = max((best_speedup(c, k) for c in untrained), default=0.0)
+    verdicts = {}
+    for c in candidates:
+        if not c["trained"]:
+            continue
+        speed = best_speedup(c, k)
+        verdicts[c["name"]] = {
+            "latency_ratio": round(c["latency_ratio"], 3), "latency_ok": c["latency_ratio"] <= latency_goal,
+            "agreement": round(c["agreement"], 3), "acceptance_ok": c["agreement"] >= acceptance_goal,
+            "speedup": speed, "best_untrained_speedup": bar, "speedup_ok": speed > bar,
+        }
+        verdicts[c["name"]]["reached"] = all(verdicts[c["name"]][f"{x}_ok"] for x in ("latency", "acceptance", "speedup"))
+    return {"criteria": {"latency_ratio_max": latency_goal, "agreement_min": acceptance_goal,
+                         "speedup": "best of fixed k and auto, above every untrained candidate's best"},
+            "drafts": verdicts, "reached_by": [n for n, v in verdicts.items() if v["reached"]]}
+
+
+def plot_profile(result: dict, path: Path) -> None:
+    """Acceptance against draft latency (colour: end-to-end speedup), and speedup against latency."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cands = result["candidates"]
+    k = result["config"]["k"]
+    has_e2e = all("e2e" in c for c in cands)
+    fig, axes = plt.subplots(1, 2 if has_e2e else 1, figsize=(12 if has_e2e else 6.5, 5), squeeze=False)
+    ax = axes[0][0]
+    x = [c["latency_ratio"] for c in cands]
+    y = [c["agreement"] for c in cands]
+    colour = [best_speedup(c, k) for c in cands] if has_e2e else [c["ideal_speedup"] for c in cands]
+    points = ax.scatter(x, y, c=colour, cmap="viridis", s=120, edgecolors="black", zorder=3)
+    for c, xi, yi, ci in zip(cands, x, y, colour):
+        ax.annotate(f"{c['name']}\n{ci:.2f}×", (xi, yi), textcoords="offset points", xytext=(6, 6), fontsize=8)
+    ax.axvline(0.25, color="grey", ls=":", lw=1)
+    ax.axhline(0.6, color="grey", ls=":", lw=1)
+    ax.set_xscale("symlog", linthresh=0.02)
+    ax.set_xlim(0, max(x) * 1.6)
+    ax.set_xlabel("draft step latency / target step latency")
+    ax.set_ylabel("acceptance α (greedy, per token, held-out)")
+    ax.set_ylim(0, 1.05)
+    fig.colorbar(points, ax=ax, label="end-to-end speedup (best of fixed k, auto)" if has_e2e else "ideal speedup")
+    ax.set_title("acceptance vs draft latency")
+    if has_e2e:
+        ax = axes[0][1]
+        for mode, marker in ((str(k), "o"), ("auto", "s")):
+            ax.scatter(x, [c["e2e"][mode]["speedup"] for c in cands], marker=marker, s=70,
+                       label=f"k = {mode}" if mode != "auto" else "auto", zorder=3)
+        ax.scatter(x, [c["ideal_speedup"] for c in cands], marker="x", color="black", label="ideal (model)", zorder=3)
+        for c, xi in zip(cands, x):
+            ax.annotate(c["name"], (xi, c["e2e"]["auto"]["speedup"]), textcoords="offset points", xytext=(6, -10),
+                        fontsize=8)
+        ax.axhline(1.0, color="grey", ls="--", lw=1)
+        ax.set_xscale("symlog", linthresh=0.02)
+        ax.set_xlim(0, max(x) * 1.6)
+        ax.set_xlabel("draft step latency / target step latency")
+        ax.set_ylabel("speedup vs k = 0 (median over prompts)")
+        ax.legend()
+        ax.set_title("end-to-end speedup vs draft latency")
+    target = result["target"]
+    fig.suptitle(f"drafts for {target['model']} ({target['dtype']}, step {target['step_ms']:.0f} ms) on "
+                 f"{result['machine']['platform'].split('-')[0]}", fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

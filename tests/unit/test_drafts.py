@@ -1,0 +1,292 @@
+"""Shallow self-distilled drafts (specdec.drafts): layer choice, the loss, build, resume, profile."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+from specdec.drafts.build import REPORT_FILE, BuildConfig, build_draft
+from specdec.drafts.data import TeacherData, cached_teacher_data, load_prompt_file
+from specdec.drafts.distill import batch_logits, evaluate, topk_kl
+from specdec.drafts.profile import ProfileConfig, expected_tokens, profile_drafts
+from specdec.drafts.shallow import (
+    choose_layers,
+    freeze_shared,
+    layers_equal,
+    make_shallow,
+    parse_layers,
+    parse_width,
+)
+from specdec.runtime.models import load_model
+from specdec.runtime.tiny import make_char_tokenizer, make_tiny_model
+
+HELDOUT = ["once upon a time", "good morning", "what is 2+2?", "tell me a story"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def make_tied_tiny_model(out: Path, *, seed: int = 0, hidden: int = 64, layers: int = 4) -> Path:
+    """A tiny random Llama whose output layer is its embedding matrix (as in SmolLM2)."""
+    tokenizer = make_char_tokenizer()
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=4 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=512, initializer_range=1 / math.sqrt(hidden),
+                         bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=True)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config).eval()
+        with torch.no_grad():
+            model.model.embed_tokens.weight.normal_(0.0, 4.0 / math.sqrt(hidden))  # peaked logits
+    model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("drafts")
+    heldout = root / "heldout.txt"
+    heldout.write_text("\n".join(HELDOUT) + "\n")
+    return {"root": root, "tied": make_tied_tiny_model(root / "tied"),
+            "untied": make_tiny_model(root / "untied", layers=4), "heldout": heldout, "cache": root / "cache"}
+
+
+def build(tiny: dict[str, Path], name: str, **fields) -> dict:
+    options = {"target": str(tiny["tied"]), "layers": "2", "out": str(tiny["root"] / name), "budget_min": 0.0,
+               "invent": 64, "heldout": str(tiny["heldout"]), "max_new_tokens": 48, "heldout_tokens": 32,
+               "cache": str(tiny["cache"]), "threads": 1, "progress": False, "lr": 2e-3}
+    return build_draft(BuildConfig(**{**options, **fields}))
+
+
+# --------------------------------------------------------------------------- pure pieces
+
+
+@pytest.mark.parametrize("strategy, expected", [
+    ("first", [0, 1, 2, 3]), ("first-last", [0, 1, 2, 29]), ("even", [0, 10, 19, 29]),
+])
+def test_choose_layers(strategy, expected):
+    assert choose_layers(30, 4, strategy) == expected
+    assert choose_layers(30, 1, "first-last") == [29]
+    assert choose_layers(30, 30, "even") == list(range(30))
+
+
+def test_layer_and_width_specs_are_validated():
+    assert parse_layers("4", 30) == (4, None)
+    assert parse_layers("0,1,2,29", 30) == (4, [0, 1, 2, 29])
+    for bad in ("0", "31", "2,1", "0,0", "0,30", "four"):
+        with pytest.raises(ValueError):
+            parse_layers(bad, 30)
+    with pytest.raises(ValueError):
+        choose_layers(30, 4, "random")
+    assert parse_width(None, 1536) is None
+    assert parse_width("768", 1536) == 768
+    assert parse_width("0.5", 1536) == 768
+    assert parse_width("1536", 1536) is None
+    with pytest.raises(ValueError):
+        parse_width("2000", 1536)
+
+
+def test_topk_kl_is_zero_for_the_target_and_exact_with_the_full_vocabulary():
+    gen = torch.Generator().manual_seed(0)
+    p_logits = torch.randn(5, 50, generator=gen) * 3  # [N, V]
+    q_logits = torch.randn(5, 50, generator=gen) * 3
+    logp = torch.log_softmax(p_logits, -1)
+    full = (logp.exp() * (logp - torch.log_softmax(q_logits, -1))).sum(-1)  # [N]
+    top_logp, top_ids = torch.topk(logp, 50, -1)
+    assert torch.allclose(topk_kl(q_logits, top_ids, top_logp), full, atol=1e-5)
+    top_logp, top_ids = torch.topk(logp, 8, -1)
+    assert torch.allclose(topk_kl(p_logits, top_ids, top_logp), torch.zeros(5), atol=1e-5)
+    coarse = topk_kl(q_logits, top_ids, top_logp)
+    assert (coarse > 0).all() and (coarse <= full + 1e-5).all()  # the bucketed KL bounds the full one from below
+
+
+def test_expected_tokens_formula():
+    assert expected_tokens(0.0, 4) == 1.0
+    assert expected_tokens(1.0, 4) == 5.0
+    assert math.isclose(expected_tokens(0.5, 2), 1 + 0.5 + 0.25)
+
+
+# --------------------------------------------------------------------------- shallow copy
+
+
+@pytest.mark.parametrize("which", ["tied", "untied"])
+def test_make_shallow_copies_the_chosen_layers_and_freezes_the_shared_weights(tiny, which):
+    target = load_model(str(tiny[which]), dtype="float32", progress=False).model
+    draft = make_shallow(target, [0, 3])
+    assert draft.config.num_hidden_layers == 2
+    assert layers_equal(target, draft, [0, 3])
+    assert not layers_equal(target, draft, [0, 1])  # the check can tell layers apart
+    assert torch.equal(draft.get_input_embeddings().weight, target.get_input_embeddings().weight)
+    assert torch.equal(draft.get_output_embeddings().weight, target.get_output_embeddings().weight)
+    assert torch.equal(draft.model.norm.weight, target.model.norm.weight)
+    tied = which == "tied"
+    assert (draft.get_output_embeddings().weight.data_ptr() == draft.get_input_embeddings().weight.data_ptr()) == tied
+    trainable = freeze_shared(draft)
+    assert "model.embed_tokens.weight" not in trainable and "lm_head.weight" not in trainable
+    assert "model.norm.weight" in trainable and "model.layers.1.mlp.down_proj.weight" in trainable
+
+
+def test_width_keeps_the_strongest_mlp_units(tiny):
+    target = load_model(str(tiny["tied"]), dtype="float32", progress=False).model
+    draft = make_shallow(target, [1, 2], width=64)
+    mlp, source = draft.model.layers[0].mlp, target.model.layers[1].mlp
+    assert mlp.gate_proj.weight.shape == (64, 64) and mlp.down_proj.weight.shape == (64, 64)
+    score = source.gate_proj.weight.norm(dim=1) * source.up_proj.weight.norm(dim=1) * source.down_proj.weight.norm(dim=0)
+    keep = torch.topk(score, 64).indices.sort().values
+    assert torch.equal(mlp.up_proj.weight, source.up_proj.weight[keep])
+    assert torch.equal(mlp.down_proj.weight, source.down_proj.weight[:, keep])
+    with torch.no_grad():
+        out = draft(torch.tensor([[5, 6, 7]])).logits
+    assert out.shape == (1, 3, target.config.vocab_size) and torch.isfinite(out).all()
+
+
+# --------------------------------------------------------------------------- build
+
+
+def test_build_writes_a_loadable_draft_with_the_targets_tokenizer_and_layers(tiny):
+    report = build(tiny, "explicit", layers="0,3")
+    out = tiny["root"] / "explicit"
+    target = load_model(str(tiny["tied"]), dtype="float32", progress=False)
+    draft = load_model(str(out), dtype="float32", progress=False)
+    assert draft.fingerprint == target.fingerprint
+    assert draft.model.config.num_hidden_layers == 2 and draft.model.config.tie_word_embeddings
+    assert layers_equal(target.model, draft.model, [0, 3])  # budget 0: the copied layers untouched
+    for name in ("model.safetensors", "config.json", "tokenizer.json", "generation_config.json", REPORT_FILE):
+        assert (out / name).is_file(), name
+    saved = json.loads((out / REPORT_FILE).read_text())
+    assert saved["layers"] == report["layers"] == [0, 3] and saved["strategy"] == "explicit"
+    assert saved["loadable"] is True and saved["training"]["steps"] == 0
+    assert saved["data"]["train_sequences"] == 64 - 16 and saved["data"]["heldout_positions"] > 0
+    assert set(saved["heldout"]["before"]) == {"kl", "agreement", "positions"}
+
+
+def test_a_depth_takes_evenly_spaced_layers_by_default(tiny):
+    report = build(tiny, "even", layers="3")
+    assert report["layers"] == [0, 2, 3] and report["strategy"] == "even"
+    target = load_model(str(tiny["tied"]), dtype="float32", progress=False)
+    assert layers_equal(target.model, load_model(str(tiny["root"] / "even"), progress=False).model, [0, 2, 3])
+
+
+def test_training_prompts_exclude_the_heldout_set_and_the_text_is_cached(tiny):
+    target = load_model(str(tiny["tied"]), dtype="float32", progress=False)
+    heldout = load_prompt_file(tiny["heldout"])
+    data, _ = cached_teacher_data(tiny["cache"], target, prompts=heldout + heldout[:1], invent=0, max_new_tokens=8,
+                                  top_k=4, sampled_fraction=0.0, seed=0, exclude=heldout[:2], progress=False)
+    assert [p["messages"][0]["content"] for p in data.prompts] == HELDOUT[2:]  # held-out ones dropped
+    again, cached = cached_teacher_data(tiny["cache"], target, prompts=heldout + heldout[:1], invent=0,
+                                        max_new_tokens=8, top_k=4, sampled_fraction=0.0, seed=0,
+                                        exclude=heldout[:2], progress=False)
+    assert cached and all(torch.equal(a, b) for a, b in zip(data.tokens, again.tokens))
+
+
+def _heldout_text(tiny) -> TeacherData:
+    target = load_model(str(tiny["tied"]), dtype="float32", progress=False)
+    data, _ = cached_teacher_data(tiny["cache"], target, prompts=load_prompt_file(tiny["heldout"]), invent=0,
+                                  max_new_tokens=32, top_k=32, sampled_fraction=0.0, seed=0, batch_size=1,
+                                  progress=False, kind="heldout")
+    return data
+
+
+def test_distillation_lowers_the_heldout_kl_within_seconds(tiny):
+    build(tiny, "untrained", layers="0,1")
+    report = build(tiny, "trained", layers="0,1", budget_min=4 / 60)
+    heldout = _heldout_text(tiny)
+    untrained = load_model(str(tiny["root"] / "untrained"), dtype="float32", progress=False).model
+    trained = load_model(str(tiny["root"] / "trained"), dtype="float32", progress=False).model
+    before, after = evaluate(untrained, heldout), evaluate(trained, heldout)
+    assert report["training"]["steps"] > 0 and report["training"]["seconds"] <= 4 + 2
+    assert after["kl"] < 0.9 * before["kl"], (before, after)
+    assert math.isclose(report["heldout"]["after"]["kl"], after["kl"], rel_tol=1e-4)
+    # Only the layers and the norm moved: the shared embeddings / head are the target's own.
+    assert torch.equal(trained.get_input_embeddings().weight, untrained.get_input_embeddings().weight)
+    assert not torch.equal(trained.model.layers[0].mlp.up_proj.weight, untrained.model.layers[0].mlp.up_proj.weight)
+    assert not torch.equal(trained.model.norm.weight, untrained.model.norm.weight)
+
+
+def test_sampled_head_is_the_full_softmax_when_it_draws_every_token(tiny):
+    target = load_model(str(tiny["tied"]), dtype="float32", progress=False)
+    draft = make_shallow(target.model, [0, 1])
+    text = _heldout_text(tiny)
+    data = TeacherData(text.tokens, text.start, [t[:, :2] for t in text.top_ids], [t[:, :2] for t in text.top_logp])
+    rows = list(range(len(data)))
+    with torch.no_grad():
+        full, ids, logp = batch_logits(draft, data, rows)  # [N, V]
+        everything, e_ids, e_logp = batch_logits(draft, data, rows, head_sample=10_000)
+        small, s_ids, _ = batch_logits(draft, data, rows, head_sample=8, generator=torch.Generator().manual_seed(0))
+    assert everything.shape == full.shape
+    assert torch.allclose(topk_kl(everything, e_ids, e_logp), topk_kl(full, ids, logp), atol=1e-5)
+    seen = torch.unique(ids)
+    assert small.shape == (full.shape[0], len(seen) + 8) and len(seen) + 8 < full.shape[1]
+    assert torch.allclose(small.gather(1, s_ids), full.gather(1, ids), atol=1e-5)  # the teacher's tokens: their own logits
+    # The 8 drawn columns stand in for all the others: their logits carry log(rest / 8).
+    rest = full.shape[1] - len(seen)
+    drawn = small[:, len(seen):] - math.log(rest / 8)  # [N, 8] plain logits of the drawn tokens
+    assert all(any(torch.allclose(drawn[:, j], full[:, c], atol=1e-4) for c in range(full.shape[1]) if c not in set(seen.tolist()))
+               for j in range(8))
+
+
+def test_the_build_ends_with_the_weights_of_the_lowest_validation_kl(tiny):
+    target = load_model(str(tiny["tied"]), dtype="float32", progress=False)
+    good = build(tiny, "validated", layers="0,1", budget_min=3 / 60)["training"]
+    curve = good["validation_curve"]  # [elapsed, step, KL, agreement]: untrained first, last step last
+    assert curve[0][1] == 0 and curve[-1][1] == good["steps"] > 0 and good["validation_sequences"] == 16
+    assert good["best_step"] == min(curve, key=lambda point: point[2])[1] > 0
+    # A destructive learning rate only makes things worse: the build hands back the untrained copy.
+    bad = build(tiny, "diverged", layers="0,1", budget_min=2 / 60, lr=5.0)
+    assert bad["training"]["steps"] > 0 and bad["training"]["best_step"] == 0
+    assert layers_equal(target.model, load_model(str(tiny["root"] / "diverged"), progress=False).model, [0, 1])
+
+
+def test_a_stopped_build_resumes_where_it_left_off(tiny):
+    first = build(tiny, "resumable", layers="0,1", budget_min=1.5 / 60)
+    steps = first["training"]["steps"]
+    assert steps > 0 and (tiny["root"] / "resumable" / "resume-state" / "state.safetensors").is_file()
+    second = build(tiny, "resumable", layers="2", budget_min=3 / 60, resume=True)  # layers come from the state
+    assert second["layers"] == [0, 1] and second["strategy"] == "resumed"
+    assert second["training"]["resumed_from_step"] == steps
+    assert second["training"]["steps"] > steps
+    assert second["training"]["seconds"] > first["training"]["seconds"]
+
+
+# --------------------------------------------------------------------------- profile (no processes)
+
+
+def test_profile_measures_every_candidate_and_writes_json_and_plot(tiny):
+    build(tiny, "profiled", layers="0,1", budget_min=2 / 60)
+    out = tiny["root"] / "profile.json"
+    result = profile_drafts(ProfileConfig(
+        target=str(tiny["tied"]), drafts=[str(tiny["root"] / "profiled")], copy=True, ngram=True,
+        draft_dtype="float64", target_dtype="float64", k=3, heldout=str(tiny["heldout"]), heldout_tokens=32,
+        latency_steps=4, threads=1, e2e=False, out=str(out), cache=str(tiny["cache"]), progress=False))
+    saved = json.loads(out.read_text())
+    assert saved["candidates"] == json.loads(json.dumps(result["candidates"]))
+    assert [c["name"] for c in saved["candidates"]] == ["distilled-L2", "target-copy-float64", "prompt-lookup"]
+    assert saved["target"]["step_ms"] > 0 and set(saved["target"]["verify_ms"]) >= {"0", "3"}
+    for cand in saved["candidates"]:
+        assert cand["step_ms"] >= 0 and cand["latency_ratio"] >= 0
+        assert 0.0 <= cand["agreement"] <= 1.0 and cand["ideal_speedup"] >= 1.0
+        acc = cand["acceptance"]
+        assert acc["k"] == 3 and acc["tokens"] == saved["heldout"]["positions"] and acc["rounds"] > 0
+        assert acc["accepted"] <= acc["drafted"] and acc["tokens_per_round"] >= 1.0
+    draft, copy, lookup = saved["candidates"]
+    assert draft["trained"] and draft["build"]["layers"] == [0, 1] and not copy["trained"]
+    # The float64 copy of a float64 target is the target: everything is accepted.
+    assert copy["agreement"] == 1.0 and copy["acceptance"]["acceptance_rate"] == 1.0
+    assert copy["acceptance"]["mean_accepted_length"] > 2.0
+    assert draft["agreement"] < 1.0 and draft["acceptance"]["acceptance_rate"] < 1.0
+    assert draft["step_ms"] < copy["step_ms"] * 1.5  # half the layers: not slower (generous: shared CPU)
+    assert lookup["kind"] == "ngram" and lookup["step_ms"] < draft["step_ms"]
+    assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
