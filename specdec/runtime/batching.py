@@ -144,6 +144,9 @@ class Batcher:
         self._turnaround_s = 0.005  # EWMA: a session's job finished → its next job arrived
         self._last_pass_s = 0.0  # compute time of the previous step
         self._finished_at: dict[str, float] = {}  # session → when its last job finished (recent ones)
+        # session → when it was released: a job that arrived before that is stale (its caller was
+        # cancelled, but its RPC may reach the queue only after the release), and is dropped.
+        self._released_at: dict[str, float] = {}
         self.batches = 0  # forward passes run (for tests and GetInfo)
 
     @property
@@ -184,6 +187,10 @@ class Batcher:
 
     def cancel_session(self, session_id: str) -> int:
         """Cancel every queued or running job of a session (before its cache is released)."""
+        now = time.monotonic()
+        self._released_at[session_id] = now
+        if len(self._released_at) > 4096:  # forget releases old enough that nothing can be in flight
+            self._released_at = {s: t for s, t in self._released_at.items() if now - t < 60.0}
         count = 0
         for job in [*self._pending, *self._active]:
             if job.session_id == session_id and not job.done:
@@ -313,6 +320,9 @@ class Batcher:
                 f"({'between steps' if job.started else 'while queued'}); it was dropped before compute"))
             self.observer.on_dropped("deadline")
             return True
+        released = self._released_at.get(job.session_id)
+        if released is not None and job.enqueued <= released:
+            job.cancelled = True  # sent before its session was released
         if job.cancelled:
             job.finish(Cancelled(f"the request for session {job.session_id!r} was cancelled"))
             self.observer.on_dropped("cancelled")
