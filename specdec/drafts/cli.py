@@ -37,7 +37,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
     config = ProfileConfig(
         target=args.target, drafts=args.draft or [], copy=not args.no_copy, ngram=args.ngram,
         draft_dtype=args.draft_dtype, target_dtype=args.target_dtype, k=args.k, heldout=args.heldout,
-        heldout_tokens=args.heldout_tokens, latency_steps=args.latency_steps, threads=args.threads,
+        heldout_tokens=args.heldout_tokens, latency_steps=args.latency_steps,
+        latency_rounds=args.latency_rounds, threads=args.threads,
         e2e=not args.no_e2e, e2e_tokens=args.e2e_tokens, e2e_prompts=args.e2e_prompts, repeats=args.repeats,
         target_threads=args.target_threads, draft_threads=args.draft_threads, target_cpus=args.target_cpus,
         draft_cpus=args.draft_cpus, overlap=args.overlap, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
@@ -107,7 +108,9 @@ def add_draft_parser(sub: argparse._SubParsersAction) -> None:
     prof.add_argument("--k", type=int, default=4, help="fixed draft length (default: 4)")
     prof.add_argument("--heldout", default=None, help="held-out prompts (default: the bundled set)")
     prof.add_argument("--heldout-tokens", type=int, default=64)
-    prof.add_argument("--latency-steps", type=int, default=24)
+    prof.add_argument("--latency-steps", type=int, default=24, help="decode steps timed per round")
+    prof.add_argument("--latency-rounds", type=int, default=3,
+                      help="rounds in which every model is timed in turn (median; default: %(default)s)")
     prof.add_argument("--threads", type=int, default=None, help="torch threads for the in-process measurements")
     prof.add_argument("--no-e2e", action="store_true", help="skip the end-to-end pipeline runs")
     prof.add_argument("--e2e-tokens", type=int, default=48)

@@ -58,6 +58,7 @@ class ProfileConfig:
     heldout_tokens: int = 64  # target greedy tokens per held-out prompt for acceptance
     top_k: int = 32  # only part of the cache key of the held-out text (shared with `draft build`)
     latency_steps: int = 24
+    latency_rounds: int = 3  # every model timed this many times, in turn (median)
     threads: int | None = None  # torch threads for the in-process latency and acceptance measurements
     e2e: bool = True
     e2e_tokens: int = 48
@@ -80,7 +81,7 @@ class ProfileConfig:
             raise ValueError("--k must be >= 1")
         if not (self.drafts or self.copy or self.ngram):
             raise ValueError("nothing to profile: pass --draft DIR, --copy or --ngram")
-        for name in ("heldout_tokens", "latency_steps", "e2e_tokens", "e2e_prompts", "repeats"):
+        for name in ("heldout_tokens", "latency_steps", "latency_rounds", "e2e_tokens", "e2e_prompts", "repeats"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
 
@@ -334,22 +335,36 @@ def profile_drafts(config: ProfileConfig) -> dict:
     reference = {p["id"]: t[s + 1:].tolist() for p, t, s in zip(heldout.prompts, heldout.tokens, heldout.start)}
     context = heldout.tokens[0][: heldout.start[0] + 1].tolist()  # a held-out prompt
 
-    target_caches = SessionCaches(target.model, target.max_context, max_sessions=4)
-    target_step = step_latency_ms(target_caches, context, config.latency_steps)
-    verify = verify_latency_ms(target_caches, context, max(config.k, 8))
+    # Every model is loaded at once and timed in turn, round after round, so that load from
+    # other processes falls on all of them alike (the ratios matter, not the absolute ms).
+    candidates = _candidates(config)
+    timed = {"target": SessionCaches(target.model, target.max_context, max_sessions=4)}
+    loaded_models: dict[str, LoadedModel] = {}
+    for cand in candidates:
+        if cand["kind"] != "model":
+            continue
+        loaded = load_model(cand["model"], dtype=config.draft_dtype, threads=config.threads, progress=False)
+        if loaded.fingerprint != target.fingerprint:
+            raise ValueError(f"{cand['model']} does not share the target's tokenizer")
+        loaded_models[cand["name"]] = loaded
+        timed[cand["name"]] = SessionCaches(loaded.model, loaded.max_context, max_sessions=4)
+    samples: dict[str, list[float]] = {name: [] for name in timed}
+    for _ in range(config.latency_rounds):
+        for name, caches in timed.items():
+            samples[name].append(step_latency_ms(caches, context, config.latency_steps))
+    latency = {name: statistics.median(values) for name, values in samples.items()}
+    target_step = latency["target"]
+    verify = verify_latency_ms(timed["target"], context, max(config.k, 8))
     _say(config, f"target {config.target} ({config.target_dtype}): step {target_step:.1f} ms, verify k+1 "
                  + " ".join(f"{k}:{v:.0f}" for k, v in verify.items()) + " ms")
     target_layers = target.model.config.num_hidden_layers
-    del target_caches, target
+    del target
 
-    candidates = _candidates(config)
     for cand in candidates:
         if cand["kind"] == "model":
-            loaded = load_model(cand["model"], dtype=config.draft_dtype, threads=config.threads, progress=False)
-            if loaded.fingerprint != heldout.meta["settings"]["model"]["fingerprint"]:
-                raise ValueError(f"{cand['model']} does not share the target's tokenizer")
-            caches = SessionCaches(loaded.model, loaded.max_context, max_sessions=4)
-            cand["step_ms"] = step_latency_ms(caches, context, config.latency_steps)
+            loaded, caches = loaded_models.pop(cand["name"]), timed.pop(cand["name"])
+            cand["step_ms"] = latency[cand["name"]]
+            cand["step_ms_samples"] = [round(v, 3) for v in samples[cand["name"]]]
             cand["agreement"] = model_agreement(loaded, heldout)
             cand["acceptance"] = acceptance(ModelProposer(caches), heldout, config.k)
             cand["dtype"] = config.draft_dtype
@@ -365,6 +380,7 @@ def profile_drafts(config: ProfileConfig) -> dict:
         _say(config, f"{cand['name']}: step {cand['step_ms']:.2f} ms ({cand['latency_ratio']:.3f}× target), "
                      f"agreement {cand['agreement']:.3f}, acceptance@k={config.k} "
                      f"{cand['acceptance']['acceptance_rate']:.3f}, ideal {cand['ideal_speedup']:.2f}×")
+    del timed
 
     e2e_prompts = heldout.prompts[: config.e2e_prompts]
     if config.e2e:
@@ -377,7 +393,8 @@ def profile_drafts(config: ProfileConfig) -> dict:
 
     result = {
         "target": {"model": config.target, "dtype": config.target_dtype, "step_ms": target_step,
-                   "verify_ms": verify, "layers": target_layers},
+                   "step_ms_samples": [round(v, 3) for v in samples["target"]], "verify_ms": verify,
+                   "layers": target_layers},
         "heldout": {"prompts": [p["id"] for p in heldout.prompts], "positions": heldout.teacher_positions,
                     "tokens_per_prompt": config.heldout_tokens},
         "e2e_prompts": [p["id"] for p in e2e_prompts] if config.e2e else [],
@@ -423,51 +440,55 @@ def judge(candidates: list[dict], k: int, latency_goal: float = 0.25, acceptance
 
 
 def plot_profile(result: dict, path: Path) -> None:
-    """Acceptance against draft latency (colour: end-to-end speedup), and speedup against latency."""
+    """Left: acceptance against draft latency, colour = end-to-end speedup (the paper's figure).
+    Right: end-to-end speedup per candidate (fixed k, auto) next to the modelled ideal."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    cands = result["candidates"]
+    cands = sorted(result["candidates"], key=lambda c: c["latency_ratio"])
     k = result["config"]["k"]
     has_e2e = all("e2e" in c for c in cands)
-    fig, axes = plt.subplots(1, 2 if has_e2e else 1, figsize=(12 if has_e2e else 6.5, 5), squeeze=False)
+    fig, axes = plt.subplots(1, 2 if has_e2e else 1, figsize=(13 if has_e2e else 6.5, 5), squeeze=False)
     ax = axes[0][0]
-    x = [c["latency_ratio"] for c in cands]
-    y = [c["agreement"] for c in cands]
     colour = [best_speedup(c, k) for c in cands] if has_e2e else [c["ideal_speedup"] for c in cands]
-    points = ax.scatter(x, y, c=colour, cmap="viridis", s=120, edgecolors="black", zorder=3)
-    for c, xi, yi, ci in zip(cands, x, y, colour):
-        ax.annotate(f"{c['name']}\n{ci:.2f}×", (xi, yi), textcoords="offset points", xytext=(6, 6), fontsize=8)
+    norm = matplotlib.colors.Normalize(vmin=min(colour + [1.0]) - 0.05, vmax=max(colour + [1.0]) + 0.05)
+    markers = "osD^vPX*hp"
+    for i, (c, ci) in enumerate(zip(cands, colour)):
+        ax.scatter([c["latency_ratio"]], [c["agreement"]], c=[ci], cmap="viridis", norm=norm, s=130,
+                   marker=markers[i % len(markers)], edgecolors="black", zorder=3,
+                   label=f"{c['name']}: {c['latency_ratio']:.2f}×, α {c['agreement']:.2f}, {ci:.2f}× speed")
     ax.axvline(0.25, color="grey", ls=":", lw=1)
     ax.axhline(0.6, color="grey", ls=":", lw=1)
-    ax.set_xscale("symlog", linthresh=0.02)
-    ax.set_xlim(0, max(x) * 1.6)
+    ax.set_xlim(-0.03, max(c["latency_ratio"] for c in cands) * 1.1 + 0.05)
+    ax.set_ylim(0, 1.05)
     ax.set_xlabel("draft step latency / target step latency")
     ax.set_ylabel("acceptance α (greedy, per token, held-out)")
-    ax.set_ylim(0, 1.05)
-    fig.colorbar(points, ax=ax, label="end-to-end speedup (best of fixed k, auto)" if has_e2e else "ideal speedup")
-    ax.set_title("acceptance vs draft latency")
+    ax.legend(fontsize=7, loc="center right")
+    fig.colorbar(matplotlib.cm.ScalarMappable(norm=norm, cmap="viridis"), ax=ax,
+                 label="end-to-end speedup (best of fixed k, auto)" if has_e2e else "ideal speedup")
+    ax.set_title("acceptance vs draft latency (dotted: the goal)")
     if has_e2e:
         ax = axes[0][1]
-        for mode, marker in ((str(k), "o"), ("auto", "s")):
-            ax.scatter(x, [c["e2e"][mode]["speedup"] for c in cands], marker=marker, s=70,
-                       label=f"k = {mode}" if mode != "auto" else "auto", zorder=3)
-        ax.scatter(x, [c["ideal_speedup"] for c in cands], marker="x", color="black", label="ideal (model)", zorder=3)
-        for c, xi in zip(cands, x):
-            ax.annotate(c["name"], (xi, c["e2e"]["auto"]["speedup"]), textcoords="offset points", xytext=(6, -10),
-                        fontsize=8)
+        xs = range(len(cands))
+        width = 0.27
+        bars = [(f"k = {k}", [c["e2e"][str(k)]["speedup"] for c in cands]),
+                ("auto", [c["e2e"]["auto"]["speedup"] for c in cands]),
+                ("ideal (sequential model)", [c["ideal_speedup"] for c in cands])]
+        for j, (label, values) in enumerate(bars):
+            ax.bar([x + (j - 1) * width for x in xs], values, width, label=label)
         ax.axhline(1.0, color="grey", ls="--", lw=1)
-        ax.set_xscale("symlog", linthresh=0.02)
-        ax.set_xlim(0, max(x) * 1.6)
-        ax.set_xlabel("draft step latency / target step latency")
+        ax.set_xticks(list(xs))
+        ax.set_xticklabels([f"{c['name']}\n{c['latency_ratio']:.2f}× latency" for c in cands], fontsize=7)
         ax.set_ylabel("speedup vs k = 0 (median over prompts)")
-        ax.legend()
-        ax.set_title("end-to-end speedup vs draft latency")
+        ax.set_ylim(0, max(max(v) for _, v in bars) * 1.2)
+        ax.legend(fontsize=8, loc="upper center", ncol=3)
+        ax.set_title("end-to-end speedup (real pipeline) per draft")
     target = result["target"]
     fig.suptitle(f"drafts for {target['model']} ({target['dtype']}, step {target['step_ms']:.0f} ms) on "
-                 f"{result['machine']['platform'].split('-')[0]}", fontsize=10)
+                 f"{result['machine']['platform'].split('-')[0]}, {result['machine']['cpus']} torch thread(s)",
+                 fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
