@@ -4,11 +4,11 @@ from typing import Literal
 
 from pydantic import Field
 
-from specdec.config import ServiceConfig
+from specdec.config import DeviceOption, ServiceConfig
 from specdec.runtime.models import DEFAULT_MODEL
 
 
-class DraftConfig(ServiceConfig):
+class DraftConfig(ServiceConfig, DeviceOption):
     """specdec draft service: streams draft-token proposals for the orchestrator."""
 
     port: int = Field(50052, ge=0, le=65535, description="Port to listen on (0 picks a free one).")

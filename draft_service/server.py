@@ -33,7 +33,7 @@ def build_proposer(config: DraftConfig) -> tuple[Proposer, common_pb2.ModelInfo,
                                     tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
                                     vocab_size=len(tokenizer))
         return NgramProposer(config.ngram_max, config.ngram_min), info, profile
-    loaded = load_model(config.model, dtype=config.dtype, threads=config.threads)
+    loaded = load_model(config.model, dtype=config.dtype, threads=config.threads, device=config.device)
     caches = SessionCaches(loaded.model, loaded.max_context, config.max_sessions, config.idle_ttl_s)
     info = model_info(loaded, "model", profile)
     info.max_batch = config.max_batch

@@ -73,7 +73,7 @@ async def backend_status(role: str, backend, timeout_s: float) -> pb.BackendStat
         out.error = f"{code}: {details}"
     else:
         out.healthy = True
-        out.model, out.kind, out.dtype = info.model, info.kind, info.dtype
+        out.model, out.kind, out.dtype, out.device = info.model, info.kind, info.dtype, info.device
     out.rtt_ms = (time.perf_counter() - start) * 1e3
     return out
 

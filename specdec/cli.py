@@ -24,6 +24,8 @@ def _add_plan_flags(parser: argparse.ArgumentParser) -> None:
         "target_dtype": "target weight dtype", "target_threads": "torch threads of the target process",
         "draft_model": "draft model (for --proposer model); its tokenizer must match the target's",
         "draft_dtype": "draft weight dtype", "draft_threads": "torch threads of the draft process",
+        "target_device": "where the target runs: auto (a CUDA GPU if any, else the CPU), cpu, cuda or cuda:N",
+        "draft_device": "where the draft model runs (auto, cpu, cuda or cuda:N); on one GPU both may share it",
         "proposer": "draft source: model, ngram (prompt lookup) or none (plain decoding)",
         "draft_length": "default draft length: auto (the controller picks k per round) or a fixed k (0 = plain decoding)",
         "ngram_min": "shortest suffix n-gram prompt lookup matches", "ngram_max": "longest suffix n-gram it matches",
@@ -225,7 +227,8 @@ def _format_status(status: dict) -> list[str]:
     ]
     for b in status["backends"]:
         if b["healthy"]:
-            lines.append(f"  {b['role']:<7} {b['address']:<22} healthy  {b['model']} ({b['kind']}, {b['dtype']})  "
+            lines.append(f"  {b['role']:<7} {b['address']:<22} healthy  {b['model']} ({b['kind']}, {b['dtype']}, "
+                         f"{b.get('device') or 'cpu'})  "
                          f"rtt {b['rtt_ms']:.1f} ms")
         else:
             lines.append(f"  {b['role']:<7} {b['address']:<22} DOWN     {b['error']}")

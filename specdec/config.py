@@ -89,5 +89,22 @@ def _explain(exc: ValidationError) -> str:
             lines.append(str(err["msg"]).removeprefix("Value error, "))
             continue
         flag = "--" + "-".join(str(p) for p in err["loc"]).replace("_", "-")
-        lines.append(f"{flag}: {err['msg']} (got {err.get('input')!r})")
+        message = str(err["msg"]).removeprefix("Value error, ")
+        lines.append(f"{flag}: {message} (got {err.get('input')!r})")
     return "; ".join(lines)
+
+
+class DeviceOption(BaseModel):
+    """The `--device` of a service that hosts a model (draft, target)."""
+
+    device: str = Field(
+        "auto", description="Where the model runs: auto (the first CUDA GPU if any, else the CPU), cpu, cuda or cuda:N.",
+    )
+
+    @field_validator("device")
+    @classmethod
+    def _device_exists(cls, device: str) -> str:
+        from specdec.runtime.models import resolve_device  # torch only for services that host a model
+
+        resolve_device(device)  # a GPU asked for on a machine without one fails at start, not at load
+        return device

@@ -38,9 +38,11 @@ class Plan:
     target_model: str = DEFAULT_MODEL
     target_dtype: str = "float32"
     target_threads: int | None = None
+    target_device: str = "auto"  # auto, cpu, cuda or cuda:N
     draft_model: str = DEFAULT_MODEL
     draft_dtype: str = "bfloat16"
     draft_threads: int | None = None
+    draft_device: str = "auto"
     proposer: str = "ngram"  # "model", "ngram" or "none" (plain decoding, no draft service)
     draft_length: str = "auto"  # "auto" or a fixed k
     ngram_min: int = 2
@@ -79,7 +81,7 @@ class Plan:
             "redis": [redis_server_binary(), "--port", str(self.redis_port), "--bind", self.host,
                       "--save", "", "--appendonly", "no"],
             "target": [py, "-m", "target_service", "--host", self.host, "--port", str(self.target_port),
-                       "--model", self.target_model, "--dtype", self.target_dtype],
+                       "--model", self.target_model, "--dtype", self.target_dtype, "--device", self.target_device],
         }
         if self.target_threads:
             cmds["target"] += ["--threads", str(self.target_threads)]
@@ -87,6 +89,7 @@ class Plan:
         if self.proposer != "none":
             cmds["draft"] = [py, "-m", "draft_service", "--host", self.host, "--port", str(self.draft_port),
                              "--proposer", self.proposer, "--model", self.draft_model, "--dtype", self.draft_dtype,
+                             "--device", self.draft_device,
                              "--ngram-min", str(self.ngram_min), "--ngram-max", str(self.ngram_max)]
             if self.draft_threads:
                 cmds["draft"] += ["--threads", str(self.draft_threads)]

@@ -4,11 +4,11 @@ from typing import Literal
 
 from pydantic import Field
 
-from specdec.config import ServiceConfig
+from specdec.config import DeviceOption, ServiceConfig
 from specdec.runtime.models import DEFAULT_MODEL
 
 
-class TargetConfig(ServiceConfig):
+class TargetConfig(ServiceConfig, DeviceOption):
     """specdec target service: verifies draft blocks with the large model."""
 
     port: int = Field(50053, ge=0, le=65535, description="Port to listen on (0 picks a free one).")

@@ -24,7 +24,7 @@ SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
 
 def build_servicer(config: TargetConfig) -> tuple[TargetServicer, ServiceMetrics]:
     """Load the model and wire caches, verifier, batcher, admission and metrics (call inside the event loop)."""
-    loaded = load_model(config.model, dtype=config.dtype, threads=config.threads)
+    loaded = load_model(config.model, dtype=config.dtype, threads=config.threads, device=config.device)
     snapshots = None
     if config.snapshot_redis_url:
         identity = SnapshotIdentity(loaded.name, config.dtype, loaded.fingerprint, loaded.model.config.num_hidden_layers)

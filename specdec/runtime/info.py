@@ -16,5 +16,5 @@ def model_info(loaded: LoadedModel, kind: str, profile: LatencyProfile = Latency
         max_context=loaded.max_context,
         eos_token_ids=loaded.eos_token_ids,
         kind=kind,
-        device="cpu" + (f" ({profile.describe()})" if profile.enabled else ""),
+        device=loaded.describe_device() + (f" ({profile.describe()})" if profile.enabled else ""),
     )

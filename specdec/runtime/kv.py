@@ -126,6 +126,7 @@ class SessionCaches:
     def __init__(self, model: torch.nn.Module, max_context: int, max_sessions: int = 64,
                  idle_ttl_s: float = 900.0, snapshots: SnapshotPolicy | None = None) -> None:
         self.model = model
+        self.device = model.get_output_embeddings().weight.device  # inputs go where the weights are
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.max_context = max_context
         self.max_sessions = max_sessions
@@ -244,7 +245,7 @@ class SessionCaches:
         return self._forward_padded([row.entry for row in rows], [row.feed for row in rows], tails)
 
     def _forward_one(self, entry: _Entry, feed: list[int], keep_logits: int) -> torch.Tensor:
-        ids = torch.tensor([feed], dtype=torch.long)  # [1, S]
+        ids = torch.tensor([feed], dtype=torch.long, device=self.device)  # [1, S]
         out = self.model(input_ids=ids, cache=entry.cache, use_cache=True, logits_to_keep=keep_logits)
         return out.logits[0, -keep_logits:]  # [keep_logits, V]
 
@@ -264,6 +265,8 @@ class SessionCaches:
             ids[i, : width[i]] = torch.tensor(feed, dtype=torch.long)
             mask[i, p - past[i] : p + width[i]] = 1
             positions[i] = torch.arange(past[i], past[i] + n)
+        if self.device.type != "cpu":  # built on the host, moved in one transfer each
+            ids, mask, positions = (t.to(self.device, non_blocking=True) for t in (ids, mask, positions))
         n_layers = len(entries[0].cache.layers)
         batch_cache = DynamicCache(config=self.model.config)
         batch_cache.layers = [_BatchLayer([entry.cache.layers[layer_idx] for entry in entries], past, p)
@@ -309,7 +312,7 @@ class SessionCaches:
             blob = policy.store.get(session_id)
             if blob is None:
                 return None
-            tokens, cache = decode(blob, policy.identity, self.model.config)
+            tokens, cache = decode(blob, policy.identity, self.model.config, self.device)
         except Exception as exc:  # noqa: BLE001 - a snapshot is an optimisation: fall back to prefill
             log.warning("snapshot of %s not restored (%s); re-prefilling", session_id, exc)
             return None

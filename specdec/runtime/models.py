@@ -63,7 +63,7 @@ class ModelLoadError(ValueError):
 
 @dataclass
 class LoadedModel:
-    """A causal LM ready for inference on CPU, with the facts the services need about it."""
+    """A causal LM ready for inference on its device, with the facts the services need about it."""
 
     model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase
@@ -74,6 +74,13 @@ class LoadedModel:
     max_context: int
     eos_token_ids: list[int]
     vocab_size: int  # width of the logits (may exceed len(tokenizer))
+    device: torch.device = torch.device("cpu")
+
+    def describe_device(self) -> str:
+        """The device as services report it, e.g. "cpu" or "cuda:0 (NVIDIA H200)"."""
+        if self.device.type == "cuda":
+            return f"{self.device} ({torch.cuda.get_device_name(self.device)})"
+        return str(self.device)
 
 
 # --------------------------------------------------------------------------- paths
@@ -221,6 +228,34 @@ def parse_dtype(dtype: str) -> torch.dtype:
         raise ValueError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}") from None
 
 
+def resolve_device(name: str) -> torch.device:
+    """Map a device option to a torch device; raise ValueError saying what to pass instead.
+
+    `auto` is the first CUDA GPU when there is one, else the CPU; `cpu`, `cuda` and `cuda:N`
+    are taken as they are, after checking that this machine has them.
+    """
+    spec = name.strip().lower()
+    if spec == "auto":
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    try:
+        device = torch.device(spec)
+    except RuntimeError:
+        raise ValueError(f"unknown device {name!r}; choose auto, cpu, cuda or cuda:N") from None
+    if device.type == "cpu":
+        return torch.device("cpu")
+    if device.type != "cuda":
+        raise ValueError(f"unsupported device {name!r}; choose auto, cpu, cuda or cuda:N")
+    if not torch.cuda.is_available():
+        build = f"this torch build ({torch.__version__}) has no CUDA support" if torch.version.cuda is None \
+            else "no CUDA GPU is visible (check the driver and CUDA_VISIBLE_DEVICES)"
+        raise ValueError(f"device {name!r} requested but {build}; run with --device cpu (or auto)")
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index >= torch.cuda.device_count():
+        raise ValueError(f"device {name!r} requested but only {torch.cuda.device_count()} CUDA GPU(s) are visible "
+                         f"(cuda:0 to cuda:{torch.cuda.device_count() - 1})")
+    return torch.device("cuda", index)
+
+
 def _hub_options() -> dict[str, bool]:
     """Hub ids load from the local Hugging Face cache only, unless SPECDEC_ALLOW_DOWNLOAD=1.
 
@@ -256,9 +291,11 @@ def load_tokenizer(spec: str) -> PreTrainedTokenizerBase:
     return _wrap_load(spec, "tokenizer", lambda: AutoTokenizer.from_pretrained(path, **_hub_options()))
 
 
-def load_model(spec: str, dtype: str = "float32", threads: int | None = None, progress: bool = True) -> LoadedModel:
-    """Load a causal LM for CPU inference, in eval mode, in the given dtype."""
+def load_model(spec: str, dtype: str = "float32", threads: int | None = None, progress: bool = True,
+               device: str = "cpu") -> LoadedModel:
+    """Load a causal LM for inference on `device` (see `resolve_device`), in eval mode, in the given dtype."""
     torch_dtype = parse_dtype(dtype)
+    torch_device = resolve_device(device)
     if threads is not None:
         if threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
@@ -267,7 +304,7 @@ def load_model(spec: str, dtype: str = "float32", threads: int | None = None, pr
     hub = _hub_options()
     tokenizer = _wrap_load(spec, "tokenizer", lambda: AutoTokenizer.from_pretrained(path, **hub))
     model = _wrap_load(spec, "model", lambda: AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, **hub))
-    model = model.to(device="cpu", dtype=torch_dtype).eval()
+    model = model.to(device=torch_device, dtype=torch_dtype).eval()
     _check_tied(model)
 
     config = model.config
@@ -286,6 +323,7 @@ def load_model(spec: str, dtype: str = "float32", threads: int | None = None, pr
         max_context=int(max_context),
         eos_token_ids=_eos_token_ids(model, tokenizer),
         vocab_size=vocab_size,
+        device=torch_device,
     )
 
 

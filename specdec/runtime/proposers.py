@@ -54,7 +54,8 @@ def draft_token(logits: torch.Tensor, params: SamplingParams, generator: torch.G
     """The next draft token from the last row of `logits [n, V]`, and its q row when sampling."""
     if params.greedy:
         return int(torch.argmax(logits[-1])), None
-    q64 = logits_to_probs(logits[-1:], params)[0]  # [V]
+    # The sampling maths runs on the host in float64, so a seed draws the same tokens on any device.
+    q64 = logits_to_probs(logits[-1:].cpu(), params)[0]  # [V]
     return sample(q64, generator), q64.to(torch.float32).numpy()
 
 

@@ -53,13 +53,14 @@ def encode(cache: DynamicCache, tokens: list[int], identity: SnapshotIdentity) -
         if layer.keys is None or layer.keys.shape[-2] != len(tokens):
             raise ValueError(f"layer {i} covers {0 if layer.keys is None else layer.keys.shape[-2]} tokens, "
                              f"not {len(tokens)}")
-        tensors[f"k.{i}"] = layer.keys.contiguous()
-        tensors[f"v.{i}"] = layer.values.contiguous()
+        tensors[f"k.{i}"] = layer.keys.contiguous().cpu()
+        tensors[f"v.{i}"] = layer.values.contiguous().cpu()
     return st_save(tensors, metadata=identity.as_metadata())
 
 
-def decode(blob: bytes, identity: SnapshotIdentity, config) -> tuple[list[int], DynamicCache]:
-    """The tokens and the cache of a blob; FailedPrecondition if it was written for another model."""
+def decode(blob: bytes, identity: SnapshotIdentity, config,
+           device: torch.device | str = "cpu") -> tuple[list[int], DynamicCache]:
+    """The tokens and the cache of a blob, on `device`; FailedPrecondition if it was written for another model."""
     header_len = int.from_bytes(blob[:8], "little")
     metadata = json.loads(blob[8:8 + header_len]).get("__metadata__", {})
     expected = identity.as_metadata()
@@ -73,7 +74,7 @@ def decode(blob: bytes, identity: SnapshotIdentity, config) -> tuple[list[int], 
     tokens = tensors["tokens"].tolist()
     cache = DynamicCache(config=config)
     for i in range(identity.layers):
-        cache.update(tensors[f"k.{i}"], tensors[f"v.{i}"], i)
+        cache.update(tensors[f"k.{i}"].to(device), tensors[f"v.{i}"].to(device), i)
     return tokens, cache
 
 

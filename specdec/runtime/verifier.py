@@ -32,9 +32,13 @@ class Verification:
 def accept_block(logits: torch.Tensor, history_length: int, draft_tokens: list[int], draft_probs: np.ndarray | None,
                  params: SamplingParams, seed: int) -> Verdict:
     """The acceptance rule on a block's target logits `[k+1, V]`, with the session's generator."""
-    generator = None if params.greedy else derive_generator(seed, history_length, TARGET_STREAM)
-    q = None if draft_probs is None or params.greedy else torch.tensor(draft_probs, dtype=torch.float64)
-    return verify(logits, torch.tensor(draft_tokens, dtype=torch.long), q, params, generator)
+    if params.greedy:  # the argmax runs where the logits are; only k + 1 ids come back
+        return verify(logits, draft_tokens, None, params, None)
+    # The sampling maths runs on the host in float64, so a seed draws the same tokens on any device.
+    generator = derive_generator(seed, history_length, TARGET_STREAM)
+    logits = logits.cpu()
+    q = None if draft_probs is None else torch.tensor(draft_probs, dtype=torch.float64)
+    return verify(logits, draft_tokens, q, params, generator)
 
 
 class VerifyJob(Job):

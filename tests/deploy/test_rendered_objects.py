@@ -128,6 +128,20 @@ def test_gpu_split_model_and_dtype_settings(render):
     assert orchestrator_args[-4:] == ["--draft-timeout-s", "2", "--log-level", "INFO"]  # extraArgs go last
 
 
+@pytest.mark.parametrize("component", ["target", "draft"])
+def test_model_services_run_on_the_gpus_they_are_given(render, component):
+    """GPU replicas are told `--device cuda`, so a pod that cannot use its GPU fails at start
+    (the service checks the device before it loads the model) instead of serving from its CPU."""
+    def device(*args):
+        spec = render(*args).component("Deployment", component)["spec"]["template"]["spec"]
+        return flag(container(spec)["args"], "--device")
+
+    assert device("gpu-split") == "cuda"
+    assert device("default") == "cpu"
+    assert device("default", "--set", f"{component}.device=auto") == "auto"
+    assert device("gpu-split", "--set", f"{component}.device=cuda:1") == "cuda:1"
+
+
 # --------------------------------------------------------------------------- wiring
 
 

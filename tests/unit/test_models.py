@@ -16,6 +16,7 @@ from specdec.runtime.models import (
     cache_dir,
     load_model,
     load_tokenizer,
+    resolve_device,
     resolve_model_path,
     tokenizer_fingerprint,
 )
@@ -184,3 +185,54 @@ def test_default_model() -> None:
         out = loaded.model.generate(ids, max_new_tokens=5, do_sample=False)
     text = loaded.tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
     assert text.strip()
+
+
+# --------------------------------------------------------------------------- devices
+
+
+def test_device_auto_is_the_cpu_without_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto") == torch.device("cpu")
+    assert resolve_device(" CPU ") == torch.device("cpu")
+
+
+def test_device_auto_takes_the_current_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert resolve_device("auto") == torch.device("cuda", 1)
+    assert resolve_device("cuda") == torch.device("cuda", 1)
+    assert resolve_device("cuda:0") == torch.device("cuda", 0)
+    with pytest.raises(ValueError, match=r"only 2 CUDA GPU\(s\) are visible \(cuda:0 to cuda:1\)"):
+        resolve_device("cuda:2")
+
+
+def test_a_gpu_asked_for_without_one_says_what_to_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="run with --device cpu"):
+        resolve_device("cuda")
+    with pytest.raises(ValueError, match="choose auto, cpu, cuda or cuda:N"):
+        resolve_device("tpu")
+    with pytest.raises(ValueError, match="unsupported device 'meta'"):
+        resolve_device("meta")
+
+
+def test_loaded_model_is_on_the_device_it_reports(models: dict[str, Path]) -> None:
+    loaded = load_model(str(models["base"]), progress=False, device="cpu")
+    assert loaded.device == torch.device("cpu")
+    assert {p.device for p in loaded.model.parameters()} == {torch.device("cpu")}
+    assert loaded.describe_device() == "cpu"
+
+
+def test_service_refuses_a_device_it_does_not_have_before_loading() -> None:
+    """The flag is checked when the config is built: no model is loaded for a pod that cannot run."""
+    import subprocess
+    import sys
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: asking for one is not an error here")
+    proc = subprocess.run([sys.executable, "-m", "target_service", "--device", "cuda", "--model", "/nonexistent"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "--device: device 'cuda' requested but" in proc.stderr
+    assert "run with --device cpu" in proc.stderr

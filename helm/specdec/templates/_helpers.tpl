@@ -361,3 +361,8 @@ spec:
   {{- end }}
 {{- end }}
 {{- end }}
+
+{{/* The --device of a model service: its `device` value, else cuda when it is given GPUs, else cpu. */}}
+{{- define "specdec.device" -}}
+{{- if .device }}{{ .device }}{{- else if and .gpu (gt (int .gpu.count) 0) }}cuda{{- else }}cpu{{- end }}
+{{- end }}
