@@ -31,6 +31,9 @@ class Verdict:
     bonus: bool
     wall_ns: int
     compute_ns: int
+    queue_ns: int = 0  # waited in the target's queues before the pass
+    batch_size: int = 1  # sessions in the same pass
+    batch_positions: int = 0  # positions that pass scored (0: not reported)
 
 
 class DraftUnavailable(Exception):
@@ -122,7 +125,8 @@ class TargetBackend(_ModelBackend):
                 "the session is kept, retry the request"
             ) from exc
         return Verdict(reply.num_accepted, reply.token_id, reply.bonus,
-                       time.perf_counter_ns() - start, reply.compute_ns)
+                       time.perf_counter_ns() - start, reply.compute_ns, reply.queue_ns, max(1, reply.batch_size),
+                       reply.batch_positions)
 
     async def save_snapshot(self, session_id: str) -> int:
         """Ask this replica to write the session's KV cache to Redis; the tokens it covers."""

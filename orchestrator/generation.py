@@ -57,7 +57,8 @@ def observation(stats: pb.RoundStats) -> Observation:
         k=stats.draft_length if not stats.draft_fallback else 0, proposed=stats.proposed, accepted=stats.accepted,
         draft_wall_s=stats.draft_ns / 1e9, draft_compute_s=stats.draft_compute_ns / 1e9,
         verify_wall_s=stats.verify_ns / 1e9, verify_compute_s=stats.verify_compute_ns / 1e9,
-        draft_failed=stats.draft_fallback,
+        draft_failed=stats.draft_fallback, verify_queue_s=min(stats.verify_queue_ns, stats.verify_ns) / 1e9,
+        batch_size=max(1, stats.verify_batch_size), batch_positions=stats.verify_batch_positions,
     )
 
 

@@ -101,7 +101,8 @@ class Speculator:
             draft_length=k, proposed=len(proposal.tokens), accepted=verdict.num_accepted,
             draft_ns=proposal.wall_ns, draft_compute_ns=proposal.compute_ns,
             verify_ns=verdict.wall_ns, verify_compute_ns=verdict.compute_ns, draft_fallback=fallback,
-            overlapped=overlapped,
+            overlapped=overlapped, verify_queue_ns=verdict.queue_ns, verify_batch_size=verdict.batch_size,
+            verify_batch_positions=verdict.batch_positions,
         )
         return Round(emitted, stats)
 

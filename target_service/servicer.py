@@ -36,7 +36,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         return target_pb2.VerifyResponse(
             num_accepted=verdict.num_accepted, token_id=verdict.token, bonus=verdict.bonus,
             compute_ns=step.compute_ns, prefill_tokens=prefilled, batch_size=step.batch_size,
-            queue_ns=step.queue_ns,
+            queue_ns=step.queue_ns, batch_positions=step.positions,
         )
 
     @grpc_errors

@@ -20,7 +20,22 @@ The model, with per-token acceptance `alpha`:
   It is an approximation: it ignores the draft compute wasted on a failed guess (that falls on
   the draft server only) and any contention between the two.
 
-All of `alpha`, the round trips, `t_d` and `t_v(k)` (per `k`) are EWMAs of online
+Under load the target verifies the blocks of `B` sessions in one pass, and a request may wait in
+its queue for other passes first. Every session runs this policy on like measurements, so when
+one finds a longer block worth it they all do: the verify term is priced for all `B` sessions
+choosing `k`,
+
+  `t_v'(k) = (1 + q) * (c0 + c1 * B * (k + 1))`
+
+where `c0 + c1 * x` is the pass's compute at `x` scored positions (a least-squares line through
+EWMA moments of the (positions, compute) pairs the target reports), `B` the batch size and `q`
+the queue wait as a fraction of the pass's compute (the wait is spent on passes like this one, so
+it scales with them). Pricing one's own tokens alone (`c1 * (k + 1)`) would let every session add
+tokens that slow all the others. On a GPU, where `c1` is small until the pass is compute-bound,
+speculation keeps paying under load; on a CPU, where every scored position costs, `k` falls as
+load rises, to `0` at saturation. Alone (`B` ~ 1) the per-`k` table `t_v(k)` is used as it is.
+
+All of `alpha`, the round trips, `t_d`, `t_v(k)` (per `k`), `B` and `q` are EWMAs of online
 measurements (`update`); `choose_k` takes the argmax over `0..k_max`, with a hysteresis band
 (`min_gain`) between `k = 0` and speculation judged at an optimistic acceptance (`best_k`), a
 deterministic exploration schedule and a back-off after draft failures.
@@ -57,12 +72,17 @@ class PolicyConfig:
     """The draft of the next block overlaps the verify of this one (see the module docstring)."""
     draft_failure_backoff: int = 8
     """After a draft failure, stay at `k = 0` for this many rounds, then probe `k = 1`."""
+    fit_ewma: float = 0.05
+    """Weight of a new (positions, compute) pair in the moments of the pass-cost line, in (0, 1]
+    (slower than `ewma`: a slope needs many points)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.k_max, bool) or not isinstance(self.k_max, int) or self.k_max < 0:
             raise ValueError(f"k_max={self.k_max!r} is invalid: must be an int >= 0")
-        if not (isinstance(self.ewma, (int, float)) and 0.0 < self.ewma <= 1.0):
-            raise ValueError(f"ewma={self.ewma!r} is invalid: must be in (0, 1]")
+        for name in ("ewma", "fit_ewma"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and 0.0 < value <= 1.0):
+                raise ValueError(f"{name}={value!r} is invalid: must be in (0, 1]")
         if (
             isinstance(self.explore_every, bool)
             or not isinstance(self.explore_every, int)
@@ -102,6 +122,13 @@ class Observation:
     """Target server compute time for the verify."""
     draft_failed: bool = False
     """The draft call failed or timed out (the round fell back to `k = 0`)."""
+    verify_queue_s: float = 0.0
+    """Time the verify waited in the target's queues before its pass (part of the wall time,
+    not of the compute)."""
+    batch_size: int = 1
+    """Sessions verified in the same forward pass (1: alone)."""
+    batch_positions: int = 0
+    """Positions that forward pass scored over all its sessions (0: not reported)."""
 
     def __post_init__(self) -> None:
         if self.k < 0:
@@ -112,7 +139,12 @@ class Observation:
             raise ValueError(
                 f"accepted={self.accepted} is invalid: need 0 <= accepted <= proposed={self.proposed}"
             )
-        for name in ("draft_wall_s", "draft_compute_s", "verify_wall_s", "verify_compute_s"):
+        if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:
+            raise ValueError(f"batch_size={self.batch_size!r} is invalid: must be an int >= 1")
+        if isinstance(self.batch_positions, bool) or not isinstance(self.batch_positions, int) \
+                or self.batch_positions < 0:
+            raise ValueError(f"batch_positions={self.batch_positions!r} is invalid: must be an int >= 0")
+        for name in ("draft_wall_s", "draft_compute_s", "verify_wall_s", "verify_compute_s", "verify_queue_s"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0.0):
                 raise ValueError(f"{name}={value!r} is invalid: must be a finite time >= 0")
@@ -138,12 +170,19 @@ class PolicyState:
     rtt_draft_s: float | None = None
     """EWMA of the draft call's wall time minus its compute time."""
     rtt_target_s: float | None = None
-    """EWMA of the verify call's wall time minus its compute time."""
+    """EWMA of the verify call's wall time minus its compute time and its queue wait."""
     draft_token_s: float | None = None
     """EWMA of draft compute per proposed token."""
     verify_s: tuple[float | None, ...] = ()
     """EWMA of target verify compute, indexed by the number of draft tokens verified
     (`k_max + 1` long from `initial_state`; longer if `k_max` shrank since)."""
+    batch_ewma: float | None = None
+    """EWMA of the verify's batch size `B` (sessions per target pass)."""
+    queue_ratio: float | None = None
+    """EWMA of the verify's queue wait over its compute, `q`."""
+    pass_moments: tuple[float, ...] = ()
+    """EWMA moments `(E[x], E[y], E[x^2], E[x*y])` of the target passes' scored positions `x` and
+    compute `y` (empty until a target reports positions): the pass-cost line."""
     backoff: int = 0
     """Rounds left at `k = 0` after a draft failure."""
     resume_probe: bool = False
@@ -153,6 +192,9 @@ class PolicyState:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "verify_s", tuple(self.verify_s))
+        object.__setattr__(self, "pass_moments", tuple(self.pass_moments))
+        if len(self.pass_moments) not in (0, 4):
+            raise ValueError(f"pass_moments={self.pass_moments!r}: want 4 moments or none")
         if self.rounds < 0 or self.k < 0 or self.backoff < 0:
             raise ValueError(
                 f"rounds={self.rounds}, k={self.k}, backoff={self.backoff}: all must be >= 0"
@@ -171,6 +213,9 @@ class PolicyState:
             "rtt_target_s": self.rtt_target_s,
             "draft_token_s": self.draft_token_s,
             "verify_s": list(self.verify_s),
+            "batch_ewma": self.batch_ewma,
+            "queue_ratio": self.queue_ratio,
+            "pass_moments": list(self.pass_moments),
             "backoff": self.backoff,
             "resume_probe": self.resume_probe,
             "speculating": self.speculating,
@@ -192,6 +237,9 @@ class PolicyState:
             rtt_target_s=_opt_float(d.get("rtt_target_s")),
             draft_token_s=_opt_float(d.get("draft_token_s")),
             verify_s=tuple(_opt_float(v) for v in d.get("verify_s", ())),
+            batch_ewma=_opt_float(d.get("batch_ewma")),
+            queue_ratio=_opt_float(d.get("queue_ratio")),
+            pass_moments=tuple(float(v) for v in d.get("pass_moments", ())),
             backoff=int(d.get("backoff", 0)),
             resume_probe=bool(d.get("resume_probe", False)),
             speculating=bool(d.get("speculating", False)),
@@ -228,7 +276,7 @@ def round_time(state: PolicyState, k: int, config: PolicyConfig) -> float | None
     """Estimated wall time of a round at draft length `k`, or None if an estimate is missing."""
     if k < 0:
         raise ValueError(f"k={k} is invalid: must be >= 0")
-    return _round_time(state, config, k, state.alpha, verify_time(state.verify_s, k))
+    return _round_time(state, config, k, state.alpha, _verify_times(state, config, k)[k])
 
 
 def goodput(state: PolicyState, k: int, config: PolicyConfig) -> float | None:
@@ -238,7 +286,7 @@ def goodput(state: PolicyState, k: int, config: PolicyConfig) -> float | None:
     """
     if k < 0:
         raise ValueError(f"k={k} is invalid: must be >= 0")
-    return _goodput(state, config, k, state.alpha, verify_time(state.verify_s, k))
+    return _goodput(state, config, k, state.alpha, _verify_times(state, config, k)[k])
 
 
 def goodput_curve(
@@ -248,9 +296,47 @@ def goodput_curve(
     return _curve(state, config, state.alpha if alpha is None else alpha, _verify_times(state, config))
 
 
-def _verify_times(state: PolicyState, config: PolicyConfig) -> list[float | None]:
+def _verify_times(state: PolicyState, config: PolicyConfig, k_max: int | None = None) -> list[float | None]:
+    """The verify term of `T(k)` for `k = 0..k_max`: `t_v(k)` alone, priced for load when loaded."""
     line = _verify_line(state.verify_s)
-    return [_verify_at(state.verify_s, line, k) for k in range(config.k_max + 1)]
+    ks = range(max(config.k_max, 0 if k_max is None else k_max) + 1)
+    table = [_verify_at(state.verify_s, line, k) for k in ks]
+    batch = state.batch_ewma or 1.0
+    q = max(0.0, state.queue_ratio or 0.0)
+    if batch < LOADED_BATCH:
+        return [None if t is None else (1.0 + q) * t for t in table]
+    fit = pass_line(state.pass_moments, None if line is None else line[2])
+    if fit is None:
+        return [None if t is None else (1.0 + q) * t for t in table]
+    c0, c1 = fit
+    return [(1.0 + q) * max(0.0, c0 + c1 * batch * (k + 1)) for k in ks]
+
+
+LOADED_BATCH = 1.1
+"""Below this mean batch size a session is taken to be alone, and its per-`k` table prices `k`."""
+MIN_POSITION_VARIANCE = 0.5
+"""The pass-cost line's slope is fitted only when the positions vary at least this much (else
+the per-`k` table's slope is used)."""
+
+
+def pass_line(moments: Sequence[float], fallback_slope: float | None) -> tuple[float, float] | None:
+    """`(c0, c1)` of the pass-cost line `compute = c0 + c1 * positions`, or None if unknown.
+
+    Least squares on the EWMA moments, the slope clamped at >= 0 (scoring more never costs
+    less); with too little spread in the positions, `fallback_slope` (the per-`k` table's, i.e.
+    one more draft token of one session) through the mean point.
+    """
+    if len(moments) != 4:
+        return None
+    mx, my, mxx, mxy = moments
+    var = mxx - mx * mx
+    if var >= MIN_POSITION_VARIANCE:
+        slope = max(0.0, (mxy - mx * my) / var)
+    elif fallback_slope is not None:
+        slope = fallback_slope
+    else:
+        return None
+    return my - slope * mx, slope
 
 
 def _curve(
@@ -339,7 +425,8 @@ def update(state: PolicyState, obs: Observation, config: PolicyConfig) -> Policy
       one failure if `a < n` (the block was cut short), none otherwise; the EWMAs of both give
       `alpha = S / (S + F)`, the estimator of a geometric acceptance run truncated at `n`.
       Rounds that proposed nothing say nothing about `alpha`.
-    - Round trips are wall minus compute, clamped at 0. The draft's are learnt only from
+    - Round trips are wall minus compute (and minus the verify's queue wait), clamped at 0. The
+      batch size and the queue wait over the compute feed `B` and `q`. The draft's are learnt only from
       rounds that called it (`k >= 1`) and did not fail; `t_d` only when tokens were proposed.
     - Verify compute goes to the EWMA for the number of tokens the target actually verified.
     - A draft failure starts the back-off (`draft_failure_backoff` rounds at `k = 0`).
@@ -359,7 +446,17 @@ def update(state: PolicyState, obs: Observation, config: PolicyConfig) -> Policy
         if obs.proposed > 0:
             draft_token = _ewma(draft_token, obs.draft_compute_s / obs.proposed, w)
 
-    rtt_target = _ewma(state.rtt_target_s, max(0.0, obs.verify_wall_s - obs.verify_compute_s), w)
+    rtt_target = _ewma(state.rtt_target_s,
+                       max(0.0, obs.verify_wall_s - obs.verify_compute_s - obs.verify_queue_s), w)
+    batch = _ewma(state.batch_ewma, float(obs.batch_size), w)
+    moments = state.pass_moments
+    if obs.batch_positions > 0:
+        x, y = float(obs.batch_positions), obs.verify_compute_s
+        point = (x, y, x * x, x * y)
+        moments = point if not moments else tuple(_ewma(m, p, config.fit_ewma) for m, p in zip(moments, point))
+    queue_ratio = state.queue_ratio
+    if obs.verify_compute_s > 0.0:
+        queue_ratio = _ewma(queue_ratio, obs.verify_queue_s / obs.verify_compute_s, w)
     verify = list(_padded(state.verify_s, max(config.k_max, obs.proposed) + 1))
     verify[obs.proposed] = _ewma(verify[obs.proposed], obs.verify_compute_s, w)
 
@@ -372,6 +469,9 @@ def update(state: PolicyState, obs: Observation, config: PolicyConfig) -> Policy
         rtt_target_s=rtt_target,
         draft_token_s=draft_token,
         verify_s=tuple(verify),
+        batch_ewma=batch,
+        queue_ratio=queue_ratio,
+        pass_moments=moments,
         backoff=config.draft_failure_backoff if obs.draft_failed else state.backoff,
         resume_probe=True if obs.draft_failed else state.resume_probe,
         speculating=False if obs.draft_failed else state.speculating,
@@ -568,7 +668,18 @@ def merge_prior(
         rtt_target_s=_mix(prior.rtt_target_s, session.rtt_target_s, weight),
         draft_token_s=_mix(prior.draft_token_s, session.draft_token_s, weight),
         verify_s=verify,
+        batch_ewma=_mix(prior.batch_ewma, session.batch_ewma, weight),
+        queue_ratio=_mix(prior.queue_ratio, session.queue_ratio, weight),
+        pass_moments=_mix_moments(prior.pass_moments, session.pass_moments, weight),
     )
+
+
+def _mix_moments(prior: Sequence[float], session: Sequence[float], weight: float) -> tuple[float, ...]:
+    if not session:
+        return tuple(prior)
+    if not prior:
+        return tuple(session)
+    return tuple(p + weight * (s - p) for p, s in zip(prior, session))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -63,6 +63,7 @@ class StepInfo:
     batch_size: int
     compute_ns: int  # the whole step: forward pass plus every job's per-step logic
     queue_ns: int  # this job's wait from submission to its first step (0 on later steps)
+    positions: int = 0  # positions the step's forward pass scored, prefills included, over all jobs
 
 
 class BatchObserver:
@@ -367,8 +368,11 @@ class Batcher:
             except Exception as exc:  # noqa: BLE001 - one job's bad input fails that job only
                 item, finished = exc, True
             results.append((job, item, finished))
+        positions = sum(len(r.new_tokens) + 1 + (s.prefilled if not isinstance(s, Exception) else 0)
+                        for r, s in zip(requests, scored))
         self.profile.pad(start_ns, max(len(r.new_tokens) + 1 for r in requests))
         compute_ns = time.perf_counter_ns() - start_ns
         self.observer.on_step(len(batch), compute_ns / 1e9)
-        return [(job, item, finished, StepInfo(len(batch), compute_ns, queue_ns.get(id(job), 0)))
+        return [(job, item, finished, StepInfo(len(batch), compute_ns, queue_ns.get(id(job), 0),
+                                                    positions))
                 for job, item, finished in results]

@@ -253,6 +253,19 @@ def test_emulated_latency_pads_a_batch_once(model):
     assert all(step.batch_size == 4 and step.compute_ns >= 5e7 for *_, step in outcomes)
 
 
+def test_a_step_reports_the_positions_its_pass_scored(model):
+    """What the draft-length controller fits the pass cost on: k + 1 per job plus re-prefills."""
+    caches = SessionCaches(model, 512)
+    batcher = Batcher(caches, BatchConfig(max_batch=4, window_s=0))
+    verifier = Verifier(caches, V)
+    caches.score("warm", [5, 6, 7, 8], [])  # the cache covers [5, 6, 7, 8]
+    jobs = [verifier.job("warm", [5, 6, 7, 8, 9], [7, 8], None, SamplingParams(), 0),  # feeds 9, 7, 8
+            verifier.job("new", [5, 6, 7], [9], None, SamplingParams(), 0)]  # feeds 5, 6 (prefill), 7, 9
+    outcomes = batcher._step(jobs)
+    assert [step.positions for *_, step in outcomes] == [7, 7]
+    assert [result[1] for _, result, *_ in outcomes] == [0, 2]  # the prefills the verdicts report
+
+
 def test_batch_config_is_validated():
     with pytest.raises(ValueError):
         BatchConfig(max_batch=0)
