@@ -1,8 +1,9 @@
 """KV snapshot restore against re-prefill, per context length, on this machine.
 
-    python bench/snapshot.py --out bench/results/snapshot.json
+    python bench/snapshot.py --out bench/results/snapshot.json            # the target (float32)
+    python bench/snapshot.py --role draft --dtype bfloat16 --out bench/results/snapshot-draft.json
 
-For each context length: the target's prefill of the whole context with logits for its last
+For each context length: the model's prefill of the whole context with logits for its last
 position only (what a replica without the cache pays), and a restore (fetch the snapshot from a real local Redis + decode it into a cache),
 plus the one-off cost of writing it (encode + put). Medians over --repeats, measured side by
 side in one run. A restore is worth it where it beats the prefill; the services' threshold flag
@@ -44,7 +45,8 @@ def timed(fn, repeats: int) -> tuple[float, object]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=DEFAULT_MODEL)
-    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--dtype", default="float32", help="float32: the target's default; bfloat16: the draft's")
+    ap.add_argument("--role", choices=["target", "draft"], default="target", help="whose snapshot keys to write")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--lengths", default="125,250,500,1000,2000")
     ap.add_argument("--repeats", type=int, default=5)
@@ -64,7 +66,7 @@ def main() -> None:
                                       stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
         try:
             _wait_redis("127.0.0.1", port, redis_proc, timeout_s=20)
-            store = SnapshotStore(f"redis://127.0.0.1:{port}/0", "target")
+            store = SnapshotStore(f"redis://127.0.0.1:{port}/0", args.role)
             rows = []
             for n in [int(x) for x in args.lengths.split(",")]:
                 if n > min(len(corpus), loaded.max_context):
@@ -95,7 +97,8 @@ def main() -> None:
             redis_proc.terminate()
             redis_proc.wait(10)
     crossover = next((r["context_tokens"] for r in rows if r["restore_s"] < r["prefill_s"]), None)
-    result = dict(model=loaded.name, dtype=args.dtype, threads=torch.get_num_threads(), repeats=args.repeats,
+    result = dict(role=args.role, model=loaded.name, dtype=args.dtype, threads=torch.get_num_threads(),
+                  repeats=args.repeats,
                   machine=dict(processor=platform.processor() or platform.machine(), cpus=torch.get_num_threads()),
                   rows=rows, restore_wins_from_tokens=crossover,
                   note="medians; Redis on loopback on the same host (a remote Redis adds its round trips)")

@@ -2,14 +2,18 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
-from specdec.config import DeviceOption, ServiceConfig
+from specdec.config import DeviceOption, SnapshotServiceConfig
 from specdec.runtime.models import DEFAULT_MODEL
 
 
-class DraftConfig(ServiceConfig, DeviceOption):
-    """specdec draft service: streams draft-token proposals for the orchestrator."""
+class DraftConfig(SnapshotServiceConfig, DeviceOption):
+    """specdec draft service: streams draft-token proposals for the orchestrator.
+
+    The --snapshot-* options keep the model proposer's KV caches in Redis under the draft's own
+    keys; prompt lookup has no KV cache, so it refuses them.
+    """
 
     port: int = Field(50052, ge=0, le=65535, description="Port to listen on (0 picks a free one).")
     proposer: Literal["model", "ngram"] = Field(
@@ -38,3 +42,9 @@ class DraftConfig(ServiceConfig, DeviceOption):
     )
     ngram_max: int = Field(3, ge=1, description="Longest suffix n-gram prompt lookup matches.")
     ngram_min: int = Field(2, ge=1, description="Shortest suffix n-gram prompt lookup matches.")
+
+    @model_validator(mode="after")
+    def _snapshots_need_a_model(self):
+        if self.proposer == "ngram" and self.snapshot_redis_url:
+            raise ValueError("--snapshot-redis-url needs --proposer model: prompt lookup keeps no KV cache to snapshot")
+        return self

@@ -16,6 +16,7 @@ from specdec.runtime.kv import SessionCaches
 from specdec.runtime.latency import LatencyProfile
 from specdec.runtime.models import load_model, load_tokenizer, tokenizer_fingerprint
 from specdec.runtime.proposers import ModelProposer, NgramProposer, Proposer
+from specdec.runtime.snapshot import policy_of
 from specdec.serving import run_main, serve_servicer, start_metrics
 from specdec.tls import server_credentials_of
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
@@ -34,7 +35,8 @@ def build_proposer(config: DraftConfig) -> tuple[Proposer, common_pb2.ModelInfo,
                                     vocab_size=len(tokenizer))
         return NgramProposer(config.ngram_max, config.ngram_min), info, profile
     loaded = load_model(config.model, dtype=config.dtype, threads=config.threads, device=config.device)
-    caches = SessionCaches(loaded.model, loaded.max_context, config.max_sessions, config.idle_ttl_s)
+    caches = SessionCaches(loaded.model, loaded.max_context, config.max_sessions, config.idle_ttl_s,
+                           policy_of(config, loaded, "draft"))
     info = model_info(loaded, "model", profile)
     info.max_batch = config.max_batch
     return ModelProposer(caches, profile), info, profile

@@ -10,6 +10,7 @@ from specdec.admission import Admission, deadline_of
 from specdec.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, grpc_errors
 from specdec.runtime.batching import Batcher
 from specdec.runtime.proposers import ModelProposer, Proposer
+from specdec.runtime.snapshot import drop_snapshot, save_snapshot
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from specdec.wire import probs_to_bytes, sampling_from_pb
 
@@ -84,7 +85,18 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         if self.batcher is not None:
             self.batcher.cancel_session(request.session_id)  # queued or running drafts of the session stop
         released = await self._call(self.proposer.release, request.session_id)
+        if self.batcher is not None:  # a model proposer: its snapshot goes too
+            await drop_snapshot(self.batcher.caches, request.session_id)
         return common_pb2.ReleaseResponse(released=released)
+
+    @grpc_errors
+    async def SaveSnapshot(self, request, context):
+        if not request.session_id:
+            raise InvalidArgument("session_id is empty")
+        if self.batcher is None:  # prompt lookup keeps no KV cache: nothing to save
+            return common_pb2.SaveSnapshotResponse(tokens=0, bytes=0)
+        tokens, size = await save_snapshot(self.batcher, request.session_id)
+        return common_pb2.SaveSnapshotResponse(tokens=tokens, bytes=size)
 
     @grpc_errors
     async def GetInfo(self, request, context):
@@ -92,6 +104,9 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         info.CopyFrom(self.info)
         info.cached_sessions = self.proposer.cached_sessions()
         info.cached_tokens = self.proposer.cached_tokens()
+        snapshots = self.batcher.caches.snapshots if self.batcher is not None else None
+        if snapshots is not None:
+            info.snapshot_saves, info.snapshot_restores = snapshots.saves, snapshots.restores
         info.running_requests = self.batcher.running if self.batcher is not None else self.admission.running
         info.waiting_requests = self.admission.waiting + (self.batcher.waiting if self.batcher is not None else 0)
         return info

@@ -41,7 +41,7 @@ class DraftUnavailable(Exception):
 
 
 class _ModelBackend:
-    """What draft and target clients share: a channel, GetInfo, Release and close."""
+    """What draft and target clients share: a channel, GetInfo, Release, SaveSnapshot and close."""
 
     def __init__(self, address: str, timeout_s: float, stub_class, tls: ClientTLS | None = None) -> None:
         self.address = address
@@ -58,6 +58,12 @@ class _ModelBackend:
 
     async def release(self, session_id: str) -> None:
         await self.stub.Release(common_pb2.ReleaseRequest(session_id=session_id), timeout=self.timeout_s)
+
+    async def save_snapshot(self, session_id: str) -> int:
+        """Ask this replica to write the session's KV cache to Redis; the tokens it covers."""
+        reply = await self.stub.SaveSnapshot(common_pb2.SaveSnapshotRequest(session_id=session_id),
+                                             timeout=self.timeout_s)
+        return reply.tokens
 
     async def close(self) -> None:
         await self._channel.close()
@@ -127,9 +133,3 @@ class TargetBackend(_ModelBackend):
         return Verdict(reply.num_accepted, reply.token_id, reply.bonus,
                        time.perf_counter_ns() - start, reply.compute_ns, reply.queue_ns, max(1, reply.batch_size),
                        reply.batch_positions)
-
-    async def save_snapshot(self, session_id: str) -> int:
-        """Ask this replica to write the session's KV cache to Redis; the tokens it covers."""
-        reply = await self.stub.SaveSnapshot(common_pb2.SaveSnapshotRequest(session_id=session_id),
-                                             timeout=self.timeout_s)
-        return reply.tokens

@@ -78,8 +78,9 @@ class OrchestratorConfig(ServiceConfig):
     target_retry_s: float = Field(5.0, gt=0, description="After a target replica fails, seconds before it is tried again.")
     target_timeout_s: float = Field(120.0, gt=0, description="Deadline of one verify call (includes a re-prefill).")
     kv_snapshots: bool = Field(
-        False, description="After each generation, have the target replica write the session's KV cache to Redis "
-        "(targets need --snapshot-redis-url), so another replica can restore it instead of re-prefilling."
+        False, description="After each generation, have the target and draft replicas holding the session write "
+        "its KV caches to Redis in the background (the services need --snapshot-redis-url; a prompt-lookup draft "
+        "has none to write), so another replica can restore them instead of re-prefilling."
     )
     max_concurrent: int = Field(256, ge=1, description="Admission: generations running at once; more wait in the queue.")
     max_queued: int = Field(

@@ -85,8 +85,7 @@ class Generator:
 
     def backends(self) -> list[tuple[str, object]]:
         """Every draft and target replica as (role, backend); each has `.address` and `info()`."""
-        pools = [self.target] + ([self.draft] if self.draft is not None else [])
-        return [(pool.role, backend) for pool in pools for backend in pool.members()]
+        return [(pool.role, backend) for pool in self._pools() for backend in pool.members()]
 
     # -- validation -------------------------------------------------------------------------
 
@@ -258,9 +257,19 @@ class Generator:
         await self._release_caches(session_id)
         return closed
 
+    def _pools(self) -> list[TargetPool | DraftPool]:
+        return [self.target] + ([self.draft] if self.draft is not None else [])
+
     async def _release_caches(self, session_id: str) -> None:
-        pools = [self.target] + ([self.draft] if self.draft is not None else [])
-        await asyncio.gather(*(pool.release(session_id) for pool in pools))
+        await asyncio.gather(*(pool.release(session_id) for pool in self._pools()))
+
+    def _save_snapshots(self, session_id: str) -> None:
+        """--kv-snapshots: the target and draft replicas holding the session write its caches to
+        Redis, in the background (the client is not kept waiting; a failure is only logged)."""
+        for pool in self._pools():
+            task = asyncio.get_running_loop().create_task(pool.save_snapshot(session_id))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
 
     async def _interrupted(self, session_id: str, owner: str, release_caches: bool) -> None:
         """A request stopped before its generation's end: free its lease (the generation stays
@@ -366,10 +375,8 @@ class Generator:
                 if finish != pb.FINISH_REASON_UNSPECIFIED:
                     if policy is not None:
                         await self._merge_prior(policy)
-                    if self.config.kv_snapshots:  # in the background: the client is not kept waiting
-                        task = asyncio.get_running_loop().create_task(self.target.save_snapshot(state.session_id))
-                        self._background.add(task)
-                        task.add_done_callback(self._background.discard)
+                    if self.config.kv_snapshots:
+                        self._save_snapshots(state.session_id)
                     chunk.text = text.release(final=True)
                     chunk.stats.CopyFrom(self._stats(gen, sent, state.seed))
                     timer.observe_finish(FINISH_NAMES[finish], chunk.stats.prompt_tokens, sent)

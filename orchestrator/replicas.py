@@ -112,6 +112,7 @@ class ReplicaPool(Generic[B]):
         self.expected_fingerprint = ""
         self.replicas: dict[str, Replica[B]] = {}
         self._affinity: OrderedDict[str, str] = OrderedDict()
+        self._without_store: set[str] = set()  # replicas that answered SaveSnapshot with "no store"
         self._task: asyncio.Task | None = None
 
     # -- membership ---------------------------------------------------------------------
@@ -221,6 +222,31 @@ class ReplicaPool(Generic[B]):
             if isinstance(result, Exception):
                 log.warning("release of %s on %s failed: %s", session_id, replica.address, result)
 
+    async def save_snapshot(self, session_id: str) -> int:
+        """Snapshot the session's cache on the replica that holds it (0 if none is known).
+
+        Runs in the background after a generation: a failure is logged, never raised. A replica
+        without a snapshot store (FAILED_PRECONDITION) is reported once, not after every request.
+        """
+        address = self._affinity.get(session_id)
+        replica = self.replicas.get(address) if address else None
+        if replica is None:
+            return 0
+        try:
+            return await replica.backend.save_snapshot(session_id)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                log.warning("snapshot of %s on %s replica %s failed: %s", session_id, self.role, replica.address,
+                            exc.details())
+            elif replica.address not in self._without_store:
+                self._without_store.add(replica.address)
+                log.warning("%s replica %s keeps no snapshots (%s); not reported again", self.role,
+                            replica.address, exc.details())
+            return 0
+        except Exception:  # noqa: BLE001 - a snapshot is an optimisation; the generation has finished
+            log.exception("snapshot of %s on %s replica %s failed", session_id, self.role, replica.address)
+            return 0
+
     async def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
@@ -254,19 +280,6 @@ class TargetPool(ReplicaPool[TargetBackend]):
                 replica.in_flight -= 1
             replica.observe(verdict.wall_ns / 1e9, verdict.compute_ns / 1e9)
             return verdict
-
-
-    async def save_snapshot(self, session_id: str) -> int:
-        """Snapshot the session's cache on the replica that holds it (0 if none is known)."""
-        address = self._affinity.get(session_id)
-        replica = self.replicas.get(address) if address else None
-        if replica is None:
-            return 0
-        try:
-            return await replica.backend.save_snapshot(session_id)
-        except grpc.aio.AioRpcError as exc:
-            log.warning("snapshot of %s on %s failed: %s", session_id, replica.address, exc.details())
-            return 0
 
 
 class DraftPool(ReplicaPool[DraftBackend]):

@@ -82,6 +82,19 @@ class ServiceConfig(BaseModel):
             raise  # unreachable: parser.error exits
 
 
+class SnapshotServiceConfig(ServiceConfig):
+    """Base of the model services (draft, target): where and when they keep KV snapshots in Redis."""
+
+    snapshot_redis_url: str = Field(
+        "", description="Redis URL of the KV snapshot store (empty: no snapshots); may be the session store's Redis."
+    )
+    snapshot_min_tokens: int = Field(
+        256, ge=1, description="Snapshots are saved and restored only for contexts at least this long "
+        "(below it a re-prefill is about as cheap: see bench/snapshot.py)."
+    )
+    snapshot_ttl_s: int = Field(3600, ge=1, description="Seconds a snapshot is kept in Redis.")
+
+
 def _explain(exc: ValidationError) -> str:
     lines = []
     for err in exc.errors():

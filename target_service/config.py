@@ -4,11 +4,11 @@ from typing import Literal
 
 from pydantic import Field
 
-from specdec.config import DeviceOption, ServiceConfig
+from specdec.config import DeviceOption, SnapshotServiceConfig
 from specdec.runtime.models import DEFAULT_MODEL
 
 
-class TargetConfig(ServiceConfig, DeviceOption):
+class TargetConfig(SnapshotServiceConfig, DeviceOption):
     """specdec target service: verifies draft blocks with the large model."""
 
     port: int = Field(50053, ge=0, le=65535, description="Port to listen on (0 picks a free one).")
@@ -28,13 +28,5 @@ class TargetConfig(ServiceConfig, DeviceOption):
     max_queued: int = Field(
         256, ge=0, description="Admission: requests that may wait; beyond, RESOURCE_EXHAUSTED with a retry hint."
     )
-    snapshot_redis_url: str = Field(
-        "", description="Redis URL of the KV snapshot store (empty: no snapshots); may be the session store's Redis."
-    )
-    snapshot_min_tokens: int = Field(
-        256, ge=1, description="Snapshots are saved and restored only for contexts at least this long "
-        "(below it a re-prefill is about as cheap: see bench/snapshot.py)."
-    )
-    snapshot_ttl_s: int = Field(3600, ge=1, description="Seconds a snapshot is kept in Redis.")
     emulate_verify_ms: float = Field(0.0, ge=0, description="BENCHMARK SIMULATION: pad each verify to this many ms ...")
     emulate_verify_per_token_ms: float = Field(0.0, ge=0, description="... plus this many ms per scored position (0 = off).")

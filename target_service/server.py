@@ -11,7 +11,7 @@ from specdec.runtime.info import model_info
 from specdec.runtime.kv import SessionCaches
 from specdec.runtime.latency import LatencyProfile
 from specdec.runtime.models import load_model
-from specdec.runtime.snapshot import SnapshotIdentity, SnapshotPolicy, SnapshotStore
+from specdec.runtime.snapshot import policy_of
 from specdec.runtime.verifier import Verifier
 from specdec.serving import run_main, serve_servicer, start_metrics
 from specdec.tls import server_credentials_of
@@ -25,12 +25,8 @@ SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
 def build_servicer(config: TargetConfig) -> tuple[TargetServicer, ServiceMetrics]:
     """Load the model and wire caches, verifier, batcher, admission and metrics (call inside the event loop)."""
     loaded = load_model(config.model, dtype=config.dtype, threads=config.threads, device=config.device)
-    snapshots = None
-    if config.snapshot_redis_url:
-        identity = SnapshotIdentity(loaded.name, config.dtype, loaded.fingerprint, loaded.model.config.num_hidden_layers)
-        snapshots = SnapshotPolicy(SnapshotStore(config.snapshot_redis_url, "target", config.snapshot_ttl_s),
-                                   identity, config.snapshot_min_tokens)
-    caches = SessionCaches(loaded.model, loaded.max_context, config.max_sessions, config.idle_ttl_s, snapshots)
+    caches = SessionCaches(loaded.model, loaded.max_context, config.max_sessions, config.idle_ttl_s,
+                           policy_of(config, loaded, "target"))
     profile = LatencyProfile(config.emulate_verify_ms / 1e3, config.emulate_verify_per_token_ms / 1e3)
     metrics = ServiceMetrics("target")
     batcher = Batcher(caches, BatchConfig(config.max_batch, config.batch_window_ms / 1e3), profile, metrics)

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 from specdec.admission import Admission, deadline_of
 from specdec.errors import InvalidArgument, grpc_errors
 from specdec.runtime.batching import Batcher
+from specdec.runtime.snapshot import drop_snapshot, save_snapshot
 from specdec.runtime.verifier import Verifier
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
 from specdec.wire import probs_from_bytes, sampling_from_pb
@@ -48,20 +48,15 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     async def Release(self, request, context):
         self.batcher.cancel_session(request.session_id)  # queued work of the session is dropped too
         released = await self.batcher.call(self.verifier.caches.release, request.session_id)
-        if self.verifier.caches.snapshots is not None:  # everything held for the session goes
-            await asyncio.to_thread(self.verifier.caches.snapshots.store.delete, request.session_id)
+        await drop_snapshot(self.verifier.caches, request.session_id)  # everything held for the session goes
         return common_pb2.ReleaseResponse(released=released)
 
     @grpc_errors
     async def SaveSnapshot(self, request, context):
         if not request.session_id:
             raise InvalidArgument("session_id is empty")
-        caches = self.verifier.caches
-        tokens, blob = await self.batcher.call(caches.snapshot, request.session_id)  # between steps
-        if tokens:  # the Redis write runs beside the model, not in its thread
-            await asyncio.to_thread(caches.snapshots.store.put, request.session_id, blob, tokens)
-            caches.snapshots.saves += 1
-        return common_pb2.SaveSnapshotResponse(tokens=tokens, bytes=len(blob))
+        tokens, size = await save_snapshot(self.batcher, request.session_id)
+        return common_pb2.SaveSnapshotResponse(tokens=tokens, bytes=size)
 
     @grpc_errors
     async def GetInfo(self, request, context):

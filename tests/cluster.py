@@ -98,9 +98,14 @@ class Cluster:
                 proc.kill()
 
 
-def cached_sessions(address: str) -> int:
+def model_info(address: str, stub_class=target_pb2_grpc.TargetServiceStub) -> common_pb2.ModelInfo:
+    """GetInfo of a target (or, with `draft_pb2_grpc.DraftServiceStub`, a draft) replica."""
     with grpc.insecure_channel(address) as ch:
-        return target_pb2_grpc.TargetServiceStub(ch).GetInfo(common_pb2.GetInfoRequest(), timeout=10).cached_sessions
+        return stub_class(ch).GetInfo(common_pb2.GetInfoRequest(), timeout=10)
+
+
+def cached_sessions(address: str) -> int:
+    return model_info(address).cached_sessions
 
 
 def orchestrator_stub(address: str) -> tuple[grpc.Channel, orchestrator_pb2_grpc.OrchestratorStub]:

@@ -9,6 +9,9 @@ temporary keys and renamed into place so a reader never sees half a snapshot, wi
     specdec:v1:{<session>}:kv:<role>:meta    hash: chunks, bytes, tokens, model, written_at
     specdec:v1:{<session>}:kv:<role>:<i>     chunk i of the blob
 
+The role ("target" or "draft") keeps the two services' snapshots of a session apart: a draft
+never reads, overwrites or deletes the target's, even when both use the same Redis.
+
 Restoring pays off only past a context length that depends on the hardware (prefill compute
 against Redis transfer); `bench/snapshot.py` measures both and the services take the threshold
 as a flag.
@@ -16,10 +19,12 @@ as a flag.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import redis
 import torch
@@ -28,6 +33,12 @@ from safetensors.torch import save as st_save
 from transformers import DynamicCache
 
 from specdec.errors import FailedPrecondition
+
+if TYPE_CHECKING:  # kv and batching import this module
+    from specdec.config import SnapshotServiceConfig
+    from specdec.runtime.batching import Batcher
+    from specdec.runtime.kv import SessionCaches
+    from specdec.runtime.models import LoadedModel
 
 PREFIX = "specdec:v1"
 CHUNK_BYTES = 4 * 1024 * 1024
@@ -163,3 +174,31 @@ class SnapshotStore:
 
     def close(self) -> None:
         self.redis.close()
+
+
+def policy_of(config: SnapshotServiceConfig, loaded: LoadedModel, role: str) -> SnapshotPolicy | None:
+    """The snapshot policy of a model service's config (None when it has no --snapshot-redis-url)."""
+    if not config.snapshot_redis_url:
+        return None
+    dtype = str(loaded.dtype).removeprefix("torch.")  # "float32", as --dtype names it
+    identity = SnapshotIdentity(loaded.name, dtype, loaded.fingerprint, loaded.model.config.num_hidden_layers)
+    return SnapshotPolicy(SnapshotStore(config.snapshot_redis_url, role, config.snapshot_ttl_s), identity,
+                          config.snapshot_min_tokens)
+
+
+async def save_snapshot(batcher: Batcher, session_id: str) -> tuple[int, int]:
+    """Snapshot a session's cache for the SaveSnapshot RPC: (tokens covered, bytes); (0, 0) when there is
+    nothing worth saving. Only the encode runs on the model's thread (between steps); the Redis
+    write runs beside it."""
+    caches = batcher.caches
+    tokens, blob = await batcher.call(caches.snapshot, session_id)
+    if tokens:
+        await asyncio.to_thread(caches.snapshots.store.put, session_id, blob, tokens)
+        caches.snapshots.saves += 1
+    return tokens, len(blob)
+
+
+async def drop_snapshot(caches: SessionCaches, session_id: str) -> None:
+    """Delete a session's snapshot of this role, if the service keeps snapshots (on Release)."""
+    if caches.snapshots is not None:
+        await asyncio.to_thread(caches.snapshots.store.delete, session_id)

@@ -16,8 +16,8 @@ import redis
 
 from orchestrator.store import tokens_key
 from specdec.runtime.models import load_tokenizer
-from specdec.v1 import orchestrator_pb2 as pb
-from tests.cluster import Cluster, cached_sessions, orchestrator_stub, request
+from specdec.v1 import draft_pb2_grpc, orchestrator_pb2 as pb
+from tests.cluster import Cluster, cached_sessions, model_info, orchestrator_stub, request
 from tests.reference import Reference
 
 PROMPT = "The quick brown fox"
@@ -115,13 +115,6 @@ def test_redis_killed_fails_in_flight_requests_cleanly_and_persisted_sessions_su
     assert tokens + [t for c in rest for t in c.token_ids] == expected
 
 
-def _info(address: str):
-    from specdec.v1 import common_pb2, target_pb2_grpc
-
-    with grpc.insecure_channel(address) as ch:
-        return target_pb2_grpc.TargetServiceStub(ch).GetInfo(common_pb2.GetInfoRequest(), timeout=10)
-
-
 def test_kv_snapshot_moves_a_session_to_another_replica_without_a_prefill(cluster, tiny_models):
     redis_port = cluster.redis()
     snap = ("--snapshot-redis-url", f"redis://127.0.0.1:{redis_port}/0", "--snapshot-min-tokens", "8")
@@ -132,15 +125,45 @@ def test_kv_snapshot_moves_a_session_to_another_replica_without_a_prefill(cluste
         first = stub.GenerateUnary(request(PROMPT, max_new_tokens=24), timeout=120)
         holder = next(n for n in ("target-1", "target-2") if cached_sessions(cluster.addresses[n]) > 0)
         deadline = time.monotonic() + 30
-        while _info(cluster.addresses[holder]).snapshot_saves < 1 and time.monotonic() < deadline:
+        while model_info(cluster.addresses[holder]).snapshot_saves < 1 and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert _info(cluster.addresses[holder]).snapshot_saves == 1
+        assert model_info(cluster.addresses[holder]).snapshot_saves == 1
         history = [int(t) for t in redis.Redis(port=redis_port).lrange(tokens_key(first.session_id), 0, -1)]
         cluster.kill(holder)
         second = stub.GenerateUnary(request(" and so", session_id=first.session_id, max_new_tokens=16), timeout=120)
     survivor = "target-2" if holder == "target-1" else "target-1"
-    assert _info(cluster.addresses[survivor]).snapshot_restores == 1
+    assert model_info(cluster.addresses[survivor]).snapshot_restores == 1
     tokenizer = load_tokenizer(str(tiny_models["target"]))
     turn = list(tokenizer(" and so", add_special_tokens=False)["input_ids"])
     expected = Reference(str(tiny_models["target"])).greedy_ids(history + turn, 16)
     assert list(second.token_ids) == expected  # the restored cache continues exactly like a prefill
+
+
+def test_draft_kv_snapshot_moves_a_session_to_another_draft_replica_without_a_prefill(cluster, tiny_models):
+    redis_port = cluster.redis()
+    snap = ("--snapshot-redis-url", f"redis://127.0.0.1:{redis_port}/0", "--snapshot-min-tokens", "8")
+    drafts = [cluster.draft("draft-1", "good_draft", *snap), cluster.draft("draft-2", "good_draft", *snap)]
+    # The target keeps no snapshots: --kv-snapshots asks it anyway, and its refusal changes nothing.
+    address = cluster.orchestrator("orchestrator", [cluster.target("target")], drafts, redis_port, "--kv-snapshots")
+
+    def info(name: str):
+        return model_info(cluster.addresses[name], draft_pb2_grpc.DraftServiceStub)
+
+    ch, stub = orchestrator_stub(address)
+    with ch:
+        first = stub.GenerateUnary(request(PROMPT, max_new_tokens=24), timeout=120)
+        holders = [n for n in ("draft-1", "draft-2") if info(n).cached_sessions > 0]
+        assert len(holders) == 1  # the session lives on exactly one draft replica
+        holder = holders[0]
+        deadline = time.monotonic() + 30
+        while info(holder).snapshot_saves < 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert info(holder).snapshot_saves == 1
+        history = [int(t) for t in redis.Redis(port=redis_port).lrange(tokens_key(first.session_id), 0, -1)]
+        cluster.kill(holder)
+        second = stub.GenerateUnary(request(" and so", session_id=first.session_id, max_new_tokens=16), timeout=120)
+    survivor = "draft-2" if holder == "draft-1" else "draft-1"
+    assert info(survivor).snapshot_restores == 1  # restored from the dead replica's snapshot, not prefilled
+    tokenizer = load_tokenizer(str(tiny_models["target"]))
+    turn = list(tokenizer(" and so", add_special_tokens=False)["input_ids"])
+    assert list(second.token_ids) == Reference(str(tiny_models["target"])).greedy_ids(history + turn, 16)

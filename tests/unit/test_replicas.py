@@ -5,10 +5,11 @@ from __future__ import annotations
 import asyncio
 import time
 
+import grpc
 import pytest
 
 from orchestrator.backends import Proposal, Verdict
-from orchestrator.replicas import Replica, TargetPool, parse_addresses, resolve
+from orchestrator.replicas import DraftPool, Replica, TargetPool, parse_addresses, resolve
 from specdec.core.sampling import SamplingParams
 from specdec.errors import Unavailable
 
@@ -106,3 +107,50 @@ def test_unchecked_replica_is_not_used():
     for i in range(5):
         verify(pool, f"s{i}")
     assert pool.replicas["b:1"].backend.calls == []
+
+
+class FakeDraft:
+    """One draft replica's client: SaveSnapshot answers `tokens`, or fails with `error`."""
+
+    def __init__(self, address: str, tokens: int = 0, error: grpc.StatusCode | None = None) -> None:
+        self.address = address
+        self.tokens = tokens
+        self.error = error
+        self.calls: list[str] = []
+
+    async def save_snapshot(self, session_id):
+        self.calls.append("snapshot:" + session_id)
+        if self.error is not None:
+            raise grpc.aio.AioRpcError(self.error, grpc.aio.Metadata(), grpc.aio.Metadata(), details="no luck")
+        return self.tokens
+
+    async def close(self):
+        pass
+
+
+def draft_pool_of(**replicas: dict) -> DraftPool:
+    pool = DraftPool(",".join(replicas), lambda a: FakeDraft(a, **replicas[a]), retry_s=60.0)
+    for name in replicas:
+        pool.replicas[name] = Replica(pool.make(name), fingerprint="fp")
+    return pool
+
+
+def test_draft_snapshot_is_asked_of_the_replica_holding_the_session_only():
+    pool = draft_pool_of(**{"a:1": dict(tokens=300), "b:1": dict(tokens=300)})
+    assert asyncio.run(pool.save_snapshot("s")) == 0  # no replica holds s yet: nothing asked
+    pool._affinity["s"] = "b:1"
+    assert asyncio.run(pool.save_snapshot("s")) == 300
+    assert pool.replicas["a:1"].backend.calls == [] and pool.replicas["b:1"].backend.calls == ["snapshot:s"]
+
+
+def test_failed_draft_snapshot_is_logged_never_raised(caplog):
+    pool = draft_pool_of(**{"a:1": dict(error=grpc.StatusCode.UNAVAILABLE),
+                            "b:1": dict(error=grpc.StatusCode.FAILED_PRECONDITION)})
+    pool._affinity.update({"s1": "a:1", "s2": "b:1", "s3": "b:1"})
+    with caplog.at_level("WARNING", logger="specdec.orchestrator"):
+        assert [asyncio.run(pool.save_snapshot(s)) for s in ("s1", "s2", "s3")] == [0, 0, 0]
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("snapshot of s1 on draft replica a:1 failed" in m for m in messages)
+    # A replica without a snapshot store is reported once, not after every generation.
+    assert sum("draft replica b:1 keeps no snapshots" in m for m in messages) == 1
+    assert pool.available  # a failed snapshot does not take the replica out of service
