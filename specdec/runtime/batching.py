@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
 from specdec.errors import Cancelled, DeadlineExceeded
-from specdec.runtime.kv import ScoreRequest, Scored, SessionCaches
+from specdec.runtime.kv import PREFILL_ALONE_ABOVE, ScoreRequest, Scored, SessionCaches
 from specdec.runtime.latency import LatencyProfile
 
 log = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ class StepInfo:
     batch_size: int
     compute_ns: int  # the whole step: forward pass plus every job's per-step logic
     queue_ns: int  # this job's wait from submission to its first step (0 on later steps)
-    positions: int = 0  # positions the step's forward pass scored, prefills included, over all jobs
+    positions: int = 0  # positions the step's forward passes computed over all jobs, padding included
 
 
 class BatchObserver:
@@ -368,11 +368,24 @@ class Batcher:
             except Exception as exc:  # noqa: BLE001 - one job's bad input fails that job only
                 item, finished = exc, True
             results.append((job, item, finished))
-        positions = sum(len(r.new_tokens) + 1 + (s.prefilled if not isinstance(s, Exception) else 0)
-                        for r, s in zip(requests, scored))
+        positions = _pass_positions(requests, scored)
         self.profile.pad(start_ns, max(len(r.new_tokens) + 1 for r in requests))
         compute_ns = time.perf_counter_ns() - start_ns
         self.observer.on_step(len(batch), compute_ns / 1e9)
         return [(job, item, finished, StepInfo(len(batch), compute_ns, queue_ns.get(id(job), 0),
                                                     positions))
                 for job, item, finished in results]
+
+
+def _pass_positions(requests: list[ScoreRequest], scored: list[Scored | Exception]) -> int:
+    """Positions the step computed: every row padded to the widest (`SessionCaches.score_batch`),
+    plus the long re-prefills it runs in passes of their own."""
+    widths, apart = [], 0
+    for request, one in zip(requests, scored):
+        prefilled = 0 if isinstance(one, Exception) else one.prefilled
+        if prefilled > PREFILL_ALONE_ABOVE and len(requests) > 1:
+            widths.append(len(request.new_tokens) + 1)
+            apart += prefilled
+        else:
+            widths.append(len(request.new_tokens) + 1 + prefilled)
+    return len(widths) * max(widths, default=0) + apart
