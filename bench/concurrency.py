@@ -3,6 +3,7 @@ batched against unbatched verification, in one run.
 
     python bench/concurrency.py                       # the default pair (`specdec up`: SmolLM2 fp32 + n-gram, auto k)
     python bench/concurrency.py --proposer model      # SmolLM2 fp32 + its bf16 copy as a batched model draft
+    python bench/concurrency.py --draft-length auto,0,2 --concurrency 1,16   # auto against fixed k, side by side
 
 Two pipelines of real processes are started side by side (the `specdec up` machinery), identical
 except for the target's `--max-batch` (16 against 1, i.e. no batching); only one is loaded at a
@@ -180,10 +181,12 @@ def plot(results: dict, path: Path) -> None:
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     for mode, style in (("batched", "o-"), ("unbatched", "s--")):
-        cells = results["modes"][mode]
-        cs = [c["concurrency"] for c in cells]
-        left.plot(cs, [c["aggregate_tokens_per_s"] for c in cells], style, label=mode)
-        right.plot(cs, [1000 * (c["tpot_median_s"] or float("nan")) for c in cells], style, label=mode)
+        for length in results["draft_lengths"]:
+            cells = [c for c in results["modes"][mode] if c["draft_length"] == length]
+            cs = [c["concurrency"] for c in cells]
+            label = mode if len(results["draft_lengths"]) == 1 else f"{mode}, k = {length}"
+            left.plot(cs, [c["aggregate_tokens_per_s"] for c in cells], style, label=label)
+            right.plot(cs, [1000 * (c["tpot_median_s"] or float("nan")) for c in cells], style, label=label)
     for ax, title in ((left, "aggregate output tokens/s"), (right, "median TPOT per request (ms)")):
         ax.set_xscale("log", base=2)
         ax.set_xticks(results["concurrency"], [str(c) for c in results["concurrency"]])
@@ -200,7 +203,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--concurrency", default="1,4,16")
     parser.add_argument("--proposer", choices=["ngram", "model"], default="ngram")
-    parser.add_argument("--draft-length", default="auto")
+    parser.add_argument("--draft-length", default="auto",
+                        help="auto, a fixed k, or a comma list of them, run side by side in every cell (default: auto)")
     parser.add_argument("--max-batch", type=int, default=16)
     parser.add_argument("--window-ms", type=float, default=None,
                         help="--batch-window-ms of the services (default: theirs)")
@@ -219,6 +223,7 @@ def main() -> None:
     print("reference outputs (transformers generate) ...", flush=True)
     expected = reference_outputs(prompts, args.max_new_tokens)
     modes = {"batched": args.max_batch, "unbatched": 1}
+    lengths = [d.strip() for d in args.draft_length.split(",")]
     pipelines = {}
     try:
         for i, (mode, max_batch) in enumerate(modes.items()):
@@ -226,40 +231,49 @@ def main() -> None:
             print(f"{mode} pipeline up (target --max-batch {max_batch})", flush=True)
         results = {"modes": {mode: [] for mode in modes}}
         for c in levels:
-            for i, mode in enumerate(modes):
-                base = args.base_port + 10 * i
-                before = scrape(base + 4)
-                cell = Cell(f"127.0.0.1:{base}", prompts, c, args.max_new_tokens, args.warmup_s, args.window_s,
-                            args.draft_length)
-                cell.run()
-                after = scrape(base + 4)
-                summary = cell.summary(expected)
-                passes = after["specdec_batch_size_count"] - before["specdec_batch_size_count"]
-                summary["target_mean_batch_size"] = round(
-                    (after["specdec_batch_size_sum"] - before["specdec_batch_size_sum"]) / passes, 3) if passes else None
-                results["modes"][mode].append(summary)
-                print(f"c={c:<3} {mode:9} {summary['aggregate_tokens_per_s']:7.2f} tok/s  "
-                      f"TPOT {summary['tpot_median_s']}s  batch {summary['target_mean_batch_size']}  "
-                      f"identical {summary['completed_identical_to_target_greedy']}/{summary['requests_completed']}",
-                      flush=True)
+            for length in lengths:
+                for i, mode in enumerate(modes):
+                    base = args.base_port + 10 * i
+                    before = scrape(base + 4)
+                    cell = Cell(f"127.0.0.1:{base}", prompts, c, args.max_new_tokens, args.warmup_s, args.window_s,
+                                length)
+                    cell.run()
+                    after = scrape(base + 4)
+                    summary = cell.summary(expected)
+                    passes = after["specdec_batch_size_count"] - before["specdec_batch_size_count"]
+                    summary["target_mean_batch_size"] = round(
+                        (after["specdec_batch_size_sum"] - before["specdec_batch_size_sum"]) / passes, 3) if passes else None
+                    summary["draft_length"] = length
+                    results["modes"][mode].append(summary)
+                    print(f"c={c:<3} k={length:<4} {mode:9} {summary['aggregate_tokens_per_s']:7.2f} tok/s  "
+                          f"TPOT {summary['tpot_median_s']}s  batch {summary['target_mean_batch_size']}  "
+                          f"identical {summary['completed_identical_to_target_greedy']}/{summary['requests_completed']}",
+                          flush=True)
     finally:
         for pipeline in pipelines.values():
             pipeline.stop()
-    batched = {c["concurrency"]: c for c in results["modes"]["batched"]}
-    unbatched = {c["concurrency"]: c for c in results["modes"]["unbatched"]}
     lo, hi = min(levels), max(levels)
+    rate = {(m, c["draft_length"], c["concurrency"]): c["aggregate_tokens_per_s"]
+            for m, cells in results["modes"].items() for c in cells}
+    ratios = {}
+    for length in lengths:
+        tag = "" if len(lengths) == 1 else f"k={length}: "
+        ratios[f"{tag}batched_{hi}_over_batched_{lo}"] = round(rate["batched", length, hi] / rate["batched", length, lo], 3)
+        ratios[f"{tag}batched_over_unbatched_at_{hi}"] = round(rate["batched", length, hi]
+                                                             / rate["unbatched", length, hi], 3)
+    if "auto" in lengths and len(lengths) > 1:
+        for c in levels:
+            for m in modes:
+                best = max(rate[m, length, c] for length in lengths if length != "auto")
+                ratios[f"auto_over_best_fixed_{m}_at_{c}"] = round(rate[m, "auto", c] / best, 3)
     results.update({
         "pair": f"target {DEFAULT_MODEL} float32 ({args.target_threads or 'default'} thread) + {args.proposer} draft, "
                 f"k={args.draft_length}",
         "concurrency": levels,
+        "draft_lengths": lengths,
         "settings": vars(args),
         "machine": {"cpus": __import__("os").cpu_count(), "platform": platform.platform()},
-        "ratios": {
-            f"batched_{hi}_over_batched_{lo}": round(batched[hi]["aggregate_tokens_per_s"]
-                                                     / batched[lo]["aggregate_tokens_per_s"], 3),
-            f"batched_over_unbatched_at_{hi}": round(batched[hi]["aggregate_tokens_per_s"]
-                                                     / unbatched[hi]["aggregate_tokens_per_s"], 3),
-        },
+        "ratios": ratios,
     })
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

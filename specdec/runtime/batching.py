@@ -63,7 +63,7 @@ class StepInfo:
     batch_size: int
     compute_ns: int  # the whole step: forward pass plus every job's per-step logic
     queue_ns: int  # this job's wait from submission to its first step (0 on later steps)
-    positions: int = 0  # positions the step's forward passes computed over all jobs, padding included
+    positions: int = 0  # positions its decoding pass computed, padding included (0: a long prefill ran too)
 
 
 class BatchObserver:
@@ -378,14 +378,14 @@ class Batcher:
 
 
 def _pass_positions(requests: list[ScoreRequest], scored: list[Scored | Exception]) -> int:
-    """Positions the step computed: every row padded to the widest (`SessionCaches.score_batch`),
-    plus the long re-prefills it runs in passes of their own."""
-    widths, apart = [], 0
-    for request, one in zip(requests, scored):
-        prefilled = 0 if isinstance(one, Exception) else one.prefilled
-        if prefilled > PREFILL_ALONE_ABOVE and len(requests) > 1:
-            widths.append(len(request.new_tokens) + 1)
-            apart += prefilled
-        else:
-            widths.append(len(request.new_tokens) + 1 + prefilled)
-    return len(widths) * max(widths, default=0) + apart
+    """Positions the step's pass computed: every row padded to the widest (`SessionCaches.score_batch`).
+
+    0 (unknown) for a step that also re-prefilled a long prefix: a prefill's cost per position
+    (long rows, alone) says little about what one more position of a decoding pass costs, which
+    is what the draft-length controller fits on these figures.
+    """
+    if any(not isinstance(one, Exception) and one.prefilled > PREFILL_ALONE_ABOVE for one in scored):
+        return 0
+    widths = [len(r.new_tokens) + 1 + (0 if isinstance(one, Exception) else one.prefilled)
+              for r, one in zip(requests, scored)]
+    return len(widths) * max(widths, default=0)

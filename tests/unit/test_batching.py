@@ -264,9 +264,9 @@ def test_a_step_reports_the_positions_its_pass_scored(model):
     outcomes = batcher._step(jobs)
     assert [step.positions for *_, step in outcomes] == [8, 8]  # 2 rows of 4
     assert [result[1] for _, result, *_ in outcomes] == [0, 2]  # the prefills the verdicts report
-    long = [verifier.job("long", list(range(5, 45)), [7], None, SamplingParams(), 0),  # 39 prefilled apart + 2
+    long = [verifier.job("long", list(range(5, 45)), [7], None, SamplingParams(), 0),  # 39 prefilled
             verifier.job("warm", [5, 6, 7, 8, 9, 7], [1, 2, 3], None, SamplingParams(), 0)]  # 4
-    assert [step.positions for *_, step in batcher._step(long)] == [2 * 4 + 39] * 2
+    assert [step.positions for *_, step in batcher._step(long)] == [0, 0]  # a prefill's cost is not a decode's
 
 
 def test_batch_config_is_validated():
