@@ -2,6 +2,7 @@
 next to the bf16 copy of the target and prompt lookup (issue 10).
 
     python bench/drafts.py --depths 2,4,8 --budget 10 --threads 1 --out bench/results/drafts.json
+    python bench/drafts.py --depths 2,4,8 --budget 10 --device cuda --out bench/results/drafts-gpu.json
 
 Each depth is built with `specdec draft build` machinery within the same training budget (data
 generation is shared and cached, and reported separately), then one `specdec draft profile` run
@@ -29,6 +30,8 @@ def main() -> None:
     parser.add_argument("--depths", default="2,4,8")
     parser.add_argument("--budget", type=float, default=10.0, help="training minutes per draft")
     parser.add_argument("--threads", type=int, default=1, help="torch threads for the builds")
+    parser.add_argument("--device", default="auto", help="where the builds train and the profiled models run: "
+                                                         "auto (a CUDA GPU if any, else the CPU), cpu, cuda or cuda:N")
     parser.add_argument("--work", default=".drafts-work/bench", help="where the drafts are written")
     parser.add_argument("--reuse", action="store_true", help="skip a depth whose draft already exists")
     parser.add_argument("--skip-build", action="store_true")
@@ -49,12 +52,13 @@ def main() -> None:
         if args.skip_build or (args.reuse and (out / REPORT_FILE).is_file()):
             continue
         build_draft(BuildConfig(target=args.target, layers=str(depth), out=str(out), budget_min=args.budget,
-                                threads=args.threads))
+                                threads=args.threads, device=args.device))
 
     threads = args.profile_threads
     result = profile_drafts(ProfileConfig(target=args.target, drafts=drafts, copy=True, ngram=True, k=args.k,
                                           e2e_tokens=args.e2e_tokens, repeats=args.repeats, out=args.out,
-                                          threads=threads, target_threads=threads, draft_threads=threads))
+                                          threads=threads, target_threads=threads, draft_threads=threads,
+                                          device=args.device))
     result["builds"] = {Path(d).name: json.loads((Path(d) / REPORT_FILE).read_text()) for d in drafts}
     for report in result["builds"].values():
         report.pop("config", None)

@@ -5,10 +5,15 @@ answers with top-k log-probs; cached) and held-out reference text (the bundled p
 default, never trained on); pick the layers (evenly spaced by default: measured to distil
 best, see the README); copy them; distil within the budget; save a normal transformers model
 directory plus `draft-build.json`.
+
+All of it runs on `--device` (auto: the first CUDA GPU if any, else the CPU): the target
+generates there, the draft trains there. Checkpoints and the saved draft hold host tensors, so
+the draft loads, and a stopped build resumes, on any device.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import platform
 import random
@@ -38,7 +43,7 @@ from specdec.drafts.shallow import (
     parse_width,
     save_draft,
 )
-from specdec.runtime.models import load_model
+from specdec.runtime.models import load_model, resolve_device
 
 REPORT_FILE = "draft-build.json"
 STATE_DIR = "resume-state"
@@ -69,11 +74,13 @@ class BuildConfig:
     generation_batch_size: int = 8
     seed: int = 0
     threads: int | None = None
+    device: str = "auto"  # where the target generates and the draft trains: auto, cpu, cuda or cuda:N
     cache: str | None = None  # where teacher data is cached (default: SPECDEC_CACHE/drafts)
     resume: bool = False
     progress: bool = True
 
     def validate(self) -> None:
+        check_device("--device", self.device)
         if self.budget_min < 0:
             raise ValueError(f"--budget must be >= 0 minutes, got {self.budget_min}")
         if self.strategy not in LAYER_STRATEGIES:
@@ -85,6 +92,14 @@ class BuildConfig:
         for name in ("invent", "max_new_tokens", "heldout_tokens", "top_k", "tokens_per_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+
+
+def check_device(flag: str, name: str) -> torch.device:
+    """`resolve_device`, its ValueError naming the flag (a GPU this machine lacks fails before any work)."""
+    try:
+        return resolve_device(name)
+    except ValueError as exc:
+        raise ValueError(f"{flag}: {exc}") from None
 
 
 def _say(config: BuildConfig, message: str) -> None:
@@ -116,7 +131,9 @@ def build_draft(config: BuildConfig) -> dict:
     out = Path(config.out).expanduser()
     state_dir = out / STATE_DIR
     resuming = config.resume and has_state(state_dir)
-    target = load_model(config.target, dtype="float32", threads=config.threads, progress=config.progress)
+    target = load_model(config.target, dtype="float32", threads=config.threads, progress=config.progress,
+                        device=config.device)
+    _say(config, f"generating and training on {target.describe_device()}")
     n_layers = target.model.config.num_hidden_layers
     count, explicit = parse_layers(config.layers, n_layers)
     width = parse_width(config.width, target.model.config.intermediate_size)
@@ -146,7 +163,12 @@ def build_draft(config: BuildConfig) -> dict:
         strategy = config.strategy
         layers = choose_layers(n_layers, count, strategy)
 
-    draft = make_shallow(target.model, layers, width)
+    draft = make_shallow(target.model, layers, width)  # on the target's device
+    target_config, target_params = target.model.config, sum(p.numel() for p in target.model.parameters())
+    target.model = None  # the draft holds copies of what it needs: free the device for training
+    if target.device.type == "cuda":
+        gc.collect()
+        torch.cuda.empty_cache()
     trainable = freeze_shared(draft)
     before = evaluate(draft, heldout)
     _say(config, f"draft: layers {layers} of {n_layers}, held-out KL {before['kl']:.3f}, "
@@ -166,7 +188,7 @@ def build_draft(config: BuildConfig) -> dict:
                          state_dir=state_dir, resume=resuming, progress=config.progress, validation=validation)
     after = evaluate(draft, heldout)
     save_draft(draft, target.tokenizer, out)
-    check = load_model(str(out), dtype="float32", progress=False)
+    check = load_model(str(out), dtype="float32", progress=False, device="cpu")  # the saved files, on the host
     loadable = check.fingerprint == target.fingerprint and check.model.config.num_hidden_layers == len(layers)
     del check
 
@@ -177,19 +199,21 @@ def build_draft(config: BuildConfig) -> dict:
         "layers": layers,
         "depth": len(layers),
         "strategy": strategy,
-        "width": width or target.model.config.intermediate_size,
-        "tied_embeddings": bool(getattr(target.model.config, "tie_word_embeddings", False)),
+        "width": width or target_config.intermediate_size,
+        "tied_embeddings": bool(getattr(target_config, "tie_word_embeddings", False)),
         "frozen": ["embeddings", "output layer"],
         "parameters": {"total": n_params,
                        "trainable": sum(p.numel() for n, p in draft.named_parameters() if n in set(trainable)),
-                       "target_total": sum(p.numel() for p in target.model.parameters())},
+                       "target_total": target_params},
         "data": {"train_sequences": len(fit), "train_tokens": fit.total_tokens,
                  "train_positions": fit.teacher_positions, "train_prompts": "file" if config.prompts else "invented",
                  "train_cached": train_cached, "train_generation_s": train.meta.get("seconds"),
+                 "train_generated_on": train.meta.get("device"),
                  "heldout_prompts": [p.get("id") for p in heldout.prompts],
                  "heldout_positions": heldout.teacher_positions, "top_k": config.top_k},
         "training": {"budget_s": budget_s, "seconds": round(result.seconds, 1), "steps": result.steps,
                      "tokens": result.tokens, "positions": result.positions, "epochs": result.epochs,
+                     "tokens_per_s": round(result.tokens / result.seconds, 1) if result.seconds else None,
                      "resumed_from_step": result.resumed_from_step,
                      "validation_sequences": len(validation) if validation is not None else 0,
                      "validation_seconds": result.validation_seconds, "best_step": result.best_step,
@@ -203,7 +227,8 @@ def build_draft(config: BuildConfig) -> dict:
                             "α of greedy speculative decoding)"},
         "loadable": loadable,
         "config": asdict(config),
-        "machine": {"threads": torch.get_num_threads(), "platform": platform.platform(), "torch": torch.__version__},
+        "machine": {"device": target.describe_device(), "threads": torch.get_num_threads(),
+                    "platform": platform.platform(), "torch": torch.__version__},
         "seconds_total": round(time.perf_counter() - started, 1),
     }
     (out / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")

@@ -8,6 +8,8 @@ import sys
 
 from specdec.defaults import DEFAULT_MODEL
 
+DEVICE_HELP = "auto (the first CUDA GPU if any, else the CPU), cpu, cuda or cuda:N:"
+
 
 def cmd_build(args: argparse.Namespace) -> int:
     from specdec.drafts.build import BuildConfig, build_draft
@@ -18,8 +20,8 @@ def cmd_build(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens, heldout_tokens=args.heldout_tokens,
         sampled_fraction=args.sampled_fraction, top_k=args.top_k, lr=args.lr, tokens_per_batch=args.tokens_per_batch,
         head_sample=args.head_sample, validation_sequences=args.validation_sequences,
-        checkpoint_every_s=args.checkpoint_every, seed=args.seed, threads=args.threads, cache=args.cache,
-        resume=args.resume, progress=not args.quiet)
+        checkpoint_every_s=args.checkpoint_every, seed=args.seed, threads=args.threads, device=args.device,
+        cache=args.cache, resume=args.resume, progress=not args.quiet)
     try:
         report = build_draft(config)
     except ValueError as exc:
@@ -38,7 +40,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
         target=args.target, drafts=args.draft or [], copy=not args.no_copy, ngram=args.ngram,
         draft_dtype=args.draft_dtype, target_dtype=args.target_dtype, k=args.k, heldout=args.heldout,
         heldout_tokens=args.heldout_tokens, latency_steps=args.latency_steps,
-        latency_rounds=args.latency_rounds, threads=args.threads,
+        latency_rounds=args.latency_rounds, threads=args.threads, device=args.device,
+        target_device=args.target_device, draft_device=args.draft_device,
         e2e=not args.no_e2e, e2e_tokens=args.e2e_tokens, e2e_prompts=args.e2e_prompts, repeats=args.repeats,
         target_threads=args.target_threads, draft_threads=args.draft_threads, target_cpus=args.target_cpus,
         draft_cpus=args.draft_cpus, overlap=args.overlap, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
@@ -94,6 +97,8 @@ def add_draft_parser(sub: argparse._SubParsersAction) -> None:
     build.add_argument("--resume", action="store_true", help="continue a stopped build in --out (same budget total)")
     build.add_argument("--seed", type=int, default=0)
     build.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    build.add_argument("--device", default="auto", help=DEVICE_HELP + " where the target writes the training text "
+                                                         "and the draft trains (default: %(default)s)")
     build.add_argument("--cache", default=None, help="teacher-data cache folder (default: SPECDEC_CACHE/drafts)")
     build.add_argument("--quiet", action="store_true", help="no progress bars")
     build.set_defaults(func=cmd_build)
@@ -112,6 +117,11 @@ def add_draft_parser(sub: argparse._SubParsersAction) -> None:
     prof.add_argument("--latency-rounds", type=int, default=3,
                       help="rounds in which every model is timed in turn (median; default: %(default)s)")
     prof.add_argument("--threads", type=int, default=None, help="torch threads for the in-process measurements")
+    prof.add_argument("--device", default="auto",
+                      help=DEVICE_HELP + " where the target and the drafts run, in process and in the end-to-end "
+                                         "pipelines (default: %(default)s)")
+    prof.add_argument("--target-device", default=None, help="the target's device, if not --device")
+    prof.add_argument("--draft-device", default=None, help="the drafts' device, if not --device")
     prof.add_argument("--no-e2e", action="store_true", help="skip the end-to-end pipeline runs")
     prof.add_argument("--e2e-tokens", type=int, default=48)
     prof.add_argument("--e2e-prompts", type=int, default=8)

@@ -10,18 +10,20 @@ guess what *this* target says next. So the data is
   generation computed anyway), enough for a top-k forward KL.
 
 Generated once per (target, prompts, settings) and cached as safetensors + JSON, so drafts of
-several depths train on the same text.
+several depths train on the same text. The target generates on its own device; the data is kept
+on the host (it is the cache), so text written on a GPU trains a draft anywhere, and back.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import shutil
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -94,6 +96,15 @@ class TeacherData:
         return cls(tokens, tensors["start"].tolist(), top_ids, top_logp, info["prompts"], info["meta"])
 
 
+@contextlib.contextmanager
+def _seeded(device: torch.device, seed: int) -> Iterator[None]:
+    """Seed the global generators (the host's and the device's) for one `generate` call, and put
+    them back afterwards."""
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)  # seeds the CUDA generators too
+        yield
+
+
 # --------------------------------------------------------------------------- prompts
 
 
@@ -159,9 +170,8 @@ def invent_prompts(target: LoadedModel, count: int, *, seed: int, max_tokens: in
               file=sys.stderr) as bar:
         while len(found) < count and rounds < max_rounds:
             rounds += 1
-            ids = torch.tensor([prefix] * batch_size)  # [B, P]: same prefix, no padding
-            with torch.random.fork_rng(devices=[]), torch.inference_mode():
-                torch.manual_seed(generator_seed)
+            ids = torch.tensor([prefix] * batch_size, device=target.device)  # [B, P]: same prefix, no padding
+            with _seeded(target.device, generator_seed), torch.inference_mode():
                 generator_seed += 1
                 out = target.model.generate(
                     ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=True,
@@ -201,7 +211,8 @@ def generate_teacher_data(target: LoadedModel, prompts: Sequence[dict], *, max_n
 
     A `sampled_fraction` of the prompts (chosen by seed) get a sampled continuation at
     `temperature`; the rest greedy. With `batch_size=1` nothing is padded, so greedy output is
-    exactly what the target produces alone (use that for held-out reference text).
+    exactly what the target produces alone (use that for held-out reference text). Generation
+    and the top-k run on the target's device; the returned data is on the host.
     """
     tokenizer = target.tokenizer
     eos = set(target.eos_token_ids)
@@ -225,17 +236,17 @@ def generate_teacher_data(target: LoadedModel, prompts: Sequence[dict], *, max_n
                 do_sample = sampled[members[0]]
                 options = {"do_sample": True, "temperature": temperature, "top_p": 1.0, "top_k": 0} if do_sample \
                     else {"do_sample": False}
-                with torch.random.fork_rng(devices=[]):
-                    torch.manual_seed(seed + first)
+                with _seeded(target.device, seed + first):
                     out = target.model.generate(
-                        ids, attention_mask=mask, max_new_tokens=max_new_tokens, eos_token_id=target.eos_token_ids,
-                        pad_token_id=pad, output_logits=True, return_dict_in_generate=True, **options)
-                logits = torch.stack(out.logits, dim=1).to(torch.float32)  # [B, R, V] raw target logits
-                new = out.sequences[:, width:]  # [B, R]
+                        ids.to(target.device), attention_mask=mask.to(target.device), max_new_tokens=max_new_tokens,
+                        eos_token_id=target.eos_token_ids, pad_token_id=pad, output_logits=True,
+                        return_dict_in_generate=True, **options)
+                logits = torch.stack(out.logits, dim=1).to(torch.float32)  # [B, R, V] raw target logits, on the device
+                new = out.sequences[:, width:].cpu()  # [B, R]
                 for row, i in enumerate(members):
                     keep = _trim_at_eos(new[row].tolist(), eos)
                     logp = torch.log_softmax(logits[row, :keep], dim=-1)  # [r, V]
-                    top_logp, top_ids = torch.topk(logp, top_k, dim=-1)  # [r, K]
+                    top_logp, top_ids = (t.cpu() for t in torch.topk(logp, top_k, dim=-1))  # [r, K] each
                     tokens = torch.tensor(encoded[i] + new[row, :keep].tolist(), dtype=torch.long)
                     results[i] = (tokens, len(encoded[i]) - 1, top_ids, top_logp)
                 del logits, out
@@ -287,7 +298,7 @@ def cached_teacher_data(cache: Path, target: LoadedModel, *, prompts: Sequence[d
                                  progress=progress,
                                  desc="specdec: target writes answers" if kind == "train" else f"specdec: {kind} text")
     data.meta.update({"settings": settings, "invent_seconds": round(invented_s, 1),
-                      "seconds": round(time.perf_counter() - started, 1)})
+                      "seconds": round(time.perf_counter() - started, 1), "device": target.describe_device()})
     tmp = cache / f".tmp-{kind}-{key}-{os.getpid()}"
     data.save(tmp)
     try:

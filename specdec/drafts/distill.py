@@ -6,8 +6,12 @@ bucket: exact for the mass the target puts on its top k, and a lower bound of th
 Forward KL (mode-covering) is what greedy and sampled acceptance both reward: the draft must
 put mass where the target does.
 
+Training runs on the draft's device (a GPU makes the budget worth far more tokens than a CPU);
+the teacher data stays on the host and each batch moves over in one transfer.
+
 Training state (trainable weights, AdamW moments, step, elapsed time, loss history) is written
-as safetensors + JSON every `checkpoint_every_s` and at the end, so a stopped build resumes.
+as host safetensors + JSON every `checkpoint_every_s` and at the end, so a stopped build
+resumes, on the same device or another.
 """
 
 from __future__ import annotations
@@ -66,7 +70,13 @@ def batch_logits(model: PreTrainedModel, data: TeacherData, indices: list[int], 
     tokens drawn uniformly, whose logits are offset by log(rest / head_sample) so that they
     stand in for all the tokens not drawn in the softmax normaliser (sampled softmax). That
     cuts the head's cost by the vocabulary / C ratio.
+
+    The batch is assembled on the host (the teacher data lives there; the column draw uses the
+    host `generator`, so a seed picks the same columns on any device) and moved to the model's
+    device in one transfer per tensor; everything returned is on the model's device.
     """
+    head = model.get_output_embeddings()
+    device = head.weight.device
     width = max(len(data.tokens[i]) for i in indices)
     ids = torch.zeros((len(indices), width), dtype=torch.long)  # [B, S] right-padded
     mask = torch.zeros_like(ids)
@@ -78,27 +88,26 @@ def batch_logits(model: PreTrainedModel, data: TeacherData, indices: list[int], 
         span = data.top_ids[i].shape[0]
         rows.append(torch.full((span,), b, dtype=torch.long))
         cols.append(torch.arange(data.start[i], data.start[i] + span))
-    hidden = _base(model)(input_ids=ids, attention_mask=mask).last_hidden_state  # [B, S, H]
-    picked = hidden[torch.cat(rows), torch.cat(cols)]  # [N, H]
-    top_ids = torch.cat([data.top_ids[i] for i in indices])  # [N, K]
-    top_logp = torch.cat([data.top_logp[i] for i in indices])
-    head = model.get_output_embeddings()
+    top_ids = torch.cat([data.top_ids[i] for i in indices])  # [N, K] on the host
+    top_logp = torch.cat([data.top_logp[i] for i in indices]).to(device)  # [N, K]
+    hidden = _base(model)(input_ids=ids.to(device), attention_mask=mask.to(device)).last_hidden_state  # [B, S, H]
+    picked = hidden[torch.cat(rows).to(device), torch.cat(cols).to(device)]  # [N, H]
     vocab = head.weight.shape[0]
     if head_sample <= 0 or getattr(head, "bias", None) is not None:
-        return head(picked), top_ids, top_logp  # [N, V]
+        return head(picked), top_ids.to(device), top_logp  # [N, V]
     seen = torch.unique(top_ids)  # [U] sorted
     rest = torch.ones(vocab, dtype=torch.bool)
     rest[seen] = False
     others = rest.nonzero().squeeze(1)  # [V - U]
     draw = min(head_sample, others.numel())
     if draw == 0:
-        return head(picked), top_ids, top_logp
+        return head(picked), top_ids.to(device), top_logp
     drawn = others[torch.randperm(others.numel(), generator=generator)[:draw]]  # [D]
-    columns = torch.cat([seen, drawn])  # [C]
-    logits = picked @ head.weight[columns].T  # [N, C]
+    columns = torch.cat([seen, drawn])  # [C] on the host
     offset = torch.zeros(columns.numel())
     offset[seen.numel():] = math.log(others.numel() / draw)
-    return logits + offset, torch.searchsorted(seen, top_ids), top_logp
+    logits = picked @ head.weight[columns.to(device)].T  # [N, C]
+    return logits + offset.to(device), torch.searchsorted(seen, top_ids).to(device), top_logp
 
 
 def token_batches(data: TeacherData, tokens_per_batch: int, seed: int, epoch: int) -> list[list[int]]:
@@ -175,13 +184,14 @@ def _save_state(folder: Path, model: PreTrainedModel, optimizer: torch.optim.Opt
                 names: dict[torch.nn.Parameter, str], result: DistillResult, epoch: int, batch: int,
                 best: dict[str, torch.Tensor] | None = None) -> None:
     folder.mkdir(parents=True, exist_ok=True)
-    tensors = {f"best/{name}": tensor.contiguous() for name, tensor in (best or {}).items()}
+    # Host tensors on disk: a build trained on a GPU resumes on any device.
+    tensors = {f"best/{name}": tensor.detach().cpu().contiguous() for name, tensor in (best or {}).items()}
     for param, name in names.items():
-        tensors[f"param/{name}"] = param.detach().contiguous()
+        tensors[f"param/{name}"] = param.detach().cpu().contiguous()
         state = optimizer.state.get(param, {})
         for slot in ("exp_avg", "exp_avg_sq"):
             if slot in state:
-                tensors[f"{slot}/{name}"] = state[slot].contiguous()
+                tensors[f"{slot}/{name}"] = state[slot].cpu().contiguous()
     tmp = folder / (STATE_TENSORS + ".tmp")
     save_file(tensors, str(tmp))
     tmp.replace(folder / STATE_TENSORS)
@@ -192,18 +202,21 @@ def _save_state(folder: Path, model: PreTrainedModel, optimizer: torch.optim.Opt
 
 def _load_state(folder: Path, optimizer: torch.optim.Optimizer,
                 names: dict[torch.nn.Parameter, str]) -> tuple[DistillResult, int, int, dict[str, torch.Tensor]]:
-    tensors = load_file(str(folder / STATE_TENSORS))
+    """The saved state, back on the device of the parameters (the weights, the Adam moments, the best weights)."""
+    tensors = load_file(str(folder / STATE_TENSORS))  # host tensors
     info = json.loads((folder / STATE_JSON).read_text())
     result = DistillResult(**info["result"])
+    device = next(iter(names)).device
     with torch.no_grad():
         for param, name in names.items():
             param.copy_(tensors[f"param/{name}"])
             if f"exp_avg/{name}" in tensors:
+                # AdamW (not fused, not capturable) keeps its step count on the host.
                 optimizer.state[param] = {"step": torch.tensor(float(result.steps)),
-                                          "exp_avg": tensors[f"exp_avg/{name}"].clone(),
-                                          "exp_avg_sq": tensors[f"exp_avg_sq/{name}"].clone()}
+                                          "exp_avg": tensors[f"exp_avg/{name}"].to(param.device, copy=True),
+                                          "exp_avg_sq": tensors[f"exp_avg_sq/{name}"].to(param.device, copy=True)}
     result.resumed_from_step = result.steps
-    best = {key[len("best/"):]: value for key, value in tensors.items() if key.startswith("best/")}
+    best = {key[len("best/"):]: value.to(device) for key, value in tensors.items() if key.startswith("best/")}
     return result, info["epoch"], info["batch"], best
 
 
@@ -245,7 +258,7 @@ def distill(model: PreTrainedModel, data: TeacherData, config: DistillConfig, *,
                 batch_index += 1
             epoch, batch_index = epoch + 1, 0
 
-    sampler = torch.Generator().manual_seed(config.seed * 7919 + result.steps)
+    sampler = torch.Generator().manual_seed(config.seed * 7919 + result.steps)  # host: same columns on any device
     total = math.ceil(config.budget_s)
     best_kl = min((v[2] for v in result.validation if v[1] == result.best_step), default=math.inf)
     last_validation = time.perf_counter()

@@ -14,11 +14,16 @@ For each candidate (built drafts, the bf16 copy of the target, prompt lookup):
   prompt run at k = 0, the fixed k and `auto` in turn (interleaved), speedup = median over
   prompts of tokens/s against k = 0 on the same prompt.
 
+The models run on `--device` (auto: the first CUDA GPU if any, else the CPU), or on
+`--target-device` / `--draft-device` each; the end-to-end pipelines start their services there.
+Every timed step waits for the device to finish. The JSON records where each model ran.
+
 Writes JSON and a plot of acceptance against draft latency against speedup.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import platform
 import statistics
@@ -34,7 +39,7 @@ import torch
 from specdec.core.sampling import SamplingParams
 from specdec.data import bundled_prompts
 from specdec.defaults import DEFAULT_MODEL, cache_dir
-from specdec.drafts.build import REPORT_FILE
+from specdec.drafts.build import REPORT_FILE, check_device
 from specdec.drafts.data import TeacherData, cached_teacher_data, load_prompt_file
 from specdec.runtime.kv import SessionCaches
 from specdec.runtime.models import LoadedModel, load_model
@@ -60,6 +65,9 @@ class ProfileConfig:
     latency_steps: int = 24
     latency_rounds: int = 3  # every model timed this many times, in turn (median)
     threads: int | None = None  # torch threads for the in-process latency and acceptance measurements
+    device: str = "auto"  # where the models run: auto, cpu, cuda or cuda:N (in process and in the pipelines)
+    target_device: str | None = None  # the target's, if not `device`
+    draft_device: str | None = None  # the drafts', if not `device`
     e2e: bool = True
     e2e_tokens: int = 48
     e2e_prompts: int = 8  # how many held-out prompts the end-to-end runs use
@@ -76,7 +84,19 @@ class ProfileConfig:
     cache: str | None = None
     progress: bool = True
 
+    @property
+    def target_on(self) -> str:
+        return self.target_device or self.device
+
+    @property
+    def draft_on(self) -> str:
+        return self.draft_device or self.device
+
     def validate(self) -> None:
+        check_device("--device", self.device)
+        for flag, value in (("--target-device", self.target_device), ("--draft-device", self.draft_device)):
+            if value is not None:
+                check_device(flag, value)
         if self.k < 1:
             raise ValueError("--k must be >= 1")
         if not (self.drafts or self.copy or self.ngram):
@@ -94,6 +114,12 @@ def _say(config: ProfileConfig, message: str) -> None:
 # --------------------------------------------------------------------------- latency
 
 
+def _synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work, so that a timer read afterwards covers it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def step_latency_ms(caches: SessionCaches, context: list[int], steps: int) -> float:
     """Median ms of one single-token decode step after prefilling `context`."""
     sid = f"latency-{uuid.uuid4().hex}"
@@ -103,8 +129,10 @@ def step_latency_ms(caches: SessionCaches, context: list[int], steps: int) -> fl
     for _ in range(steps + 2):
         token = int(history[-1])
         history.append(token)  # any token will do for timing
+        _synchronize(caches.device)
         start = time.perf_counter()
         caches.score(sid, history, [])
+        _synchronize(caches.device)
         times.append(time.perf_counter() - start)
     caches.release(sid)
     return statistics.median(times[2:]) * 1e3  # first two warm up
@@ -120,8 +148,10 @@ def verify_latency_ms(caches: SessionCaches, context: list[int], max_k: int, rep
         times = []
         for _ in range(reps):
             caches.rollback(sid, len(context) - 1)
+            _synchronize(caches.device)
             start = time.perf_counter()
             caches.score(sid, context, [int(context[-1])] * k)
+            _synchronize(caches.device)
             times.append(time.perf_counter() - start)
         out[k] = statistics.median(times) * 1e3
     caches.release(sid)
@@ -165,6 +195,7 @@ def model_agreement(draft: LoadedModel, data: TeacherData) -> float:
     """Per position: the draft's argmax (teacher-forced) equals the target's greedy token."""
     hits = total = 0
     for tokens, start in zip(data.tokens, data.start):
+        tokens = tokens.to(draft.device)  # [n]
         logits = draft.model(tokens[None, :-1]).logits[0, start:]  # [r, V]
         hits += int((logits.argmax(-1) == tokens[start + 1:]).sum())
         total += len(tokens) - 1 - start
@@ -242,15 +273,18 @@ def _same_prefix(a: list[int], b: list[int]) -> bool:
 
 
 def end_to_end(candidate: dict, config: ProfileConfig, prompts: list[dict], reference: dict[str, list[int]],
-               log_root: Path) -> dict:
-    """A real pipeline for one candidate; every prompt at k = 0, fixed k and auto, interleaved."""
+               log_root: Path) -> tuple[dict, dict[str, str]]:
+    """A real pipeline for one candidate; every prompt at k = 0, fixed k and auto, interleaved.
+
+    Returns the runs per mode and the devices the services report, by role."""
     from specdec import Client
     from specdec.launcher import Pipeline, Plan, free_port
 
     log_dir = Path(tempfile.mkdtemp(prefix=f"{candidate['name']}-", dir=log_root))
     plan = Plan(target_model=config.target, target_dtype=config.target_dtype, target_threads=config.target_threads,
-                proposer=candidate["kind"], draft_model=candidate.get("model", config.target),
-                draft_dtype=config.draft_dtype, draft_threads=config.draft_threads, draft_length="auto",
+                target_device=config.target_on, proposer=candidate["kind"],
+                draft_model=candidate.get("model", config.target), draft_dtype=config.draft_dtype,
+                draft_threads=config.draft_threads, draft_device=config.draft_on, draft_length="auto",
                 ngram_min=config.ngram_min, ngram_max=config.ngram_max, target_cpus=config.target_cpus,
                 draft_cpus=config.draft_cpus, log_dir=str(log_dir),
                 extra_orchestrator_args=["--overlap"] if config.overlap else [],
@@ -262,6 +296,7 @@ def end_to_end(candidate: dict, config: ProfileConfig, prompts: list[dict], refe
     runs: dict[str, list[dict]] = {m: [] for m in modes}
     try:
         with Client(plan.grpc_addresses()["orchestrator"]) as client:
+            devices = {b["role"]: b.get("device", "") for b in client.status(timeout=30)["backends"]}
             client.generate("Warm up.", max_new_tokens=8, draft_length="auto")
             for repeat in range(config.repeats):
                 for item in prompts:
@@ -288,7 +323,7 @@ def end_to_end(candidate: dict, config: ProfileConfig, prompts: list[dict], refe
         total = result[mode]["summary"]["tokens_per_s"] / result["0"]["summary"]["tokens_per_s"]
         result[mode]["speedup"] = round(statistics.median(ratios), 3)
         result[mode]["speedup_total"] = round(total, 3)
-    return result
+    return result, devices
 
 
 # --------------------------------------------------------------------------- the whole profile
@@ -327,7 +362,9 @@ def profile_drafts(config: ProfileConfig) -> dict:
     if config.threads:
         torch.set_num_threads(config.threads)
     prompts = load_prompt_file(config.heldout) if config.heldout else bundled_prompts()
-    target = load_model(config.target, dtype=config.target_dtype, threads=config.threads, progress=config.progress)
+    target = load_model(config.target, dtype=config.target_dtype, threads=config.threads, progress=config.progress,
+                        device=config.target_on)
+    target_device = target.describe_device()
     cache = Path(config.cache).expanduser() if config.cache else cache_dir() / "drafts"
     heldout, _ = cached_teacher_data(cache, target, prompts=prompts, invent=0, max_new_tokens=config.heldout_tokens,
                                      top_k=config.top_k, sampled_fraction=0.0, seed=0, batch_size=1,
@@ -343,7 +380,8 @@ def profile_drafts(config: ProfileConfig) -> dict:
     for cand in candidates:
         if cand["kind"] != "model":
             continue
-        loaded = load_model(cand["model"], dtype=config.draft_dtype, threads=config.threads, progress=False)
+        loaded = load_model(cand["model"], dtype=config.draft_dtype, threads=config.threads, progress=False,
+                            device=config.draft_on)
         if loaded.fingerprint != target.fingerprint:
             raise ValueError(f"{cand['model']} does not share the target's tokenizer")
         loaded_models[cand["name"]] = loaded
@@ -355,7 +393,8 @@ def profile_drafts(config: ProfileConfig) -> dict:
     latency = {name: statistics.median(values) for name, values in samples.items()}
     target_step = latency["target"]
     verify = verify_latency_ms(timed["target"], context, max(config.k, 8))
-    _say(config, f"target {config.target} ({config.target_dtype}): step {target_step:.1f} ms, verify k+1 "
+    _say(config, f"target {config.target} ({config.target_dtype}, {target_device}): step {target_step:.1f} ms, "
+                 "verify k+1 "
                  + " ".join(f"{k}:{v:.0f}" for k, v in verify.items()) + " ms")
     target_layers = target.model.config.num_hidden_layers
     del target
@@ -368,6 +407,7 @@ def profile_drafts(config: ProfileConfig) -> dict:
             cand["agreement"] = model_agreement(loaded, heldout)
             cand["acceptance"] = acceptance(ModelProposer(caches), heldout, config.k)
             cand["dtype"] = config.draft_dtype
+            cand["device"] = loaded.describe_device()
             del loaded, caches
         else:
             proposer = NgramProposer(config.ngram_max, config.ngram_min)
@@ -375,24 +415,29 @@ def profile_drafts(config: ProfileConfig) -> dict:
             cand["agreement"] = ngram_agreement(proposer, heldout)
             cand["acceptance"] = acceptance(proposer, heldout, config.k)
             cand["dtype"] = "none"
+            cand["device"] = "cpu"  # prompt lookup runs on the host
         cand["latency_ratio"] = cand["step_ms"] / target_step
         cand["ideal_speedup"], cand["ideal_k"] = ideal_speedup(cand["agreement"], cand["step_ms"], verify)
         _say(config, f"{cand['name']}: step {cand['step_ms']:.2f} ms ({cand['latency_ratio']:.3f}× target), "
                      f"agreement {cand['agreement']:.3f}, acceptance@k={config.k} "
                      f"{cand['acceptance']['acceptance_rate']:.3f}, ideal {cand['ideal_speedup']:.2f}×")
     del timed
+    if torch.cuda.is_available():  # the pipelines' services need the GPU memory the in-process models held
+        gc.collect()
+        torch.cuda.empty_cache()
 
     e2e_prompts = heldout.prompts[: config.e2e_prompts]
     if config.e2e:
         log_root = Path(tempfile.mkdtemp(prefix="specdec-profile-"))
         for cand in candidates:
-            cand["e2e"] = end_to_end(cand, config, e2e_prompts, reference, log_root)
+            cand["e2e"], cand["e2e_devices"] = end_to_end(cand, config, e2e_prompts, reference, log_root)
             e = cand["e2e"]
             _say(config, f"{cand['name']}: k=0 {e['0']['summary']['median_prompt_tokens_per_s']:.2f} tok/s, "
                          f"k={config.k} ×{e[str(config.k)]['speedup']:.2f}, auto ×{e['auto']['speedup']:.2f}")
 
     result = {
-        "target": {"model": config.target, "dtype": config.target_dtype, "step_ms": target_step,
+        "target": {"model": config.target, "dtype": config.target_dtype, "device": target_device,
+                   "step_ms": target_step,
                    "step_ms_samples": [round(v, 3) for v in samples["target"]], "verify_ms": verify,
                    "layers": target_layers},
         "heldout": {"prompts": [p["id"] for p in heldout.prompts], "positions": heldout.teacher_positions,
@@ -401,7 +446,9 @@ def profile_drafts(config: ProfileConfig) -> dict:
         "candidates": candidates,
         "goal": judge(candidates, config.k) if config.e2e else None,
         "config": asdict(config),
-        "machine": {"cpus": torch.get_num_threads(), "platform": platform.platform(), "torch": torch.__version__},
+        "machine": {"target_device": target_device,
+                    "draft_device": next((c["device"] for c in candidates if c["kind"] == "model"), "cpu"),
+                    "cpus": torch.get_num_threads(), "platform": platform.platform(), "torch": torch.__version__},
         "seconds": round(time.perf_counter() - started, 1),
     }
     out = Path(config.out)
@@ -486,9 +533,11 @@ def plot_profile(result: dict, path: Path) -> None:
         ax.legend(fontsize=8, loc="upper center", ncol=3)
         ax.set_title("end-to-end speedup (real pipeline) per draft")
     target = result["target"]
+    machine = result["machine"]
+    where = machine.get("target_device", "cpu")
+    where = f"{machine['cpus']} torch thread(s)" if where == "cpu" else where
     fig.suptitle(f"drafts for {target['model']} ({target['dtype']}, step {target['step_ms']:.0f} ms) on "
-                 f"{result['machine']['platform'].split('-')[0]}, {result['machine']['cpus']} torch thread(s)",
-                 fontsize=10)
+                 f"{machine['platform'].split('-')[0]}, {where}", fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

@@ -84,7 +84,8 @@ def _mlp_keep(state: dict[str, torch.Tensor], prefix: str, width: int) -> torch.
 
 
 def make_shallow(target: PreTrainedModel, layers: list[int], width: int | None = None) -> PreTrainedModel:
-    """A float32 model of the target's architecture holding `layers` of the target (in order).
+    """A float32 model of the target's architecture holding `layers` of the target (in order),
+    on the target's device.
 
     Everything outside the decoder layers (embeddings, final norm, output layer) is copied as
     is; tied embeddings stay tied. With `width`, each copied MLP keeps its `width` strongest units.
@@ -99,7 +100,8 @@ def make_shallow(target: PreTrainedModel, layers: list[int], width: int | None =
     if width is not None:
         config.intermediate_size = width
     config.dtype = torch.float32
-    draft = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    device = target.get_output_embeddings().weight.device
+    draft = AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(device)  # tied weights stay tied
 
     source = {name: tensor.detach().to(torch.float32) for name, tensor in target.state_dict().items()}
     position = {old: new for new, old in enumerate(layers)}

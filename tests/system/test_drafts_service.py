@@ -65,11 +65,15 @@ def test_profile_runs_the_pipeline_per_candidate(built):
     profile_drafts(ProfileConfig(
         target=str(built["target"]), drafts=[str(built["draft"])], copy=False, ngram=True, draft_dtype="float64",
         target_dtype="float64", k=4, heldout=str(built["heldout"]), heldout_tokens=32, latency_steps=4, threads=1,
-        e2e=True, e2e_tokens=12, e2e_prompts=2, target_threads=1, draft_threads=1, out=str(out),
-        cache=str(built["root"] / "cache"), progress=False))
+        target_device="cpu", draft_device="cpu", e2e=True, e2e_tokens=12, e2e_prompts=2, target_threads=1,
+        draft_threads=1, out=str(out), cache=str(built["root"] / "cache"), progress=False))
     saved = json.loads(out.read_text())
     assert saved["e2e_prompts"] == ["line-1", "line-2"]
+    assert saved["target"]["device"] == "cpu"
     for cand in saved["candidates"]:
+        # --target-device / --draft-device reached the services: they say so through GetStatus.
+        assert {role: device.split(" ")[0] for role, device in cand["e2e_devices"].items()} == \
+            {"target": "cpu", "draft": "cpu"}
         e2e = cand["e2e"]
         assert set(e2e) == {"0", "4", "auto"}
         assert e2e["0"]["summary"]["acceptance_rate"] is None  # k = 0 drafts nothing

@@ -1,4 +1,4 @@
-"""Shallow self-distilled drafts (specdec.drafts): layer choice, the loss, build, resume, profile."""
+"""Shallow self-distilled drafts (specdec.drafts): layer choice, the loss, build, resume, profile, devices."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
+from specdec.cli import main as specdec_main
 from specdec.drafts.build import REPORT_FILE, BuildConfig, build_draft
 from specdec.drafts.data import TeacherData, cached_teacher_data, load_prompt_file
 from specdec.drafts.distill import batch_logits, evaluate, topk_kl
@@ -23,7 +24,7 @@ from specdec.drafts.shallow import (
     parse_layers,
     parse_width,
 )
-from specdec.runtime.models import load_model
+from specdec.runtime.models import load_model, resolve_device
 from specdec.runtime.tiny import make_char_tokenizer, make_tiny_model
 
 HELDOUT = ["once upon a time", "good morning", "what is 2+2?", "tell me a story"]
@@ -67,7 +68,7 @@ def tiny(tmp_path_factory) -> dict[str, Path]:
 def build(tiny: dict[str, Path], name: str, **fields) -> dict:
     options = {"target": str(tiny["tied"]), "layers": "2", "out": str(tiny["root"] / name), "budget_min": 0.0,
                "invent": 64, "heldout": str(tiny["heldout"]), "max_new_tokens": 48, "heldout_tokens": 32,
-               "cache": str(tiny["cache"]), "threads": 1, "progress": False, "lr": 2e-3}
+               "cache": str(tiny["cache"]), "threads": 1, "progress": False, "lr": 2e-3, "device": "cpu"}
     return build_draft(BuildConfig(**{**options, **fields}))
 
 
@@ -270,8 +271,10 @@ def test_profile_measures_every_candidate_and_writes_json_and_plot(tiny):
     result = profile_drafts(ProfileConfig(
         target=str(tiny["tied"]), drafts=[str(tiny["root"] / "profiled")], copy=True, ngram=True,
         draft_dtype="float64", target_dtype="float64", k=3, heldout=str(tiny["heldout"]), heldout_tokens=32,
-        latency_steps=4, threads=1, e2e=False, out=str(out), cache=str(tiny["cache"]), progress=False))
+        latency_steps=4, threads=1, device="cpu", e2e=False, out=str(out), cache=str(tiny["cache"]), progress=False))
     saved = json.loads(out.read_text())
+    assert saved["target"]["device"] == saved["machine"]["target_device"] == saved["machine"]["draft_device"] == "cpu"
+    assert [c["device"] for c in saved["candidates"]] == ["cpu"] * 3
     assert saved["candidates"] == json.loads(json.dumps(result["candidates"]))
     assert [c["name"] for c in saved["candidates"]] == ["distilled-L2", "target-copy-float64", "prompt-lookup"]
     assert saved["target"]["step_ms"] > 0 and set(saved["target"]["verify_ms"]) >= {"0", "3"}
@@ -290,3 +293,71 @@ def test_profile_measures_every_candidate_and_writes_json_and_plot(tiny):
     assert draft["step_ms"] < copy["step_ms"] * 1.5  # half the layers: not slower (generous: shared CPU)
     assert lookup["kind"] == "ngram" and lookup["step_ms"] < draft["step_ms"]
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# --------------------------------------------------------------------------- devices (this machine: CPU only)
+
+
+def _draft_cli(*argv: str) -> int:
+    """`specdec draft ...` in process; its exit code."""
+    with pytest.raises(SystemExit) as exited:
+        specdec_main(["draft", *argv])
+    return exited.value.code
+
+
+def test_device_auto_builds_on_the_cpu_here_and_the_report_says_so(tiny):
+    """No --device: auto, which is the CPU on a machine without a GPU; the same draft as --device cpu."""
+    explicit = build(tiny, "on-cpu", layers="0,3")  # device="cpu"
+    out = tiny["root"] / "on-auto"
+    code = _draft_cli("build", "--target", str(tiny["tied"]), "--layers", "0,3", "--budget", "0", "--out", str(out),
+                      "--invent", "64", "--heldout", str(tiny["heldout"]), "--max-new-tokens", "48",
+                      "--heldout-tokens", "32", "--cache", str(tiny["cache"]), "--threads", "1", "--quiet")
+    assert code == 0
+    report = json.loads((out / REPORT_FILE).read_text())
+    assert report["config"]["device"] == "auto" and explicit["config"]["device"] == "cpu"
+    expected = resolve_device("auto")
+    assert report["machine"]["device"].split(" ")[0] == str(expected)
+    assert explicit["machine"]["device"] == "cpu" and explicit["data"]["train_generated_on"] == "cpu"
+    if expected.type == "cpu":
+        assert report["machine"]["device"] == "cpu"
+        assert report["heldout"]["before"] == explicit["heldout"]["before"]  # the same model, the same numbers
+        assert report["layers"] == explicit["layers"] == [0, 3]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["build", "--layers", "2", "--budget", "0", "--device", "tpu"], "--device: unknown device 'tpu'"),
+    (["build", "--layers", "2", "--budget", "0", "--device", "cuda"], "--device: device 'cuda' requested but"),
+    (["profile", "--ngram", "--device", "cuda:1"], "--device: device 'cuda:1' requested but"),
+    (["profile", "--ngram", "--target-device", "tpu"], "--target-device: unknown device 'tpu'"),
+    (["profile", "--ngram", "--device", "cpu", "--draft-device", "cuda"], "--draft-device: device 'cuda' requested"),
+])
+def test_a_device_this_machine_lacks_fails_with_exit_2_before_any_work(tmp_path, capsys, monkeypatch, argv, message):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # as here, even where a GPU exists
+    out = tmp_path / ("draft" if argv[0] == "build" else "profile.json")
+    missing = str(tmp_path / "no-such-model")  # loading it would fail with another message
+    code = _draft_cli(*argv, "--target", missing, "--out", str(out), "--cache", str(tmp_path / "cache"), "--quiet")
+    err = capsys.readouterr().err
+    assert code == 2
+    assert message in err and "no-such-model" not in err, err
+    if "requested but" in message:
+        assert "run with --device cpu" in err  # resolve_device's advice, passed on
+    assert not out.exists() and not (tmp_path / "cache").exists()  # nothing loaded, generated or written
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available())")
+def test_build_and_profile_on_the_gpu(tiny):
+    """On a GPU: the draft trains there, its state and files are host tensors, it loads and resumes anywhere."""
+    report = build(tiny, "on-gpu", layers="0,1", budget_min=2 / 60, device="cuda", checkpoint_every_s=0.5)
+    assert report["machine"]["device"].startswith("cuda:") and report["training"]["steps"] > 0
+    assert report["loadable"]
+    cpu = build(tiny, "on-cpu-again", layers="0,1")
+    assert math.isclose(report["heldout"]["before"]["kl"], cpu["heldout"]["before"]["kl"], rel_tol=1e-3)
+    resumed = build(tiny, "on-gpu", layers="0,1", budget_min=3 / 60, resume=True)  # a GPU build resumed on the CPU
+    assert resumed["training"]["resumed_from_step"] == report["training"]["steps"] < resumed["training"]["steps"]
+    out = tiny["root"] / "gpu-profile.json"
+    result = profile_drafts(ProfileConfig(
+        target=str(tiny["tied"]), drafts=[str(tiny["root"] / "on-gpu")], copy=True, draft_dtype="float64",
+        target_dtype="float64", k=3, heldout=str(tiny["heldout"]), heldout_tokens=32, latency_steps=4,
+        device="cuda", e2e=False, out=str(out), cache=str(tiny["cache"]), progress=False))
+    assert result["target"]["device"].startswith("cuda:") and result["machine"]["draft_device"].startswith("cuda:")
+    assert result["candidates"][1]["agreement"] == 1.0  # the float64 copy of the target is the target
