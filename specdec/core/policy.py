@@ -35,6 +35,13 @@ tokens that slow all the others. On a GPU, where `c1` is small until the pass is
 speculation keeps paying under load; on a CPU, where every scored position costs, `k` falls as
 load rises, to `0` at saturation. Alone (`B` ~ 1) the per-`k` table `t_v(k)` is used as it is.
 
+A draft may propose fewer tokens than asked (prompt lookup proposes nothing when the text does
+not repeat). With `rho` the fraction of asked-for tokens proposed (EWMA, 1 for a model draft),
+a round yields `1 + rho * (E(k) - 1)` tokens, verifies `rho * k` draft tokens alone on average,
+and, in a pass padded to its widest row, makes every row `1 + k * (1 - (1 - rho)^B)` positions
+wide: under load, one session's full block widens the pass for all, while most rows gain
+nothing.
+
 All of `alpha`, the round trips, `t_d`, `t_v(k)` (per `k`), `B` and `q` are EWMAs of online
 measurements (`update`); `choose_k` takes the argmax over `0..k_max`, with a hysteresis band
 (`min_gain`) between `k = 0` and speculation judged at an optimistic acceptance (`best_k`), a
@@ -180,6 +187,8 @@ class PolicyState:
     """EWMA of the verify's batch size `B` (sessions per target pass)."""
     queue_ratio: float | None = None
     """EWMA of the verify's queue wait over its compute, `q`."""
+    proposal_rate: float | None = None
+    """EWMA of proposed / asked-for draft tokens, `rho` (rounds that called the draft)."""
     pass_moments: tuple[float, ...] = ()
     """EWMA moments `(E[x], E[y], E[x^2], E[x*y])` of the target passes' scored positions `x` and
     compute `y` (empty until a target reports positions): the pass-cost line."""
@@ -215,6 +224,7 @@ class PolicyState:
             "verify_s": list(self.verify_s),
             "batch_ewma": self.batch_ewma,
             "queue_ratio": self.queue_ratio,
+            "proposal_rate": self.proposal_rate,
             "pass_moments": list(self.pass_moments),
             "backoff": self.backoff,
             "resume_probe": self.resume_probe,
@@ -239,6 +249,7 @@ class PolicyState:
             verify_s=tuple(_opt_float(v) for v in d.get("verify_s", ())),
             batch_ewma=_opt_float(d.get("batch_ewma")),
             queue_ratio=_opt_float(d.get("queue_ratio")),
+            proposal_rate=_opt_float(d.get("proposal_rate")),
             pass_moments=tuple(float(v) for v in d.get("pass_moments", ())),
             backoff=int(d.get("backoff", 0)),
             resume_probe=bool(d.get("resume_probe", False)),
@@ -303,13 +314,14 @@ def _verify_times(state: PolicyState, config: PolicyConfig, k_max: int | None = 
     table = [_verify_at(state.verify_s, line, k) for k in ks]
     batch = state.batch_ewma or 1.0
     q = max(0.0, state.queue_ratio or 0.0)
-    if batch < LOADED_BATCH:
-        return [None if t is None else (1.0 + q) * t for t in table]
-    fit = pass_line(state.pass_moments, None if line is None else line[2])
-    if fit is None:
-        return [None if t is None else (1.0 + q) * t for t in table]
+    rho = _rate(state)
+    fit = pass_line(state.pass_moments, None if line is None else line[2]) if batch >= LOADED_BATCH else None
+    if fit is None:  # alone: a round verifies the full block with probability rho, else none
+        return [None if t is None or (k and table[0] is None)
+                else (1.0 + q) * (t if k == 0 else rho * t + (1.0 - rho) * table[0]) for k, t in zip(ks, table)]
     c0, c1 = fit
-    return [(1.0 + q) * max(0.0, c0 + c1 * batch * (k + 1)) for k in ks]
+    full = 1.0 - (1.0 - rho) ** batch  # some row of the pass proposes its whole block
+    return [(1.0 + q) * max(0.0, c0 + c1 * batch * (1.0 + k * full)) for k in ks]
 
 
 LOADED_BATCH = 1.1
@@ -317,6 +329,11 @@ LOADED_BATCH = 1.1
 MIN_POSITION_VARIANCE = 0.5
 """The pass-cost line's slope is fitted only when the positions vary at least this much (else
 the per-`k` table's slope is used)."""
+
+
+def _loaded(state: PolicyState) -> bool:
+    """Sharing the target's passes, with a pass-cost line to price k by."""
+    return (state.batch_ewma or 1.0) >= LOADED_BATCH and len(state.pass_moments) == 4
 
 
 def pass_line(moments: Sequence[float], fallback_slope: float | None) -> tuple[float, float] | None:
@@ -345,6 +362,7 @@ def _curve(
     """`_goodput` for each `k` in turn, with `E(k)` built up as `E(k-1) + alpha^k` (hot path)."""
     curve: list[float | None] = []
     tokens, power = 1.0, 1.0  # E(k), alpha^k
+    rho = _rate(state)
     for k, t_v in enumerate(t_vs):
         if k > 0:
             if alpha is None:
@@ -353,7 +371,7 @@ def _curve(
             power *= alpha
             tokens += power
         t = _round_time(state, config, k, alpha, t_v)
-        curve.append(None if t is None or t <= 0.0 else tokens / t)
+        curve.append(None if t is None or t <= 0.0 else (1.0 + rho * (tokens - 1.0)) / t)
     return curve
 
 
@@ -366,7 +384,7 @@ def _round_time(
         return state.rtt_target_s + t_v
     if state.rtt_draft_s is None or state.draft_token_s is None:
         return None
-    draft = state.rtt_draft_s + k * state.draft_token_s
+    draft = state.rtt_draft_s + _rate(state) * k * state.draft_token_s
     if not config.overlap:
         return draft + state.rtt_target_s + t_v
     if alpha is None:
@@ -385,7 +403,12 @@ def _goodput(
         return 1.0 / t
     if alpha is None:
         return None
-    return expected_tokens(alpha, k) / t
+    return (1.0 + _rate(state) * (expected_tokens(alpha, k) - 1.0)) / t
+
+
+def _rate(state: PolicyState) -> float:
+    """`rho`: the fraction of asked-for draft tokens proposed (1 until measured)."""
+    return 1.0 if state.proposal_rate is None else min(1.0, max(0.0, state.proposal_rate))
 
 
 def _verify_line(verify_s: Sequence[float | None]) -> tuple[float, float, float] | None:
@@ -428,7 +451,9 @@ def update(state: PolicyState, obs: Observation, config: PolicyConfig) -> Policy
     - Round trips are wall minus compute (and minus the verify's queue wait), clamped at 0. The
       batch size and the queue wait over the compute feed `B` and `q`. The draft's are learnt only from
       rounds that called it (`k >= 1`) and did not fail; `t_d` only when tokens were proposed.
-    - Verify compute goes to the EWMA for the number of tokens the target actually verified.
+    - Verify compute goes to the EWMA for the number of tokens the target actually verified;
+      `rho` is the EWMA of proposed / k over rounds that called the draft; the (positions,
+      compute) pair of the pass, when the target reports positions, goes to the line's moments.
     - A draft failure starts the back-off (`draft_failure_backoff` rounds at `k = 0`).
     """
     w = config.ewma
@@ -440,8 +465,9 @@ def update(state: PolicyState, obs: Observation, config: PolicyConfig) -> Policy
         rejected = _ewma(rejected or 0.0, 1.0 if obs.accepted < obs.proposed else 0.0, w)
         alpha = _alpha(accepted, rejected, alpha)
 
-    rtt_draft, draft_token = state.rtt_draft_s, state.draft_token_s
+    rtt_draft, draft_token, rate = state.rtt_draft_s, state.draft_token_s, state.proposal_rate
     if obs.k > 0 and not obs.draft_failed:
+        rate = _ewma(rate, obs.proposed / obs.k, w)
         rtt_draft = _ewma(rtt_draft, max(0.0, obs.draft_wall_s - obs.draft_compute_s), w)
         if obs.proposed > 0:
             draft_token = _ewma(draft_token, obs.draft_compute_s / obs.proposed, w)
@@ -471,6 +497,7 @@ def update(state: PolicyState, obs: Observation, config: PolicyConfig) -> Policy
         verify_s=tuple(verify),
         batch_ewma=batch,
         queue_ratio=queue_ratio,
+        proposal_rate=rate,
         pass_moments=moments,
         backoff=config.draft_failure_backoff if obs.draft_failed else state.backoff,
         resume_probe=True if obs.draft_failed else state.resume_probe,
@@ -482,9 +509,12 @@ def update(state: PolicyState, obs: Observation, config: PolicyConfig) -> Policy
 # Deciding: argmax with hysteresis, exploration and back-off
 
 
-def is_exploration_round(rounds: int, config: PolicyConfig) -> bool:
-    """True on the rounds that probe a neighbour of the best `k`: the last of every `explore_every`."""
-    return rounds % config.explore_every == config.explore_every - 1
+def is_exploration_round(rounds: int, config: PolicyConfig, batch: float = 1.0) -> bool:
+    """True on the rounds that probe a neighbour of the best `k`: the last of every `explore_every`
+    (times the batch size `batch` when sessions share passes, so that the batch as a whole probes
+    about once every `explore_every` passes: a probe that widens a padded pass costs all of it)."""
+    every = config.explore_every * max(1, math.ceil(batch - 1e-9))
+    return rounds % every == every - 1
 
 
 def best_k(state: PolicyState, config: PolicyConfig) -> int | None:
@@ -536,6 +566,8 @@ def choose_k(state: PolicyState, config: PolicyConfig) -> int:
        (`(rounds // explore_every) % 2`), the other one at the ends of `[0, k_max]`; when the
        best is `0`, the best `k > 0` by estimated goodput (`1` while that is unknown), so a
        dead, unknown or unhelpful draft keeps being retried at the length that would replace 0;
+       under load (`B` sessions per pass, a pass-cost line known) probes come `B` times rarer
+       and only go down, since a longer block widens every row of a padded pass;
     4. otherwise the best `k` (`best_k`).
     """
     return _choose(state, config)[0]
@@ -577,10 +609,12 @@ def _choose(state: PolicyState, config: PolicyConfig) -> tuple[int, bool | None]
     best, best_positive = _best(state, config)
     if best is None:
         return min(state.k, config.k_max), None
-    if is_exploration_round(state.rounds, config):
+    if is_exploration_round(state.rounds, config, state.batch_ewma if _loaded(state) else 1.0):
         if best == 0:
             return best_positive or 1, None
-        up = (state.rounds // config.explore_every) % 2 == 0
+        # Under load a longer block widens the whole padded pass, for every session in it; the
+        # pass-cost line already prices longer blocks, so probes only go down there.
+        up = (state.rounds // config.explore_every) % 2 == 0 and not _loaded(state)
         if best == config.k_max or not up:
             return best - 1, None
         return best + 1, None
@@ -669,6 +703,7 @@ def merge_prior(
         draft_token_s=_mix(prior.draft_token_s, session.draft_token_s, weight),
         verify_s=verify,
         batch_ewma=_mix(prior.batch_ewma, session.batch_ewma, weight),
+        proposal_rate=_mix(prior.proposal_rate, session.proposal_rate, weight),
         queue_ratio=_mix(prior.queue_ratio, session.queue_ratio, weight),
         pass_moments=_mix_moments(prior.pass_moments, session.pass_moments, weight),
     )
