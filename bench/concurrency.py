@@ -8,7 +8,8 @@ batched against unbatched verification, in one run.
 Two pipelines of real processes are started side by side (the `specdec up` machinery), identical
 except for the target's `--max-batch` (16 against 1, i.e. no batching); only one is loaded at a
 time, and the cells run interleaved (concurrency c on the batched pipeline, then on the unbatched
-one, then the next c), so machine noise falls on both alike.
+one, then the next c), so machine noise falls on both alike; with several draft lengths, each
+runs in every cell and their order turns from one c to the next.
 
 Each cell is a closed loop: `c` clients each stream one generation after another (the bundled
 prompts in turn, greedy, `--max-new-tokens`), for `--warmup-s` unmeasured seconds and then
@@ -230,8 +231,10 @@ def main() -> None:
             pipelines[mode] = start_pipeline(args.base_port + 10 * i, max_batch, args)
             print(f"{mode} pipeline up (target --max-batch {max_batch})", flush=True)
         results = {"modes": {mode: [] for mode in modes}}
-        for c in levels:
-            for length in lengths:
+        for level, c in enumerate(levels):
+            # The order of the draft lengths turns from one level to the next, so that none is
+            # always measured first after a change of load.
+            for length in lengths[level % len(lengths):] + lengths[:level % len(lengths)]:
                 for i, mode in enumerate(modes):
                     base = args.base_port + 10 * i
                     before = scrape(base + 4)
