@@ -48,6 +48,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             if self.batcher is not None:
                 job = self.proposer.job(request.session_id, history, request.num_tokens, params, request.seed, deadline)
                 job.enqueued = arrived  # the queue wait includes the admission queue
+                job.sent_unix_ns = request.sent_unix_ns
                 index = 0
                 async for draft, step in self.batcher.stream(job):
                     yield draft_pb2.Proposal(
@@ -83,7 +84,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     @grpc_errors
     async def Release(self, request, context):
         if self.batcher is not None:
-            self.batcher.cancel_session(request.session_id)  # queued or running drafts of the session stop
+            self.batcher.cancel_session(request.session_id, request.sent_unix_ns)  # queued or running drafts of the session stop
         released = await self._call(self.proposer.release, request.session_id)
         if self.batcher is not None:  # a model proposer: its snapshot goes too
             await drop_snapshot(self.batcher.caches, request.session_id)

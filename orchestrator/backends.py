@@ -57,7 +57,7 @@ class _ModelBackend:
         return self.timeout_s if remaining is None else min(self.timeout_s, remaining)
 
     async def release(self, session_id: str) -> None:
-        await self.stub.Release(common_pb2.ReleaseRequest(session_id=session_id), timeout=self.timeout_s)
+        await self.stub.Release(common_pb2.ReleaseRequest(session_id=session_id, sent_unix_ns=time.time_ns()), timeout=self.timeout_s)
 
     async def save_snapshot(self, session_id: str) -> int:
         """Ask this replica to write the session's KV cache to Redis; the tokens it covers."""
@@ -85,7 +85,7 @@ class DraftBackend(_ModelBackend):
         start = time.perf_counter_ns()
         request = draft_pb2.ProposeRequest(
             session_id=session_id, history=history, num_tokens=k, sampling=sampling_to_pb(params),
-            seed=seed, tokenizer_fingerprint=fingerprint,
+            seed=seed, tokenizer_fingerprint=fingerprint, sent_unix_ns=time.time_ns(),
         )
         proposal = into if into is not None else Proposal()
         try:
@@ -118,6 +118,7 @@ class TargetBackend(_ModelBackend):
         request = target_pb2.VerifyRequest(
             session_id=session_id, history=history, draft_tokens=proposal.tokens,
             draft_probs=b"".join(proposal.probs), sampling=sampling_to_pb(params), seed=seed,
+            sent_unix_ns=time.time_ns(),
         )
         try:
             reply = await self.stub.Verify(request, timeout=self._timeout(timeout))

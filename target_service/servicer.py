@@ -32,6 +32,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             job = self.verifier.job(request.session_id, list(request.history), draft_tokens, q, params,
                                     request.seed, deadline)
             job.enqueued = arrived  # the queue wait includes the admission queue
+            job.sent_unix_ns = request.sent_unix_ns
             (verdict, prefilled), step = await self.batcher.run(job)
         return target_pb2.VerifyResponse(
             num_accepted=verdict.num_accepted, token_id=verdict.token, bonus=verdict.bonus,
@@ -46,7 +47,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     @grpc_errors
     async def Release(self, request, context):
-        self.batcher.cancel_session(request.session_id)  # queued work of the session is dropped too
+        self.batcher.cancel_session(request.session_id, request.sent_unix_ns)  # queued work of the session is dropped too
         released = await self.batcher.call(self.verifier.caches.release, request.session_id)
         await drop_snapshot(self.verifier.caches, request.session_id)  # everything held for the session goes
         return common_pb2.ReleaseResponse(released=released)

@@ -86,6 +86,7 @@ class Job:
         self.session_id = session_id
         self.deadline = deadline  # time.monotonic() after which the caller has given up, or None
         self.enqueued = time.monotonic()
+        self.sent_unix_ns = 0  # when its caller sent it (its clock), 0 if unknown
         self.started = False
         self.cancelled = False
         self.done = False
@@ -146,8 +147,11 @@ class Batcher:
         self._last_pass_s = 0.0  # compute time of the previous step
         self._finished_at: dict[str, float] = {}  # session → when its last job finished (recent ones)
         # session → when it was released: a job that arrived before that is stale (its caller was
-        # cancelled, but its RPC may reach the queue only after the release), and is dropped.
+        # cancelled, but its RPC may reach the queue only after the release), and is dropped. The
+        # same by the caller's clock: a job its caller sent before the release is stale too, even
+        # if its RPC reaches the service after the release.
         self._released_at: dict[str, float] = {}
+        self._released_sent: dict[str, int] = {}
         self.batches = 0  # forward passes run (for tests and GetInfo)
 
     @property
@@ -186,12 +190,16 @@ class Batcher:
         """Run `fn(*args)` on the worker thread, between steps (rollback, release)."""
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
-    def cancel_session(self, session_id: str) -> int:
-        """Cancel every queued or running job of a session (before its cache is released)."""
+    def cancel_session(self, session_id: str, sent_unix_ns: int = 0) -> int:
+        """Cancel every queued or running job of a session (before its cache is released), and
+        any job its caller sent before `sent_unix_ns` (the release's send time) that comes later."""
         now = time.monotonic()
         self._released_at[session_id] = now
+        if sent_unix_ns:
+            self._released_sent[session_id] = max(sent_unix_ns, self._released_sent.get(session_id, 0))
         if len(self._released_at) > 4096:  # forget releases old enough that nothing can be in flight
             self._released_at = {s: t for s, t in self._released_at.items() if now - t < 60.0}
+            self._released_sent = {s: t for s, t in self._released_sent.items() if s in self._released_at}
         count = 0
         for job in [*self._pending, *self._active]:
             if job.session_id == session_id and not job.done:
@@ -323,7 +331,9 @@ class Batcher:
             return True
         released = self._released_at.get(job.session_id)
         if released is not None and job.enqueued <= released:
-            job.cancelled = True  # sent before its session was released
+            job.cancelled = True  # arrived before its session was released
+        if job.sent_unix_ns and job.sent_unix_ns <= self._released_sent.get(job.session_id, 0):
+            job.cancelled = True  # sent before its session was released, arrived after
         if job.cancelled:
             job.finish(Cancelled(f"the request for session {job.session_id!r} was cancelled"))
             self.observer.on_dropped("cancelled")

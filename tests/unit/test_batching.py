@@ -242,6 +242,28 @@ async def test_cancel_session_stops_a_running_draft(model):
     await batcher.close()
 
 
+async def test_a_request_sent_before_its_release_is_dropped_when_it_arrives_after(model):
+    """The leak after cancellation: the orchestrator sends Verify, is cancelled, sends Release; the
+    Release is handled first. The Verify, sent earlier by the caller's clock, must not re-create
+    the cache; a Verify sent after the Release (a resumed session) runs."""
+    caches = SessionCaches(model, 512)
+    batcher = Batcher(caches, BatchConfig(max_batch=4, window_s=0))
+    verifier = Verifier(caches, V)
+    sent_before = time.time_ns()
+    batcher.cancel_session("s", sent_unix_ns=time.time_ns())
+    await asyncio.sleep(0.01)  # the stale request reaches the service after the release
+    stale = verifier.job("s", [5, 6, 7], [8], None, SamplingParams(), 0)
+    stale.sent_unix_ns = sent_before
+    with pytest.raises(Cancelled):
+        await batcher.run(stale)
+    assert len(caches) == 0
+    fresh = verifier.job("s", [5, 6, 7], [8], None, SamplingParams(), 0)
+    fresh.sent_unix_ns = time.time_ns()
+    await batcher.run(fresh)
+    assert len(caches) == 1
+    await batcher.close()
+
+
 def test_emulated_latency_pads_a_batch_once(model):
     caches = SessionCaches(model, 512)
     batcher = Batcher(caches, BatchConfig(max_batch=4, window_s=0), profile=LatencyProfile(0.05, 0.0))
