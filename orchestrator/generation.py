@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import secrets
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
-from typing import AsyncIterator
 
 from orchestrator.chat import first_turn, next_turn
 from orchestrator.config import OrchestratorConfig
@@ -17,15 +18,28 @@ from orchestrator.loop import Speculator
 from orchestrator.replicas import DraftPool, TargetPool
 from orchestrator.store import GenerationRecord, RedisSessionStore, SessionState
 from orchestrator.text import TextStream
-from specdec.core.policy import (
-    Observation, PolicyConfig, PolicyState, choose_k, initial_state, merge_prior, next_k,
-)
 from specdec.admission import Admission
+from specdec.core.policy import (
+    Observation,
+    PolicyConfig,
+    PolicyState,
+    choose_k,
+    initial_state,
+    merge_prior,
+    next_k,
+)
 from specdec.core.sampling import SamplingParams
-from specdec.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound, SpecdecError
+from specdec.errors import (
+    Aborted,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    SpecdecError,
+)
 from specdec.limits import check_session_id
 from specdec.metrics import OrchestratorMetrics
-from specdec.v1 import common_pb2, orchestrator_pb2 as pb
+from specdec.v1 import common_pb2
+from specdec.v1 import orchestrator_pb2 as pb
 
 log = logging.getLogger("specdec.orchestrator")
 MAX_SEED = 2**63 - 1
@@ -298,8 +312,9 @@ class Generator:
         """
         async with self.admission.slot(deadline=deadline, context=context):
             with self.metrics.start_request() as timer:
-                async for chunk in self._generate(spec, deadline, timer):
-                    yield chunk
+                async with contextlib.aclosing(self._generate(spec, deadline, timer)) as chunks:
+                    async for chunk in chunks:  # closed with this one: a client that leaves frees at once
+                        yield chunk
 
     async def _generate(self, spec: GenerationSpec, deadline: float | None, timer) -> AsyncIterator[pb.GenerateChunk]:
         start = time.perf_counter()

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from orchestrator.generation import Generator
 from orchestrator.status import Counters, status
 from specdec.admission import deadline_of
 from specdec.auth import current_principal
 from specdec.errors import InvalidArgument, grpc_errors
-from specdec.v1 import orchestrator_pb2 as pb, orchestrator_pb2_grpc
+from specdec.v1 import orchestrator_pb2 as pb
+from specdec.v1 import orchestrator_pb2_grpc
 
 
 class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
@@ -18,8 +21,10 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
     @grpc_errors
     async def Generate(self, request: pb.GenerateRequest, context):
         spec = self.generator.parse(request, principal=current_principal())
-        async for chunk in self.counters.observe(self.generator.generate(spec, deadline_of(context), context)):
-            yield chunk
+        chunks = self.counters.observe(self.generator.generate(spec, deadline_of(context), context))
+        async with contextlib.aclosing(chunks):  # closed with this handler: cleanup runs at once
+            async for chunk in chunks:
+                yield chunk
 
     @grpc_errors
     async def GenerateUnary(self, request: pb.GenerateRequest, context):

@@ -8,10 +8,11 @@ generation logic does not need to know they exist. They are per process, since s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from importlib import metadata
-from typing import AsyncIterator
 
 from specdec.v1 import orchestrator_pb2 as pb
 
@@ -43,9 +44,10 @@ class Counters:
         """Pass a generation's chunks through, counting it while it runs and once it ends."""
         self.active_generations += 1
         try:
-            async for chunk in chunks:
-                self.observe_chunk(chunk)
-                yield chunk
+            async with contextlib.aclosing(chunks):  # closed with this wrapper: its cleanup runs now
+                async for chunk in chunks:
+                    self.observe_chunk(chunk)
+                    yield chunk
         finally:
             self.active_generations -= 1
             self.generations_total += 1

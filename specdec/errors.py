@@ -7,10 +7,12 @@ into the same class with `from_rpc_error`.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import grpc
 
@@ -116,8 +118,9 @@ def grpc_errors(method: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(method)
         async def stream_wrapper(self, request, context):
             try:
-                async for item in method(self, request, context):
-                    yield item
+                async with contextlib.aclosing(method(self, request, context)) as items:
+                    async for item in items:  # closed with this wrapper, so its cleanup runs now
+                        yield item
             except grpc.aio.AbortError:
                 raise
             except Exception as exc:  # noqa: BLE001 - this is the mapping point

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -67,10 +68,13 @@ def wrap_handler(handler, scope: Callable[[Any, Any], Any],
         async def stream(request, context):
             with contextlib.ExitStack() as stack:
                 enter(stack, request, context)
-                async for item in inner(request, context):
-                    if observe is not None:
-                        observe(item)
-                    yield item
+                # Closed when this wrapper is: a client that goes away closes the outermost
+                # generator, and each layer must close the one it wraps for its cleanup to run now.
+                async with contextlib.aclosing(inner(request, context)) as items:
+                    async for item in items:
+                        if observe is not None:
+                            observe(item)
+                        yield item
     else:  # a coroutine that writes with context.write
         async def stream(request, context):
             with contextlib.ExitStack() as stack:
