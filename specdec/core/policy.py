@@ -315,7 +315,7 @@ def _verify_times(state: PolicyState, config: PolicyConfig, k_max: int | None = 
     batch = state.batch_ewma or 1.0
     q = max(0.0, state.queue_ratio or 0.0)
     rho = _rate(state)
-    fit = pass_line(state.pass_moments, None if line is None else line[2]) if batch >= LOADED_BATCH else None
+    fit = pass_line(state.pass_moments, None if line is None else line[2]) if _loaded(state) else None
     if fit is None:  # alone: a round verifies the full block with probability rho, else none
         return [None if t is None or (k and table[0] is None)
                 else (1.0 + q) * (t if k == 0 else rho * t + (1.0 - rho) * table[0]) for k, t in zip(ks, table)]
