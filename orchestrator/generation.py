@@ -281,9 +281,13 @@ class Generator:
         """--kv-snapshots: the target and draft replicas holding the session write its caches to
         Redis, in the background (the client is not kept waiting; a failure is only logged)."""
         for pool in self._pools():
-            task = asyncio.get_running_loop().create_task(pool.save_snapshot(session_id))
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
+            self._spawn(pool.save_snapshot(session_id))
+
+    def _spawn(self, work) -> None:
+        """Run `work` in the background, holding a reference until it is done."""
+        task = asyncio.get_running_loop().create_task(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _interrupted(self, session_id: str, owner: str, release_caches: bool) -> None:
         """A request stopped before its generation's end: free its lease (the generation stays
@@ -319,6 +323,30 @@ class Generator:
     async def _generate(self, spec: GenerationSpec, deadline: float | None, timer) -> AsyncIterator[pb.GenerateChunk]:
         start = time.perf_counter()
         state = await (self._resume(spec) if spec.resume_from is not None else self._open(spec))
+        gen = state.generation
+        finish = pb.FINISH_REASON_UNSPECIFIED
+        try:
+            async with contextlib.aclosing(self._stream(spec, state, deadline, timer, start)) as chunks:
+                async for chunk in chunks:
+                    finish = chunk.finish_reason
+                    yield chunk
+        except (asyncio.CancelledError, GeneratorExit):
+            # The client went away (the task was cancelled at an await, or the stream was closed
+            # while suspended at a yield): the generation stays resumable, the lease and the
+            # services' caches for the session are freed, in a task of their own so that a second
+            # cancellation cannot cut the cleanup short.
+            if finish == pb.FINISH_REASON_UNSPECIFIED:
+                self._spawn(self._interrupted(state.session_id, gen.owner, True))
+            raise
+        except Exception:
+            if finish == pb.FINISH_REASON_UNSPECIFIED:
+                await self._interrupted(state.session_id, gen.owner, False)
+            raise
+
+    async def _stream(self, spec: GenerationSpec, state: SessionState, deadline: float | None, timer,
+                      start: float) -> AsyncIterator[pb.GenerateChunk]:
+        """The chunks of a generation whose session is open and leased: the header, what a resume
+        lacks, then one chunk per round until the generation finishes."""
         gen = state.generation
         sent = spec.resume_from or 0
         yield pb.GenerateChunk(session_id=state.session_id, offset=sent)  # header: the session is recorded
@@ -398,15 +426,6 @@ class Generator:
                 else:
                     chunk.text = text.release()
                 yield chunk
-        except asyncio.CancelledError:
-            # The client went away: its generation stays resumable, the lease and the services'
-            # caches for the session are freed.
-            asyncio.get_running_loop().create_task(self._interrupted(state.session_id, gen.owner, True))
-            raise
-        except Exception:
-            if finish == pb.FINISH_REASON_UNSPECIFIED:
-                await self._interrupted(state.session_id, gen.owner, False)
-            raise
         finally:
             speculator.close()
 

@@ -7,6 +7,7 @@ into the same class with `from_rpc_error`.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import inspect
@@ -17,6 +18,10 @@ from typing import Any
 import grpc
 
 log = logging.getLogger(__name__)
+
+# How a client that leaves shows up in a server: the handler's task is cancelled at an await,
+# or its response stream is closed while suspended at a yield.
+CANCELLATIONS = (asyncio.CancelledError, GeneratorExit)
 
 
 class SpecdecError(Exception):

@@ -54,6 +54,8 @@ from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from specdec.errors import CANCELLATIONS
+
 log = logging.getLogger(__name__)
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
@@ -172,7 +174,8 @@ class RequestTimer:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if not self.finished:  # left without observe_finish: an error or a cancellation
-            reason = "cancelled" if exc_type is not None and exc_type.__name__ == "CancelledError" else "error"
+            # A client that leaves shows as a cancelled task, or as a stream closed at a yield.
+            reason = "cancelled" if exc_type is not None and issubclass(exc_type, CANCELLATIONS) else "error"
             self.observe_finish(reason, 0, 0)
 
 

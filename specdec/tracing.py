@@ -29,6 +29,7 @@ from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from specdec import logs
+from specdec.errors import CANCELLATIONS
 from specdec.interceptors import is_open_method, wrap_handler
 
 log = logging.getLogger(__name__)
@@ -168,7 +169,7 @@ class _CallScope:
         except Exception:  # noqa: BLE001 - older gRPC releases have no code()
             pass
         if exc_type is not None and code in (None, grpc.StatusCode.OK):
-            code = grpc.StatusCode.CANCELLED if exc_type.__name__ == "CancelledError" else grpc.StatusCode.UNKNOWN
+            code = grpc.StatusCode.CANCELLED if issubclass(exc_type, CANCELLATIONS) else grpc.StatusCode.UNKNOWN
         code = code or grpc.StatusCode.OK
         self.span.set_attribute("rpc.grpc.status_code", code.value[0])
         if code != grpc.StatusCode.OK:

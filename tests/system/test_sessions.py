@@ -6,11 +6,16 @@ simulation) so a stream is still running when a second request arrives.
 
 from __future__ import annotations
 
+import asyncio
+import json
+
 import grpc
 import pytest
 import redis
 
 from orchestrator.chat import first_turn
+from orchestrator.config import OrchestratorConfig
+from orchestrator.server import build_generator
 from orchestrator.store import meta_key, tokens_key
 from specdec.runtime.models import load_tokenizer
 from specdec.v1 import orchestrator_pb2 as pb
@@ -88,6 +93,43 @@ def test_resume_after_a_cancelled_stream_sends_exactly_the_rest(pipeline, stub, 
     assert [t for c in again for t in c.token_ids] == []
     assert again[-1].finish_reason == final.finish_reason
     assert again[-1].stats.completion_tokens == len(expected)
+
+
+def test_a_stream_closed_at_a_yield_frees_the_lease_and_both_caches(pipeline, tiny_models):
+    """A client that leaves while its stream waits at a `yield` (the gRPC write) does not cancel
+    the handler's task: its response generators are closed instead (GeneratorExit). That path
+    must free the session like a cancelled task does: caches on both services, the lease, and
+    the generation left resumable. An orchestrator in this process, against the real services."""
+    addresses = pipeline.plan.grpc_addresses()
+
+    async def scenario() -> tuple[str, dict, dict, float, dict]:
+        config = OrchestratorConfig(target=addresses["target"], draft=addresses["draft"], model=str(tiny_models["target"]),
+                                    redis_url=f"redis://127.0.0.1:{pipeline.plan.redis_port}/0", draft_length=4)
+        generator = await build_generator(config)
+
+        async def cached() -> dict[str, int]:  # sessions each service holds a cache for
+            return {role: (await backend.info()).cached_sessions for role, backend in generator.backends()}
+
+        before = await cached()
+        stream = generator.generate(generator.parse(request(PROMPT, max_new_tokens=MAX_NEW)))
+        session = (await anext(stream)).session_id
+        assert (await anext(stream)).token_ids  # one round ran: both services hold the session
+        assert await cached() == {role: n + 1 for role, n in before.items()}
+        await stream.aclose()  # as gRPC does when the client goes away at a write
+        for _ in range(100):
+            if not generator._background:
+                break
+            await asyncio.sleep(0.05)
+        after = await cached()
+        cancelled = generator.metrics.registry.get_sample_value(
+            "specdec_request_success_total", {"finish_reason": "cancelled", "service": "orchestrator"})
+        return session, before, after, cancelled, json.loads(redis.Redis(port=pipeline.plan.redis_port).hget(
+            meta_key(session), "state"))["generation"]
+
+    session, before, after, cancelled, generation = asyncio.run(scenario())
+    assert after == before, "the closed stream's caches were left on the services"
+    assert generation["lease_until"] == 0 and generation["finish"] == 0  # free, and resumable
+    assert cancelled == 1
 
 
 def test_resume_takes_a_running_generation_over(pipeline, stub, expected):

@@ -39,9 +39,11 @@ def traced(tiny_models, tmp_path_factory):
 
 
 def spans(path: Path) -> list[dict]:
+    """The finished spans a service has written so far (a line still being written is left out)."""
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    complete = path.read_text().split("\n")[:-1]  # what follows the last newline is not finished
+    return [json.loads(line) for line in complete if line.strip()]
 
 
 def wait_for(predicate, timeout_s: float = 10.0):
@@ -139,7 +141,13 @@ def test_the_http_gateway_continues_the_callers_trace(traced):
                                   and s["attributes"].get("specdec.session_id") == session), None))
     assert root is not None and root["context"]["trace_id"] == "0x" + trace_id
     assert root["attributes"]["specdec.request_id"] == "req-http-1"
-    http = wait_for(lambda: [s for s in spans(files["http"]) if s["context"]["trace_id"] == "0x" + trace_id])
+
+    def gateway_spans():  # the request's own span ends last, after the response's inner spans
+        http = [s for s in spans(files["http"]) if s["context"]["trace_id"] == "0x" + trace_id]
+        return http if any(s["name"] == "POST /v1/completions" for s in http) else None
+
+    http = wait_for(gateway_spans)
+    assert http, "no gateway span for the request"
     gateway = [s for s in http if s["name"] == "POST /v1/completions"]
-    assert gateway and gateway[0]["parent_id"] == "0x00f067aa0ba902b7"  # under the caller's span
+    assert gateway[0]["parent_id"] == "0x00f067aa0ba902b7"  # under the caller's span
     assert root["parent_id"] in {s["context"]["span_id"] for s in http}  # the orchestrator under the gateway

@@ -219,7 +219,9 @@ def test_distillation_lowers_the_heldout_kl_within_seconds(tiny):
 
 def test_sampled_head_is_the_full_softmax_when_it_draws_every_token(tiny):
     target = load_model(str(tiny["tied"]), dtype="float32", progress=False)
-    draft = make_shallow(target.model, [0, 1])
+    # In float64: the sampled head multiplies the columns in another order than the full head,
+    # and in float32 that alone moves a KL by more than 1e-5 on some CPUs (seen in CI).
+    draft = make_shallow(target.model, [0, 1]).double()
     text = _heldout_text(tiny)
     data = TeacherData(text.tokens, text.start, [t[:, :2] for t in text.top_ids], [t[:, :2] for t in text.top_logp])
     rows = list(range(len(data)))
