@@ -22,6 +22,8 @@ class Proposal:
     probs: list[bytes] = field(default_factory=list)  # one float32 row per token, or empty
     wall_ns: int = 0
     compute_ns: int = 0
+    prefill_tokens: int = 0  # history tokens the draft (re-)prefilled before proposing
+    drafted: int = 0  # tokens the draft computed (more than `tokens` when drafted ahead)
 
 
 @dataclass
@@ -34,6 +36,7 @@ class Verdict:
     queue_ns: int = 0  # waited in the target's queues before the pass
     batch_size: int = 1  # sessions in the same pass
     batch_positions: int = 0  # positions that pass scored (0: not reported)
+    prefill_tokens: int = 0  # history tokens the target (re-)prefilled before verifying
 
 
 class DraftUnavailable(Exception):
@@ -94,6 +97,7 @@ class DraftBackend(_ModelBackend):
                 if msg.probs:
                     proposal.probs.append(msg.probs)
                 proposal.compute_ns += msg.compute_ns
+                proposal.prefill_tokens += msg.prefill_tokens
                 if progress is not None:
                     progress.set()
         except grpc.aio.AioRpcError as exc:
@@ -103,6 +107,7 @@ class DraftBackend(_ModelBackend):
                 raise DeadlineExceeded("the request's deadline passed while the draft proposed") from exc
             raise DraftUnavailable(f"{exc.code().name}: {exc.details()}") from exc
         proposal.wall_ns = time.perf_counter_ns() - start
+        proposal.drafted = len(proposal.tokens)
         return proposal
 
 
@@ -133,4 +138,4 @@ class TargetBackend(_ModelBackend):
             ) from exc
         return Verdict(reply.num_accepted, reply.token_id, reply.bonus,
                        time.perf_counter_ns() - start, reply.compute_ns, reply.queue_ns, max(1, reply.batch_size),
-                       reply.batch_positions)
+                       reply.batch_positions, reply.prefill_tokens)

@@ -65,14 +65,17 @@ class GenerationSpec:
     principal: str = ""  # who sends it (specdec.auth.principal_of): only they may continue its session
 
 
-def observation(stats: pb.RoundStats) -> Observation:
-    """What the controller learns from one round."""
+def observation(stats: pb.RoundStats, loop_s: float = 0.0) -> Observation:
+    """What the controller learns from one round (`loop_s`: the orchestrator's own time since
+    the previous round)."""
     return Observation(
         k=stats.draft_length if not stats.draft_fallback else 0, proposed=stats.proposed, accepted=stats.accepted,
         draft_wall_s=stats.draft_ns / 1e9, draft_compute_s=stats.draft_compute_ns / 1e9,
         verify_wall_s=stats.verify_ns / 1e9, verify_compute_s=stats.verify_compute_ns / 1e9,
         draft_failed=stats.draft_fallback, verify_queue_s=min(stats.verify_queue_ns, stats.verify_ns) / 1e9,
         batch_size=max(1, stats.verify_batch_size), batch_positions=stats.verify_batch_positions,
+        drafted=stats.drafted, draft_prefill_tokens=stats.draft_prefill_tokens,
+        verify_prefill_tokens=stats.verify_prefill_tokens, loop_s=max(0.0, loop_s),
     )
 
 
@@ -374,12 +377,18 @@ class Generator:
         policy = await self._policy(state) if auto else None
         speculator = Speculator(state.session_id, params, state.seed, self.draft, self.target,
                                 self.fingerprint, overlap=self.config.overlap, deadline=deadline)
+        first, round_end = True, None
         try:
             while finish == pb.FINISH_REASON_UNSPECIFIED:
                 generated = len(state.tokens) - gen.start
                 remaining = min(gen.max_new_tokens - generated, self.max_context - len(state.tokens))
                 wanted = policy.k if policy is not None else max(state.draft_length, 0)
                 k = max(0, min(wanted, remaining - 1)) if self.draft is not None else 0
+                # A request's first round verifies no draft: its first token comes from the
+                # target's prefill alone (the shortest time to first token), and with overlap the
+                # draft prefills the new turn and drafts the next block meanwhile, instead of
+                # both prefills running one after the other.
+                k, first = (0 if first else k), False
                 # With overlap, the next block is drafted during this verify: as long as the
                 # controller would choose now (so a probe after k = 0 rounds also runs in the
                 # shadow of a verify, catching the draft's cache up for free), and no longer than
@@ -390,9 +399,12 @@ class Generator:
                 if self.config.overlap and policy is not None:
                     upcoming = max(upcoming, 1)
                 k_next = max(0, min(upcoming, remaining - k - 2)) if self.draft is not None else 0
+                round_start = time.perf_counter()
                 rnd = await speculator.round(state.tokens, k, k_next)
+                loop_s = round_start - round_end if round_end is not None else 0.0
+                round_end = time.perf_counter()
                 if policy is not None:
-                    _, policy = next_k(policy, observation(rnd.stats), self.policy_config)
+                    _, policy = next_k(policy, observation(rnd.stats, loop_s), self.policy_config)
                     state.policy = policy.to_dict()
                 kept, finish = self._apply_stops(rnd.emitted, remaining, text)
                 gen.rounds += 1

@@ -39,6 +39,7 @@ class _Ahead:
 
     base_len: int  # len(history + block) it extends
     block: list[int]  # the block under verification
+    asked: int  # draft tokens it was asked for beyond the guessed bonus token
     task: asyncio.Task
     proposal: Proposal  # filled as tokens arrive
     progress: asyncio.Event  # set on every new token
@@ -76,7 +77,8 @@ class Speculator:
         if k > 0 and self.draft is not None:
             ahead = await self._take_ahead(history, k)
             if ahead is not None:
-                proposal, overlapped = ahead, True
+                # A block drafted ahead for a shorter k than chosen now stands for its own k.
+                (proposal, k), overlapped = ahead, True
             else:
                 try:
                     if not self.draft.available:
@@ -102,7 +104,8 @@ class Speculator:
             draft_ns=proposal.wall_ns, draft_compute_ns=proposal.compute_ns,
             verify_ns=verdict.wall_ns, verify_compute_ns=verdict.compute_ns, draft_fallback=fallback,
             overlapped=overlapped, verify_queue_ns=verdict.queue_ns, verify_batch_size=verdict.batch_size,
-            verify_batch_positions=verdict.batch_positions,
+            verify_batch_positions=verdict.batch_positions, draft_prefill_tokens=proposal.prefill_tokens,
+            verify_prefill_tokens=verdict.prefill_tokens, drafted=proposal.drafted,
         )
         return Round(emitted, stats)
 
@@ -112,12 +115,13 @@ class Speculator:
         task = asyncio.ensure_future(self.draft.propose(
             self.session_id, history + block, k_next + 1, self.params, self.seed, self.fingerprint,
             into=proposal, progress=progress, timeout=self._remaining()))
-        ahead = _Ahead(len(history) + len(block), list(block), task, proposal, progress)
+        ahead = _Ahead(len(history) + len(block), list(block), k_next, task, proposal, progress)
         ahead.task.add_done_callback(lambda t: t.cancelled() or t.exception())  # never "unretrieved"
         self._ahead = ahead
 
-    async def _take_ahead(self, history: list[int], k: int) -> Proposal | None:
-        """The overlapped draft's block if its guess held (history = guessed base + bonus)."""
+    async def _take_ahead(self, history: list[int], k: int) -> tuple[Proposal, int] | None:
+        """The overlapped draft's block if its guess held (history = guessed base + bonus), with
+        the draft length it covers (`k`, or less when it was asked for fewer tokens)."""
         ahead, self._ahead = self._ahead, None
         if ahead is None:
             return None
@@ -136,10 +140,11 @@ class Speculator:
             return None  # the bonus token differs from the draft's guess (or the draft failed)
         if not ahead.task.done():
             ahead.task.cancel()  # we have the k tokens we need: stop the draft here
-        proposal = ahead.proposal
+        proposal, k = ahead.proposal, min(k, ahead.asked)
         return Proposal(tokens=tokens[1:1 + k], probs=proposal.probs[1:1 + k],
                         wall_ns=proposal.wall_ns or time.perf_counter_ns() - ahead.started_ns,
-                        compute_ns=proposal.compute_ns)
+                        compute_ns=proposal.compute_ns, prefill_tokens=proposal.prefill_tokens,
+                        drafted=len(tokens)), k
 
     def close(self) -> None:
         """Cancel an overlapped draft still in flight."""

@@ -8,15 +8,18 @@ call at all.
 The model, with per-token acceptance `alpha`:
 
 - tokens per round `E(k) = (1 - alpha^(k+1)) / (1 - alpha)`, `E(0) = 1` (`k + 1` at `alpha = 1`);
-- sequential round time `T(k) = rtt_d + k*t_d + rtt_t + t_v(k)` for `k >= 1` and
-  `T(0) = rtt_t + t_v(0)`, where `rtt_*` is a call's wall time minus the compute time its
-  server reports, `t_d` the draft's compute per token and `t_v(k)` the target's compute to
-  verify `k` draft tokens (`k + 1` positions);
+- sequential round time `T(k) = L + rtt_d + k*t_d + rtt_t + t_v(k)` for `k >= 1` and
+  `T(0) = L + rtt_t + t_v(0)`, where `rtt_*` is a call's wall time minus the compute time its
+  server reports, `t_d` the draft's compute per token, `t_v(k)` the target's compute to
+  verify `k` draft tokens (`k + 1` positions) and `L` the orchestrator's own time per round
+  (saving the session, streaming the chunk), which a longer block spreads over more tokens;
 - overlapped round time (`PolicyConfig.overlap`: the draft of block i+1 runs during the verify
-  of block i, guessing that block i is fully accepted):
-  `T(k) = rtt_t + t_v(k) + (1 - alpha^k)*(rtt_d + k*t_d) + alpha^k*max(0, rtt_d + k*t_d - t_v(k))`.
-  With probability `alpha^k` the guess holds and only the part of the draft that outlasts the
-  verify is paid; otherwise the next draft starts fresh after the verdict and is paid in full.
+  call of block i, guessing that block i is fully accepted and drafting the bonus token it
+  guesses, then `k` more):
+  `T(k) = V + (1 - alpha^k)*(rtt_d + k*t_d) + alpha^k*max(0, rtt_d + (k+1)*t_d - V)` with
+  `V = L + rtt_t + t_v(k)`. With probability `alpha^k` the guess holds and only the part of the
+  draft that outlasts the verify call is paid; otherwise the next draft starts fresh after the
+  verdict and is paid in full.
   It is an approximation: it ignores the draft compute wasted on a failed guess (that falls on
   the draft server only) and any contention between the two.
 
@@ -136,6 +139,17 @@ class Observation:
     """Sessions verified in the same forward pass (1: alone)."""
     batch_positions: int = 0
     """Positions that forward pass scored over all its sessions (0: not reported)."""
+    drafted: int = 0
+    """Tokens the draft computed for the block: the proposed ones, plus the bonus token it
+    guessed when it drafted the block ahead, during the previous verify (0: as many as proposed)."""
+    draft_prefill_tokens: int = 0
+    """History tokens the draft (re-)prefilled into its cache before proposing (a new session, a
+    lost cache, or a cache that fell behind while the draft was not called)."""
+    verify_prefill_tokens: int = 0
+    """History tokens the target (re-)prefilled before verifying."""
+    loop_s: float = 0.0
+    """The orchestrator's own time between the previous round and this one (saving the session,
+    streaming the chunk, choosing `k`); 0 when not measured (a request's first round)."""
 
     def __post_init__(self) -> None:
         if self.k < 0:
@@ -151,7 +165,12 @@ class Observation:
         if isinstance(self.batch_positions, bool) or not isinstance(self.batch_positions, int) \
                 or self.batch_positions < 0:
             raise ValueError(f"batch_positions={self.batch_positions!r} is invalid: must be an int >= 0")
-        for name in ("draft_wall_s", "draft_compute_s", "verify_wall_s", "verify_compute_s", "verify_queue_s"):
+        for name in ("drafted", "draft_prefill_tokens", "verify_prefill_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name}={value!r} is invalid: must be an int >= 0")
+        for name in ("draft_wall_s", "draft_compute_s", "verify_wall_s", "verify_compute_s", "verify_queue_s",
+                     "loop_s"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0.0):
                 raise ValueError(f"{name}={value!r} is invalid: must be a finite time >= 0")
@@ -189,6 +208,8 @@ class PolicyState:
     """EWMA of the verify's queue wait over its compute, `q`."""
     proposal_rate: float | None = None
     """EWMA of proposed / asked-for draft tokens, `rho` (rounds that called the draft)."""
+    loop_s: float | None = None
+    """EWMA of the orchestrator's own time per round, outside the draft and verify calls."""
     pass_moments: tuple[float, ...] = ()
     """EWMA moments `(E[x], E[y], E[x^2], E[x*y])` of the target passes' scored positions `x` and
     compute `y` (empty until a target reports positions): the pass-cost line."""
@@ -226,6 +247,7 @@ class PolicyState:
             "queue_ratio": self.queue_ratio,
             "proposal_rate": self.proposal_rate,
             "pass_moments": list(self.pass_moments),
+            "loop_s": self.loop_s,
             "backoff": self.backoff,
             "resume_probe": self.resume_probe,
             "speculating": self.speculating,
@@ -251,6 +273,7 @@ class PolicyState:
             queue_ratio=_opt_float(d.get("queue_ratio")),
             proposal_rate=_opt_float(d.get("proposal_rate")),
             pass_moments=tuple(float(v) for v in d.get("pass_moments", ())),
+            loop_s=_opt_float(d.get("loop_s")),
             backoff=int(d.get("backoff", 0)),
             resume_probe=bool(d.get("resume_probe", False)),
             speculating=bool(d.get("speculating", False)),
@@ -324,6 +347,10 @@ def _verify_times(state: PolicyState, config: PolicyConfig, k_max: int | None = 
     return [(1.0 + q) * max(0.0, c0 + c1 * batch * (1.0 + k * full)) for k in ks]
 
 
+CATCH_UP_TOKENS = 2
+"""A call that (re-)prefilled more history tokens than this (a new session, a lost cache, a draft
+cache left behind while the draft was not called) is not a steady round: its compute teaches the
+per-token draft cost and the verify cost per `k` nothing (round trips it still does)."""
 LOADED_BATCH = 1.1
 """Below this mean batch size a session is taken to be alone, and its per-`k` table prices `k`."""
 MIN_POSITION_VARIANCE = 0.5
@@ -380,17 +407,22 @@ def _round_time(
 ) -> float | None:
     if t_v is None or state.rtt_target_s is None:
         return None
+    loop = state.loop_s or 0.0  # the orchestrator's own time per round, whatever k
     if k == 0:
-        return state.rtt_target_s + t_v
+        return loop + state.rtt_target_s + t_v
     if state.rtt_draft_s is None or state.draft_token_s is None:
         return None
     draft = state.rtt_draft_s + _rate(state) * k * state.draft_token_s
     if not config.overlap:
-        return draft + state.rtt_target_s + t_v
+        return loop + draft + state.rtt_target_s + t_v
     if alpha is None:
         return None
     hit = alpha**k  # the whole block is accepted, so the overlapped guess holds
-    return state.rtt_target_s + t_v + (1.0 - hit) * draft + hit * max(0.0, draft - t_v)
+    # The block drafted ahead (the guessed bonus token, then k) ran beside the whole verify call
+    # and the orchestrator's work between the rounds.
+    ahead = state.rtt_draft_s + _rate(state) * (k + 1) * state.draft_token_s
+    verify = loop + state.rtt_target_s + t_v
+    return verify + (1.0 - hit) * draft + hit * max(0.0, ahead - verify)
 
 
 def _goodput(
@@ -451,6 +483,10 @@ def update(state: PolicyState, obs: Observation, config: PolicyConfig) -> Policy
     - Round trips are wall minus compute (and minus the verify's queue wait), clamped at 0. The
       batch size and the queue wait over the compute feed `B` and `q`. The draft's are learnt only from
       rounds that called it (`k >= 1`) and did not fail; `t_d` only when tokens were proposed.
+    - Per-token costs come from steady rounds only: a call that (re-)prefilled more than
+      `CATCH_UP_TOKENS` history tokens (the first round of a session, a lost cache) leaves `t_d`
+      and `t_v(k)` alone (`t_d` is seeded from it, spread over every token processed, when
+      nothing better is known).
     - Verify compute goes to the EWMA for the number of tokens the target actually verified;
       `rho` is the EWMA of proposed / k over rounds that called the draft; the (positions,
       compute) pair of the pass, when the target reports positions, goes to the line's moments.
@@ -469,8 +505,14 @@ def update(state: PolicyState, obs: Observation, config: PolicyConfig) -> Policy
     if obs.k > 0 and not obs.draft_failed:
         rate = _ewma(rate, obs.proposed / obs.k, w)
         rtt_draft = _ewma(rtt_draft, max(0.0, obs.draft_wall_s - obs.draft_compute_s), w)
-        if obs.proposed > 0:
-            draft_token = _ewma(draft_token, obs.draft_compute_s / obs.proposed, w)
+        drafted = max(obs.proposed, obs.drafted)
+        if obs.proposed > 0 and obs.draft_prefill_tokens <= CATCH_UP_TOKENS:
+            draft_token = _ewma(draft_token, obs.draft_compute_s / drafted, w)
+        elif obs.proposed > 0 and draft_token is None:
+            # Only a call that also prefilled has been seen: spread its compute over every token
+            # it processed. A prefilled token costs less than a drafted one, so this errs low,
+            # towards trying speculation, whose steady rounds then measure `t_d` itself.
+            draft_token = obs.draft_compute_s / (drafted + obs.draft_prefill_tokens)
 
     rtt_target = _ewma(state.rtt_target_s,
                        max(0.0, obs.verify_wall_s - obs.verify_compute_s - obs.verify_queue_s), w)
@@ -484,7 +526,8 @@ def update(state: PolicyState, obs: Observation, config: PolicyConfig) -> Policy
     if obs.verify_compute_s > 0.0:
         queue_ratio = _ewma(queue_ratio, obs.verify_queue_s / obs.verify_compute_s, w)
     verify = list(_padded(state.verify_s, max(config.k_max, obs.proposed) + 1))
-    verify[obs.proposed] = _ewma(verify[obs.proposed], obs.verify_compute_s, w)
+    if obs.verify_prefill_tokens <= CATCH_UP_TOKENS:  # a prefill's cost is not that of verifying k
+        verify[obs.proposed] = _ewma(verify[obs.proposed], obs.verify_compute_s, w)
 
     return replace(
         state,
@@ -499,6 +542,7 @@ def update(state: PolicyState, obs: Observation, config: PolicyConfig) -> Policy
         queue_ratio=queue_ratio,
         proposal_rate=rate,
         pass_moments=moments,
+        loop_s=_ewma(state.loop_s, obs.loop_s, w) if obs.loop_s > 0.0 else state.loop_s,
         backoff=config.draft_failure_backoff if obs.draft_failed else state.backoff,
         resume_probe=True if obs.draft_failed else state.resume_probe,
         speculating=False if obs.draft_failed else state.speculating,
@@ -706,6 +750,7 @@ def merge_prior(
         proposal_rate=_mix(prior.proposal_rate, session.proposal_rate, weight),
         queue_ratio=_mix(prior.queue_ratio, session.queue_ratio, weight),
         pass_moments=_mix_moments(prior.pass_moments, session.pass_moments, weight),
+        loop_s=_mix(prior.loop_s, session.loop_s, weight),
     )
 
 

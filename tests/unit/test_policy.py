@@ -68,7 +68,9 @@ class Regime:
         if not overlap:
             return draft + self.rtt_target_s + self.t_v(k)
         hit = self.alpha**k
-        return self.rtt_target_s + self.t_v(k) + (1 - hit) * draft + hit * max(0.0, draft - self.t_v(k))
+        verify = self.rtt_target_s + self.t_v(k)
+        ahead = self.rtt_draft_s + (k + 1) * self.draft_token_s  # the guessed bonus token, then k
+        return verify + (1 - hit) * draft + hit * max(0.0, ahead - verify)
 
     def goodput(self, k: int, overlap: bool = False) -> float:
         return sum(self.alpha**i for i in range(k + 1)) / self.round_time(k, overlap)
@@ -339,6 +341,34 @@ def test_update_learns_round_trips_and_compute_times() -> None:
     assert s3.rtt_draft_s == pytest.approx(0.8 * 0.014)
 
 
+def test_a_round_that_prefilled_teaches_round_trips_but_no_per_token_cost() -> None:
+    """A session's first round (or a lost cache) prefills the history: that compute is not the
+    cost of drafting or verifying k tokens, and read as one it parks a good draft at k = 0."""
+    o = Observation(4, 4, 4, draft_wall_s=0.020, draft_compute_s=0.008,
+                    verify_wall_s=0.050, verify_compute_s=0.035)
+    steady = update(initial_state(CONFIG), o, CONFIG)
+    prefilled = replace(o, draft_wall_s=1.212, draft_compute_s=1.2, verify_wall_s=0.415, verify_compute_s=0.4,
+                        draft_prefill_tokens=40, verify_prefill_tokens=40)
+    after = update(steady, prefilled, CONFIG)
+    assert after.draft_token_s == steady.draft_token_s and after.verify_s == steady.verify_s
+    assert after.rtt_draft_s == pytest.approx(0.8 * 0.012 + 0.2 * 0.012)  # round trips still learnt
+    assert after.rtt_target_s == pytest.approx(0.015)
+    # The usual catch-up (the accepted tokens and the bonus) is a steady round.
+    caught_up = update(steady, replace(o, draft_compute_s=0.016, draft_prefill_tokens=2, verify_prefill_tokens=1), CONFIG)
+    assert caught_up.draft_token_s == pytest.approx(0.8 * 0.002 + 0.2 * 0.004)
+    # With nothing better known, t_d is seeded from the prefilling call, spread over all it processed.
+    first = update(initial_state(CONFIG), prefilled, CONFIG)
+    assert first.draft_token_s == pytest.approx(1.2 / 44) and first.verify_s[4] is None
+
+
+def test_a_block_drafted_ahead_is_charged_per_token_computed() -> None:
+    """Overlapped, the draft computes the bonus token it guesses before the block: the block's
+    compute covers k + 1 tokens, and t_d divided by k alone would read (k + 1) / k too slow."""
+    o = Observation(2, 2, 2, draft_wall_s=0.5, draft_compute_s=0.21, verify_wall_s=0.3, verify_compute_s=0.25,
+                    drafted=3)
+    assert update(initial_state(CONFIG), o, CONFIG).draft_token_s == pytest.approx(0.07)
+
+
 def test_update_ignores_the_draft_when_not_called_or_failed() -> None:
     s = update(initial_state(CONFIG), obs(0, 0), CONFIG)
     assert s.rtt_draft_s is None and s.draft_token_s is None and s.rtt_target_s is not None
@@ -523,7 +553,7 @@ OVERLAP = PolicyConfig(overlap=True)
     "regime",
     [
         pytest.param(cpu(0.98, 0.0), id="cpu-bf16-copy"),  # DESIGN.md: 57 ms draft, 78 ms step
-        pytest.param(cpu(0.98, 0.002, draft_token_s=0.1), id="cpu-draft-slower-than-verify"),
+        pytest.param(cpu(0.98, 0.002, draft_token_s=0.07), id="cpu-draft-90pct-of-a-step"),
         pytest.param(cpu(0.9, 0.0, draft_token_s=0.03), id="cpu-draft-40pct-of-verify"),
         pytest.param(cpu(0.8, 0.002, draft_token_s=0.02), id="cpu-draft-25pct-of-verify"),
         pytest.param(cpu(0.6, 0.0, draft_token_s=0.02), id="cpu-mid-acceptance"),
@@ -536,6 +566,15 @@ def test_overlap_picks_at_least_the_sequential_k(regime: Regime) -> None:
     best = regime.goodput(regime.best_k(CONFIG.k_max, overlap=True), overlap=True)
     assert regime.goodput(k_ovl, overlap=True) >= 0.98 * best
     assert regime.goodput(k_ovl, overlap=True) > regime.goodput(k_seq)
+
+
+def test_a_draft_slower_than_a_target_step_never_pays_even_overlapped() -> None:
+    """Overlapped, the draft computes every token the round emits (the bonus it guesses, then the
+    block), so it bounds the pace at one token per draft step: slower than the target's own step,
+    it cannot beat plain decoding whatever the acceptance."""
+    regime = cpu(0.99, 0.002, draft_token_s=0.1)  # a step: 78 ms
+    assert regime.best_k(CONFIG.k_max, overlap=True) == 0
+    assert converged(regime, OVERLAP) == 0
 
 
 @pytest.mark.parametrize(
@@ -597,10 +636,25 @@ def test_optimism_is_bounded_and_shrinks_with_evidence() -> None:
 # Sessions, the prior and the stored form
 
 
+def test_the_orchestrators_own_time_per_round_is_learnt_and_spread_over_longer_blocks() -> None:
+    """Saving the session and streaming a chunk cost the same per round whatever k: learnt from
+    the gaps between rounds, it is added to every T(k), so it favours longer blocks."""
+    state = run(cpu(0.9, 0.01, draft_token_s=0.04), rounds=60).state
+    o = Observation(2, 2, 2, 0.05, 0.04, 0.2, 0.19, loop_s=0.05)
+    learnt = update(replace(state, loop_s=None), o, CONFIG)
+    assert learnt.loop_s == pytest.approx(0.05)
+    assert update(learnt, replace(o, loop_s=0.0), CONFIG).loop_s == learnt.loop_s  # 0: not measured
+    for k in (0, 1, 4):
+        slow = round_time(replace(state, loop_s=0.3), k, CONFIG)
+        assert slow == pytest.approx(round_time(replace(state, loop_s=None), k, CONFIG) + 0.3)
+    ks = [best_k(replace(state, loop_s=s), CONFIG) for s in (0.0, 0.05, 0.2, 1.0)]
+    assert ks == sorted(ks) and ks[-1] > ks[0], ks
+
+
 def test_state_round_trips_through_json() -> None:
     state = run(gpu(0.7, 0.01), rounds=40).state
     failed = Observation(state.k, 0, 0, 0.5, 0.0, 0.04, 0.03, draft_failed=True)
-    for s in (PolicyState(), initial_state(CONFIG), state, update(state, failed, CONFIG)):
+    for s in (PolicyState(), initial_state(CONFIG), state, update(state, failed, CONFIG), replace(state, loop_s=0.02)):
         d = json.loads(json.dumps(s.to_dict(), allow_nan=False))
         assert PolicyState.from_dict(d) == s
 
@@ -682,6 +736,13 @@ def test_invalid_configs_raise(fields: dict) -> None:
 def test_invalid_observations_raise(args: tuple) -> None:
     with pytest.raises(ValueError):
         Observation(*args)
+
+
+@pytest.mark.parametrize("field", ["drafted", "draft_prefill_tokens", "verify_prefill_tokens"])
+@pytest.mark.parametrize("value", [-1, 1.5, True])
+def test_invalid_token_counts_raise(field: str, value) -> None:
+    with pytest.raises(ValueError, match=field):
+        Observation(2, 2, 1, 0.1, 0.1, 0.1, 0.1, **{field: value})
 
 
 # ---------------------------------------------------------------------------------------------
