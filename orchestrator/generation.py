@@ -391,13 +391,12 @@ class Generator:
                 k, first = (0 if first else k), False
                 # With overlap, the next block is drafted during this verify: as long as the
                 # controller would choose now (so a probe after k = 0 rounds also runs in the
-                # shadow of a verify, catching the draft's cache up for free), and no longer than
-                # the tokens still wanted if this whole block is accepted.
-                # While the controller holds k = 0, one token is still drafted in that shadow so
-                # the draft's KV cache keeps up and a later probe costs no catch-up prefill.
+                # shadow of a verify, catching the draft's cache up there), and no longer than
+                # the tokens still wanted if this whole block is accepted. While the controller
+                # holds k = 0 the draft is left alone: drafting in every shadow kept its cache
+                # warm but cost each plain round a second call (3-6 % of plain decoding's pace
+                # in the GPU-class profile on this CPU).
                 upcoming = choose_k(policy, self.policy_config) if policy is not None else wanted
-                if self.config.overlap and policy is not None:
-                    upcoming = max(upcoming, 1)
                 k_next = max(0, min(upcoming, remaining - k - 2)) if self.draft is not None else 0
                 round_start = time.perf_counter()
                 rnd = await speculator.round(state.tokens, k, k_next)
