@@ -43,6 +43,17 @@ class DraftUnavailable(Exception):
     """The draft failed or timed out; the round falls back to plain decoding."""
 
 
+class DraftReleased(DraftUnavailable):
+    """The draft dropped the call because the session's caches were released after it was sent
+    (the cleanup of an earlier request on the session); the replica is healthy."""
+
+
+class Released(Exception):
+    """The target dropped the verify because the session's caches were released after it was
+    sent (the cleanup of an earlier request on the session, e.g. one a resume took over from);
+    the replica is healthy, and the same call sent again runs."""
+
+
 class _ModelBackend:
     """What draft and target clients share: a channel, GetInfo, Release, SaveSnapshot and close."""
 
@@ -105,6 +116,8 @@ class DraftBackend(_ModelBackend):
                 raise FailedPrecondition(exc.details()) from exc
             if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and timeout is not None and timeout < self.timeout_s:
                 raise DeadlineExceeded("the request's deadline passed while the draft proposed") from exc
+            if exc.code() == grpc.StatusCode.CANCELLED:  # by the server: our own cancel raises CancelledError
+                raise DraftReleased(exc.details()) from exc
             raise DraftUnavailable(f"{exc.code().name}: {exc.details()}") from exc
         proposal.wall_ns = time.perf_counter_ns() - start
         proposal.drafted = len(proposal.tokens)
@@ -132,6 +145,8 @@ class TargetBackend(_ModelBackend):
                 raise InvalidArgument(exc.details()) from exc
             if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and timeout is not None and timeout < self.timeout_s:
                 raise DeadlineExceeded("the request's deadline passed while the target verified") from exc
+            if exc.code() == grpc.StatusCode.CANCELLED:  # by the server: our own cancel raises CancelledError
+                raise Released(exc.details()) from exc
             raise Unavailable(
                 f"target service at {self.address} failed ({exc.code().name}: {exc.details()}); "
                 "the session is kept, retry the request"

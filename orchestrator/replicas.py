@@ -25,7 +25,9 @@ from urllib.parse import urlsplit
 
 import grpc
 
-from orchestrator.backends import DraftBackend, DraftUnavailable, Proposal, TargetBackend, Verdict
+from orchestrator.backends import (
+    DraftBackend, DraftReleased, DraftUnavailable, Proposal, Released, TargetBackend, Verdict,
+)
 from specdec.core.sampling import SamplingParams
 from specdec.errors import Unavailable
 from specdec.v1 import common_pb2
@@ -262,6 +264,7 @@ class TargetPool(ReplicaPool[TargetBackend]):
     async def verify(self, session_id: str, history: list[int], proposal: Proposal, params: SamplingParams,
                      seed: int, timeout: float | None = None) -> Verdict:
         tried: set[str] = set()
+        resent = False
         while True:
             replica = self.pick(session_id, exclude=tried)
             if replica is None:
@@ -272,6 +275,15 @@ class TargetPool(ReplicaPool[TargetBackend]):
             replica.in_flight += 1
             try:
                 verdict = await replica.backend.verify(session_id, history, proposal, params, seed, timeout)
+            except Released as exc:
+                # An earlier request's cleanup released the session after this call was sent: sent
+                # again (now after the release) it runs, re-prefilling the history.
+                if resent:
+                    raise Unavailable(f"target replica {replica.address} dropped the verify twice: {exc}") from exc
+                resent = True
+                tried.discard(replica.address)
+                log.info("verify of %s dropped by a release on %s; sent again", session_id, replica.address)
+                continue
             except Unavailable as exc:
                 self.failed(replica, str(exc))
                 log.warning("target replica %s failed; session %s moves on: %s", replica.address, session_id, exc)
@@ -297,6 +309,8 @@ class DraftPool(ReplicaPool[DraftBackend]):
         try:
             proposal = await replica.backend.propose(session_id, history, k, params, seed, fingerprint,
                                                      into=into, progress=progress, timeout=timeout)
+        except DraftReleased:
+            raise  # the session's caches were released after the call was sent: the replica is fine
         except DraftUnavailable as exc:
             self.failed(replica, str(exc))
             log.warning("draft replica %s failed (%s); plain decoding on it for %.1fs",

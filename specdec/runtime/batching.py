@@ -172,6 +172,8 @@ class Batcher:
         async for result in self.stream(job):
             pass
         if result is None:
+            if job.cancelled:  # dropped by a release of its session after it was submitted
+                raise Cancelled(f"the request for session {job.session_id!r} was cancelled")
             raise RuntimeError(f"job for session {job.session_id!r} finished without a result")
         return result
 
