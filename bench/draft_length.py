@@ -16,9 +16,10 @@ Regimes
   token); good draft: a lightly perturbed copy of the target (acceptance ≈ 0.9), poor draft: a
   heavily perturbed copy (≈ 0.3).
 
-Every cell runs the same prompt at every mode, interleaved, after one unmeasured warm-up of
-`auto` (so the session prior is warm, as in a running server). Output: JSON with tokens/s per
-mode, the ratios the issue asks for, and the k chosen by `auto` per round; `--plot` adds a PNG.
+Every cell runs the same prompt at every mode, interleaved (the order rotated each
+repetition), after one unmeasured warm-up of `auto` (so the session prior is warm, as in a
+running server). Output: JSON with tokens/s per mode, the ratios the issue asks for, and the k
+chosen by `auto` per round; `--plot` adds a PNG.
 """
 
 from __future__ import annotations
@@ -130,12 +131,14 @@ class RttFleet:
 
 def run_mode(client: Client, cell: dict, mode: str) -> dict:
     draft_length = "auto" if mode == "auto" else int(mode)
+    started = time.perf_counter()
     chunks = list(client.stream(**cell["request"], max_new_tokens=cell["tokens"], draft_length=draft_length))
     stats = chunks[-1].stats
     return {
         "tokens_per_s": stats["tokens_per_second"], "tokens": stats["completion_tokens"],
         "acceptance_rate": stats["acceptance_rate"], "rounds": stats["rounds"],
         "k_chosen": [c.round.get("draft_length", 0) for c in chunks],
+        "elapsed_s": time.perf_counter() - started,
         "token_ids": [t for c in chunks for t in c.token_ids],
     }
 
@@ -156,8 +159,11 @@ def run_cell(cell: dict, args, log_root: Path) -> dict:
                 if "auto" in modes:
                     run_mode(client, cell, "auto")  # warm the prior, unmeasured
                 runs = {mode: [] for mode in modes}
-                for _ in range(args.repeats):
-                    for mode in modes:
+                for repeat in range(args.repeats):
+                    # Rotate the order each repetition so no mode always runs first (or right
+                    # after the warm-up) in a cell.
+                    shift = repeat % len(modes)
+                    for mode in modes[shift:] + modes[:shift]:
                         runs[mode].append(run_mode(client, cell, mode))
             row = {}
             for mode, rs in runs.items():

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import re
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import redis.asyncio as redis
@@ -77,6 +77,9 @@ class GenerationRecord:
         return self.finish == 0 and self.lease_until > (time.time() if now is None else now)
 
 
+_NOT_IN_RECORD = frozenset({"tokens", "version", "session_id"})
+
+
 @dataclass
 class SessionState:
     """Everything needed to continue a session on any orchestrator replica."""
@@ -97,8 +100,13 @@ class SessionState:
     principal: str = ""  # hash of the identity that opened it (specdec.auth.principal_of; "" = anonymous)
 
     def record(self) -> str:
-        data = asdict(self)
-        del data["tokens"], data["version"], data["session_id"]
+        """The JSON record of everything but the history (kept as a Redis list) and the key.
+
+        Written every round: built field by field, since `asdict` would deep-copy the whole
+        history only to drop it (O(history) per round)."""
+        data = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _NOT_IN_RECORD}
+        if self.generation is not None:
+            data["generation"] = asdict(self.generation)
         return json.dumps(data, separators=(",", ":"))
 
     @classmethod

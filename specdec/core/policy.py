@@ -299,9 +299,10 @@ def verify_time(verify_s: Sequence[float | None], k: int) -> float | None:
     """Target verify compute for `k` draft tokens from the per-`k` EWMAs, or None if none observed.
 
     An observed `k` returns its own EWMA. Otherwise a line is fitted by least squares through
-    the observed points, constrained to a slope >= 0 (verifying more tokens never costs less;
-    a negative unconstrained slope becomes flat at the mean), and read at `k`. One observed
-    point means flat. The result is never negative.
+    the observed points (the `k >= 1` ones alone when there are two: see `_verify_line`),
+    constrained to a slope >= 0 (verifying more tokens never costs less; a negative
+    unconstrained slope becomes flat at the mean), and read at `k`. One observed point means
+    flat. The result is never negative.
     """
     return _verify_at(verify_s, _verify_line(verify_s), k)
 
@@ -397,14 +398,16 @@ def _curve(
                 continue
             power *= alpha
             tokens += power
-        t = _round_time(state, config, k, alpha, t_v)
+        t = _round_time(state, config, k, alpha, t_v, rho)
         curve.append(None if t is None or t <= 0.0 else (1.0 + rho * (tokens - 1.0)) / t)
     return curve
 
 
 def _round_time(
-    state: PolicyState, config: PolicyConfig, k: int, alpha: float | None, t_v: float | None
+    state: PolicyState, config: PolicyConfig, k: int, alpha: float | None, t_v: float | None,
+    rho: float | None = None,
 ) -> float | None:
+    """`T(k)`; `rho`: `_rate(state)` when the caller has it already."""
     if t_v is None or state.rtt_target_s is None:
         return None
     loop = state.loop_s or 0.0  # the orchestrator's own time per round, whatever k
@@ -412,7 +415,8 @@ def _round_time(
         return loop + state.rtt_target_s + t_v
     if state.rtt_draft_s is None or state.draft_token_s is None:
         return None
-    draft = state.rtt_draft_s + _rate(state) * k * state.draft_token_s
+    rho = _rate(state) if rho is None else rho
+    draft = state.rtt_draft_s + rho * k * state.draft_token_s
     if not config.overlap:
         return loop + draft + state.rtt_target_s + t_v
     if alpha is None:
@@ -420,7 +424,7 @@ def _round_time(
     hit = alpha**k  # the whole block is accepted, so the overlapped guess holds
     # The block drafted ahead (the guessed bonus token, then k) ran beside the whole verify call
     # and the orchestrator's work between the rounds.
-    ahead = state.rtt_draft_s + _rate(state) * (k + 1) * state.draft_token_s
+    ahead = state.rtt_draft_s + rho * (k + 1) * state.draft_token_s
     verify = loop + state.rtt_target_s + t_v
     return verify + (1.0 - hit) * draft + hit * max(0.0, ahead - verify)
 
@@ -444,10 +448,19 @@ def _rate(state: PolicyState) -> float:
 
 
 def _verify_line(verify_s: Sequence[float | None]) -> tuple[float, float, float] | None:
-    """`(mean_k, mean_t, slope)` of the constrained least-squares line, None if nothing observed."""
+    """`(mean_k, mean_t, slope)` of the constrained least-squares line, None if nothing observed.
+
+    Through the `k >= 1` points alone once there are two of them: scoring one position (`k = 0`)
+    is another kernel shape than scoring several (on a CPU a matrix-vector product against a
+    small matrix product, which costs twice as much at two positions and then grows slowly), so
+    the jump from `k = 0` to `k = 1` would steepen the slope that prices the longer blocks.
+    """
     points = [(j, float(v)) for j, v in enumerate(verify_s) if v is not None]
     if not points:
         return None
+    several = [(j, v) for j, v in points if j >= 1]
+    if len(several) >= 2:
+        points = several
     n = len(points)
     mean_x = sum(x for x, _ in points) / n
     mean_y = sum(y for _, y in points) / n
@@ -642,15 +655,19 @@ def _best(state: PolicyState, config: PolicyConfig) -> tuple[int | None, int | N
     return (best if upper >= config.min_gain * base else 0), best
 
 
-def _choose(state: PolicyState, config: PolicyConfig) -> tuple[int, bool | None]:
-    """`(k, speculating)`: the choice and the `speculating` flag it leaves (None = unchanged)."""
+def _choose(
+    state: PolicyState, config: PolicyConfig, best: tuple[int | None, int | None] | None = None
+) -> tuple[int, bool | None]:
+    """`(k, speculating)`: the choice and the `speculating` flag it leaves (None = unchanged).
+
+    `best`: `_best(state, config)` when the caller has it already."""
     if config.k_max == 0:
         return 0, False
     if state.backoff > 0:
         return 0, False
     if state.resume_probe:
         return 1, False
-    best, best_positive = _best(state, config)
+    best, best_positive = _best(state, config) if best is None else best
     if best is None:
         return min(state.k, config.k_max), None
     if is_exploration_round(state.rounds, config, state.batch_ewma if _loaded(state) else 1.0):
@@ -673,8 +690,31 @@ def next_k(
     Returns `(k, state)` with `state.k = k`, the round counted, one back-off round spent and
     the post-back-off probe consumed when it was taken.
     """
+    k, s, _, _ = _step(state, obs, config)
+    return k, s
+
+
+def next_k_and_ahead(
+    state: PolicyState, obs: Observation | None, config: PolicyConfig
+) -> tuple[int, int, PolicyState]:
+    """`next_k`, and `choose_k` of the state it returns: the draft length of the round after
+    (the block an overlapped draft proposes ahead, during this round's verify).
+
+    The same as calling the two in turn, with one goodput fit instead of two whenever the step
+    left the hysteresis flag as it was (the only input of the fit a step changes; a back-off
+    clears it without consulting the fit).
+    """
+    k, s, best, fitted_flag = _step(state, obs, config)
+    return k, _choose(s, config, best if s.speculating == fitted_flag else None)[0], s
+
+
+def _step(
+    state: PolicyState, obs: Observation | None, config: PolicyConfig
+) -> tuple[int, PolicyState, tuple[int | None, int | None], bool]:
+    """`(k, next state, _best of the state the choice was made on, that state's flag)`."""
     s = update(state, obs, config) if obs is not None else state
-    k, speculating = _choose(s, config)
+    best = _best(s, config) if config.k_max > 0 else (0, None)
+    k, speculating = _choose(s, config, best)
     in_backoff = s.backoff > 0
     return k, replace(
         s,
@@ -683,7 +723,7 @@ def next_k(
         backoff=s.backoff - 1 if in_backoff else 0,
         resume_probe=s.resume_probe and in_backoff,
         speculating=s.speculating if speculating is None else speculating,
-    )
+    ), best, s.speculating
 
 
 # ---------------------------------------------------------------------------------------------

@@ -43,7 +43,8 @@ def topk_kl(draft_logits: torch.Tensor, top_ids: torch.Tensor, top_logp: torch.T
     log-probabilities (normalised over the full vocabulary). Returns [N].
     """
     assert draft_logits.dim() == 2 and top_ids.shape == top_logp.shape and top_ids.shape[0] == draft_logits.shape[0]
-    log_q = torch.log_softmax(draft_logits.float(), dim=-1)  # [N, V]
+    # At least float32 (a bf16 draft's logits are widened), never narrowed (float64 stays).
+    log_q = torch.log_softmax(draft_logits.to(torch.promote_types(draft_logits.dtype, torch.float32)), dim=-1)
     log_q_top = log_q.gather(1, top_ids)  # [N, K]
     p_top = top_logp.exp()  # [N, K]
     p_rest = (1.0 - p_top.sum(-1)).clamp_min(0.0)  # [N]

@@ -219,15 +219,16 @@ def test_distillation_lowers_the_heldout_kl_within_seconds(tiny):
 
 def test_sampled_head_is_the_full_softmax_when_it_draws_every_token(tiny):
     target = load_model(str(tiny["tied"]), dtype="float32", progress=False)
-    # In float64: the sampled head multiplies the columns in another order than the full head,
-    # and in float32 that alone moves a KL by more than 1e-5 on some CPUs (seen in CI).
+    # In float64 (and `topk_kl` keeps it): the sampled head orders the columns differently from
+    # the full head, and in float32 that alone moved a KL by more than 1e-5 now and then.
     draft = make_shallow(target.model, [0, 1]).double()
     text = _heldout_text(tiny)
     data = TeacherData(text.tokens, text.start, [t[:, :2] for t in text.top_ids], [t[:, :2] for t in text.top_logp])
     rows = list(range(len(data)))
     with torch.no_grad():
         full, ids, logp = batch_logits(draft, data, rows)  # [N, V]
-        everything, e_ids, e_logp = batch_logits(draft, data, rows, head_sample=10_000)
+        everything, e_ids, e_logp = batch_logits(draft, data, rows, head_sample=10_000,
+                                                 generator=torch.Generator().manual_seed(1))
         small, s_ids, _ = batch_logits(draft, data, rows, head_sample=8, generator=torch.Generator().manual_seed(0))
     assert everything.shape == full.shape
     assert torch.allclose(topk_kl(everything, e_ids, e_logp), topk_kl(full, ids, logp), atol=1e-5)

@@ -34,6 +34,7 @@ from specdec.core.policy import (
     is_exploration_round,
     merge_prior,
     next_k,
+    next_k_and_ahead,
     pass_line,
     round_time,
     update,
@@ -274,7 +275,11 @@ def test_goodput_needs_alpha_for_k_above_0_and_guards_zero_time() -> None:
         pytest.param((0.03, None, 0.04), 1, 0.035, id="interpolated"),
         pytest.param((0.03, None, 0.04), 8, 0.07, id="extrapolated"),
         pytest.param((0.03, 0.05, 0.04), 1, 0.05, id="observed-k-uses-its-own-ewma"),
-        pytest.param((0.10, 0.11, 0.15, None), 3, 0.12 + 0.025 * 2, id="least-squares"),
+        pytest.param((None, 0.10, 0.11, 0.15, None), 4, 0.12 + 0.025 * 2, id="least-squares"),
+        pytest.param((0.10, 0.11, 0.15, None), 3, 0.19, id="k0-left-out-once-two-longer-blocks-are-known"),
+        pytest.param((0.124, 0.203, None), 5, 0.124 + 0.079 * 5, id="k0-kept-with-one-longer-block"),
+        pytest.param((0.124, 0.203, 0.237, None, None, None), 5, 0.203 + 0.034 * 4,
+                     id="cpu-shape-jump-then-flat"),
         pytest.param((None, 0.05, None, 0.03), 5, 0.04, id="negative-slope-becomes-flat"),
         pytest.param((None, None, 0.001, 0.05), 0, 0.0, id="never-negative"),
     ],
@@ -501,6 +506,28 @@ def test_recovers_when_acceptance_comes_back() -> None:
     first = next(i for i, (k, e) in enumerate(zip(after.ks, after.explored)) if k > 0 and not e)
     assert first <= 2 * CONFIG.explore_every
     assert after.converged(last=100) == 8
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_next_k_and_ahead_is_next_k_then_choose_k(overlap: bool) -> None:
+    """The orchestrator's one call per round (one goodput fit shared by both choices) equals the
+    two calls it replaces, round by round, through probes, back-off after a draft failure and
+    the hysteresis flag flipping both ways (the case where the fit cannot be shared)."""
+    config = PolicyConfig(overlap=overlap)
+    failed = Observation(4, 0, 0, 0.5, 0.0, 0.032, 0.030, draft_failed=True)
+    rng = random.Random(5)
+    state, flips, checked = initial_state(config), 0, 0
+    for regime, rounds in [(gpu(0.1, 0.002), 120), (gpu(0.9, 0.002), 120), (cpu(0.2, 0.0), 120),
+                           (gpu(0.95, 0.03), 60), (None, 1), (gpu(0.9, 0.0), 60)]:
+        for _ in range(rounds):
+            observed = failed if regime is None else observe(regime, state.k, rng)
+            k, expected = next_k(state, observed, config)
+            k2, ahead, got = next_k_and_ahead(state, observed, config)
+            assert (k2, got) == (k, expected)
+            assert ahead == choose_k(expected, config)
+            flips += expected.speculating != state.speculating
+            state, checked = expected, checked + 1
+    assert flips >= 2 and checked == 481
 
 
 def test_learns_a_draft_it_has_never_seen() -> None:
