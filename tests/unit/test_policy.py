@@ -68,7 +68,7 @@ class Regime:
         draft = self.rtt_draft_s + k * self.draft_token_s
         if not overlap:
             return draft + self.rtt_target_s + self.t_v(k)
-        hit = self.alpha**k
+        hit = self.alpha ** (k + 1)  # the block and the guessed bonus token
         verify = self.rtt_target_s + self.t_v(k)
         ahead = self.rtt_draft_s + (k + 1) * self.draft_token_s  # the guessed bonus token, then k
         return verify + (1 - hit) * draft + hit * max(0.0, ahead - verify)
@@ -209,12 +209,13 @@ HAND = PolicyState(
         pytest.param(HAND, 2, False, 0.01 + 0.010 + 0.02 + 0.04, id="k2-observed"),
         pytest.param(HAND, 4, False, 0.01 + 0.020 + 0.02 + 0.05, id="k4-extrapolated"),
         pytest.param(HAND, 0, True, 0.02 + 0.03, id="overlap-k0"),
-        # draft 20 ms < verify 40 ms: hidden when the guess holds (1/4), paid in full otherwise
-        pytest.param(HAND, 2, True, 0.02 + 0.04 + 0.75 * 0.02, id="overlap-k2-hidden"),
-        # draft 90 ms > verify 50 ms: the excess shows even when the guess holds (1/16)
+        # the ahead draft (25 ms) < verify 60 ms: hidden when the guess holds (the block and the
+        # bonus token: 1/8), the 20 ms draft paid in full otherwise
+        pytest.param(HAND, 2, True, 0.02 + 0.04 + (7 / 8) * 0.02, id="overlap-k2-hidden"),
+        # the ahead draft (110 ms) > verify 70 ms: the excess shows even when the guess holds (1/32)
         pytest.param(
             replace(HAND, draft_token_s=0.02), 4, True,
-            0.02 + 0.05 + (15 / 16) * 0.09 + (1 / 16) * 0.04, id="overlap-k4-draft-longer",
+            0.02 + 0.05 + (31 / 32) * 0.09 + (1 / 32) * 0.04, id="overlap-k4-draft-longer",
         ),
     ],
 )
@@ -313,6 +314,33 @@ def test_acceptance_counts_truncated_runs() -> None:
     assert (s.accepted_ewma, s.rejected_ewma) == (1.0, 1.0) and s.alpha == 0.5
     s = update(s, obs(3, 0), config)
     assert s.alpha == 0.0
+
+
+def test_a_checked_guess_is_one_more_acceptance_run() -> None:
+    """Greedy overlap: the guess of the bonus token heads the block drafted ahead. Held, it is a
+    success before the block's run; wrong, a run of length 0, even in a round with no block."""
+    config = PolicyConfig(ewma=1.0)
+    held = update(PolicyState(), replace(obs(4, 1), guessed=True, guess_held=True), config)
+    assert (held.accepted_ewma, held.rejected_ewma) == (2.0, 1.0)
+    missed = update(PolicyState(), replace(obs(0, 0), guessed=True), config)  # a probe it replaced
+    assert (missed.accepted_ewma, missed.rejected_ewma, missed.alpha) == (0.0, 1.0, 0.0)
+    missed_then_block = update(PolicyState(), replace(obs(4, 4), guessed=True), config)
+    assert (missed_then_block.accepted_ewma, missed_then_block.rejected_ewma) == (4.0, 1.0)
+    assert missed.verify_s[0] == 0.03 and all(v is None for v in missed.verify_s[1:])  # k = 0 priced
+
+
+def test_guesses_alone_estimate_alpha() -> None:
+    """A session held at k = 0 that only checks guesses (each right with probability alpha)
+    still learns alpha: the probes it skips cost nothing and lose nothing."""
+    rng = random.Random(7)
+    for alpha in (0.1, 0.5, 0.9):
+        s = PolicyState()
+        estimates = []
+        for _ in range(4000):
+            held = rng.random() < alpha
+            s = update(s, replace(obs(0, 0), guessed=True, guess_held=held), CONFIG)
+            estimates.append(s.alpha)
+        assert statistics_mean(estimates[500:]) == pytest.approx(alpha, abs=0.03)
 
 
 def test_acceptance_ewma_weighs_rounds_by_age() -> None:
@@ -608,13 +636,13 @@ def test_a_draft_slower_than_a_target_step_never_pays_even_overlapped() -> None:
     "regime",
     [
         pytest.param(cpu(0.9, 0.01, draft_token_s=0.01), id="cpu-draft-13pct-of-verify"),
-        pytest.param(gpu(0.7, 0.002, verify_base_s=0.05), id="gpu-slow-verify"),
+        pytest.param(gpu(0.7, 0.01, verify_base_s=0.05), id="gpu-slow-verify"),
         pytest.param(gpu(0.6, 0.01), id="gpu-mid-acceptance"),
     ],
 )
 def test_overlap_can_prefer_a_shorter_block_when_the_draft_is_nearly_free(regime: Regime) -> None:
-    """The model hides the draft only when the whole block is accepted (probability alpha^k),
-    so the saving alpha^k * (rtt_d + k*t_d) can shrink with k: the true overlap optimum is then
+    """The model hides the draft only when the guess holds (probability alpha^(k+1)), so the
+    saving alpha^(k+1) * (rtt_d + k*t_d) can shrink with k: the true overlap optimum is then
     one shorter than the sequential one, and the policy follows the truth, not the intuition."""
     assert regime.best_k(CONFIG.k_max, overlap=True) == regime.best_k(CONFIG.k_max) - 1
     k_ovl = converged(regime, OVERLAP)
@@ -770,6 +798,11 @@ def test_invalid_observations_raise(args: tuple) -> None:
 def test_invalid_token_counts_raise(field: str, value) -> None:
     with pytest.raises(ValueError, match=field):
         Observation(2, 2, 1, 0.1, 0.1, 0.1, 0.1, **{field: value})
+
+
+def test_a_held_guess_needs_a_checked_one() -> None:
+    with pytest.raises(ValueError, match="guess_held"):
+        Observation(0, 0, 0, 0.0, 0.0, 0.1, 0.1, guess_held=True)
 
 
 # ---------------------------------------------------------------------------------------------
