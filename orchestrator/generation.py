@@ -76,7 +76,6 @@ def observation(stats: pb.RoundStats, loop_s: float = 0.0) -> Observation:
         batch_size=max(1, stats.verify_batch_size), batch_positions=stats.verify_batch_positions,
         drafted=stats.drafted, draft_prefill_tokens=stats.draft_prefill_tokens,
         verify_prefill_tokens=stats.verify_prefill_tokens, loop_s=max(0.0, loop_s),
-        guessed=stats.guess_checked, guess_held=stats.guess_checked and stats.guess_held,
     )
 
 
@@ -377,8 +376,7 @@ class Generator:
         auto = state.draft_length == AUTO and self.draft is not None
         policy = await self._policy(state) if auto else None
         speculator = Speculator(state.session_id, params, state.seed, self.draft, self.target,
-                                self.fingerprint, overlap=self.config.overlap, deadline=deadline,
-                                probe_by_guess=auto)
+                                self.fingerprint, overlap=self.config.overlap, deadline=deadline)
         first, round_end = True, None
         upcoming = choose_k(policy, self.policy_config) if policy is not None else 0
         try:

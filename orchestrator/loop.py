@@ -51,7 +51,7 @@ class Speculator:
 
     def __init__(self, session_id: str, params: SamplingParams, seed: int, draft: DraftPool | None,
                  target: TargetPool, fingerprint: str, overlap: bool = False,
-                 deadline: float | None = None, probe_by_guess: bool = False) -> None:
+                 deadline: float | None = None) -> None:
         self.session_id = session_id
         self.params = params
         self.seed = seed
@@ -60,9 +60,6 @@ class Speculator:
         self.fingerprint = fingerprint
         self.overlap = overlap
         self.deadline = deadline  # time.monotonic() of the request's deadline, carried by every call
-        # Under greedy decoding a guess is judged as a draft token would be (see `round`); with
-        # this set, a wrong guess after a round without draft tokens replaces that round's probe.
-        self.probe_by_guess = probe_by_guess and params.greedy
         self._ahead: _Ahead | None = None
 
     def _remaining(self) -> float | None:
@@ -76,19 +73,12 @@ class Speculator:
     @traced("orchestrator.round", lambda self, history, k, k_next: {"specdec.k": k, "specdec.history": len(history)})
     async def round(self, history: list[int], k: int, k_next: int) -> Round:
         """One round at draft length k; with overlap, start drafting the next block (of k_next)."""
-        proposal, fallback, overlapped, guess = Proposal(), False, False, None
+        proposal, fallback, overlapped = Proposal(), False, False
         if k > 0 and self.draft is not None:
-            ahead, guess, after_plain = await self._take_ahead(history, k)
-            if not self.params.greedy:
-                guess = None  # a sampled guess matching the token is not an acceptance event
+            ahead = await self._take_ahead(history, k)
             if ahead is not None:
                 # A block drafted ahead for a shorter k than chosen now stands for its own k.
                 (proposal, k), overlapped = ahead, True
-            elif guess is False and after_plain and self.probe_by_guess:
-                # The last round verified no draft and the draft's guess of its token was wrong:
-                # that is the verdict a probe here would most likely get (a rejected first
-                # token), measured for free; this round runs plain instead of drafting anew.
-                k = 0
             else:
                 try:
                     if not self.draft.available:
@@ -116,7 +106,6 @@ class Speculator:
             overlapped=overlapped, verify_queue_ns=verdict.queue_ns, verify_batch_size=verdict.batch_size,
             verify_batch_positions=verdict.batch_positions, draft_prefill_tokens=proposal.prefill_tokens,
             verify_prefill_tokens=verdict.prefill_tokens, drafted=proposal.drafted,
-            guess_checked=guess is not None, guess_held=bool(guess),
         )
         return Round(emitted, stats)
 
@@ -130,20 +119,16 @@ class Speculator:
         ahead.task.add_done_callback(lambda t: t.cancelled() or t.exception())  # never "unretrieved"
         self._ahead = ahead
 
-    async def _take_ahead(self, history: list[int], k: int
-                          ) -> tuple[tuple[Proposal, int] | None, bool | None, bool]:
-        """`(taken, guess, after_plain)`: the overlapped draft's block if its guess held (history =
-        guessed base + bonus) with the draft length it covers (`k`, or less when it was asked for
-        fewer tokens), else None; whether its guess of the bonus token held (None: not checked,
-        the base itself was wrong or the draft produced nothing); whether the round it was
-        drafted during verified no draft tokens."""
+    async def _take_ahead(self, history: list[int], k: int) -> tuple[Proposal, int] | None:
+        """The overlapped draft's block if its guess held (history = guessed base + bonus), with
+        the draft length it covers (`k`, or less when it was asked for fewer tokens)."""
         ahead, self._ahead = self._ahead, None
         if ahead is None:
-            return None, None, False
+            return None
         n, b = ahead.base_len, len(ahead.block)
         if len(history) != n + 1 or history[n - b:n] != ahead.block:
             ahead.task.cancel()
-            return None, None, False  # a draft token was rejected: the guess failed
+            return None  # a draft token was rejected: the guess failed
         tokens = ahead.proposal.tokens
         while not ahead.task.done() and len(tokens) < k + 1 and (not tokens or tokens[0] == history[-1]):
             ahead.progress.clear()
@@ -152,16 +137,14 @@ class Speculator:
             waiter.cancel()
         if not tokens or tokens[0] != history[-1]:
             ahead.task.cancel()
-            # the bonus token differs from the draft's guess (or the draft failed)
-            return None, (False if tokens else None), b == 0
+            return None  # the bonus token differs from the draft's guess (or the draft failed)
         if not ahead.task.done():
             ahead.task.cancel()  # we have the k tokens we need: stop the draft here
         proposal, k = ahead.proposal, min(k, ahead.asked)
-        taken = Proposal(tokens=tokens[1:1 + k], probs=proposal.probs[1:1 + k],
-                         wall_ns=proposal.wall_ns or time.perf_counter_ns() - ahead.started_ns,
-                         compute_ns=proposal.compute_ns, prefill_tokens=proposal.prefill_tokens,
-                         drafted=len(tokens))
-        return (taken, k), True, b == 0
+        return Proposal(tokens=tokens[1:1 + k], probs=proposal.probs[1:1 + k],
+                        wall_ns=proposal.wall_ns or time.perf_counter_ns() - ahead.started_ns,
+                        compute_ns=proposal.compute_ns, prefill_tokens=proposal.prefill_tokens,
+                        drafted=len(tokens)), k
 
     def close(self) -> None:
         """Cancel an overlapped draft still in flight."""

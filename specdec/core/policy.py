@@ -151,12 +151,6 @@ class Observation:
     loop_s: float = 0.0
     """The orchestrator's own time between the previous round and this one (saving the session,
     streaming the chunk, choosing `k`); 0 when not measured (a request's first round)."""
-    guessed: bool = False
-    """Greedy decoding with overlap: the draft's guess of the previous round's last token (the
-    first token of the block it drafted ahead) was checked against that token. Under greedy
-    decoding a guess is judged exactly as a draft token at that position would have been."""
-    guess_held: bool = False
-    """The checked guess was right (a success); a wrong one is a failure."""
 
     def __post_init__(self) -> None:
         if self.k < 0:
@@ -172,8 +166,6 @@ class Observation:
         if isinstance(self.batch_positions, bool) or not isinstance(self.batch_positions, int) \
                 or self.batch_positions < 0:
             raise ValueError(f"batch_positions={self.batch_positions!r} is invalid: must be an int >= 0")
-        if self.guess_held and not self.guessed:
-            raise ValueError("guess_held=True is invalid without guessed=True")
         for name in ("drafted", "draft_prefill_tokens", "verify_prefill_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -501,9 +493,7 @@ def update(state: PolicyState, obs: Observation, config: PolicyConfig) -> Policy
     - Acceptance: a round with `proposed = n > 0` and `accepted = a` counts `a` successes and
       one failure if `a < n` (the block was cut short), none otherwise; the EWMAs of both give
       `alpha = S / (S + F)`, the estimator of a geometric acceptance run truncated at `n`.
-      A checked guess (`guessed`) is one more run: a success if it held (it then heads the
-      block), else a run of length 0. Rounds that proposed and guessed nothing say nothing
-      about `alpha`.
+      Rounds that proposed nothing say nothing about `alpha`.
     - Round trips are wall minus compute (and minus the verify's queue wait), clamped at 0. The
       batch size and the queue wait over the compute feed `B` and `q`. The draft's are learnt only from
       rounds that called it (`k >= 1`) and did not fail; `t_d` only when tokens were proposed.
@@ -518,13 +508,11 @@ def update(state: PolicyState, obs: Observation, config: PolicyConfig) -> Policy
     """
     w = config.ewma
     accepted, rejected, alpha = state.accepted_ewma, state.rejected_ewma, state.alpha
-    if obs.proposed > 0 or obs.guessed:
+    if obs.proposed > 0:
         # Both start from 0 rather than from the first round: their ratio then weighs every
         # round by (1 - ewma)^age, instead of letting the first round count for 1/ewma rounds.
-        successes = obs.accepted + (1 if obs.guess_held else 0)
-        failures = (1 if obs.accepted < obs.proposed else 0) + (1 if obs.guessed and not obs.guess_held else 0)
-        accepted = _ewma(accepted or 0.0, float(successes), w)
-        rejected = _ewma(rejected or 0.0, float(failures), w)
+        accepted = _ewma(accepted or 0.0, float(obs.accepted), w)
+        rejected = _ewma(rejected or 0.0, 1.0 if obs.accepted < obs.proposed else 0.0, w)
         alpha = _alpha(accepted, rejected, alpha)
 
     rtt_draft, draft_token, rate = state.rtt_draft_s, state.draft_token_s, state.proposal_rate

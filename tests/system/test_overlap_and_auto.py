@@ -66,32 +66,3 @@ def test_overlapped_sampling_follows_the_target_distribution(overlap_pipeline, t
     marginal = (weights[:, None] / weights.sum() * p2).sum(axis=0)
     assert len(third) >= 0.9 * n
     assert _pooled_chisquare(np.bincount(third, minlength=p0.shape[0]), marginal, len(third)) > 1e-3
-
-
-@pytest.fixture(scope="module")
-def poor_overlap_pipeline(tiny_models, tmp_path_factory):
-    pipeline = start_tiny_pipeline(tmp_path_factory.mktemp("logs-poor-overlap"), tiny_models, "poor_draft",
-                                   draft_length="auto", extra_orchestrator_args=["--overlap"])
-    yield pipeline
-    pipeline.stop()
-
-
-def test_a_wrong_guess_after_a_plain_round_replaces_the_probe(poor_overlap_pipeline, tiny_models):
-    """Auto, greedy, overlap, a poor draft: the controller holds k = 0 and probes now and then;
-    the draft guesses the token of the round before the probe in its shadow. A wrong guess is the
-    probe's verdict (a rejected first token), so that round runs plain (`draft_length` 0) and
-    reports the guess; the output is still the target's greedy output."""
-    reference = Reference(str(tiny_models["target"]))
-    rounds = []
-    with Client(orchestrator_address(poor_overlap_pipeline)) as client:
-        for prompt in PROMPTS[:10]:
-            chunks = list(client.stream(prompt, max_new_tokens=MAX_NEW, draft_length="auto"))
-            assert [t for c in chunks for t in c.token_ids] == reference.greedy(prompt, MAX_NEW), prompt
-            rounds += [c.round for c in chunks]
-        sampled = list(client.stream(PROMPTS[0], max_new_tokens=MAX_NEW, draft_length="auto", temperature=1.0,
-                                     seed=3))
-    checked = [r for r in rounds if r.get("guess_checked")]
-    replaced = [r for r in checked if not r.get("guess_held") and r.get("draft_length", 0) == 0]
-    assert replaced, f"no probe was replaced by a wrong guess in {len(rounds)} rounds ({len(checked)} guesses)"
-    assert all(r.get("proposed", 0) == 0 and r.get("verify_batch_positions", 1) == 1 for r in replaced)
-    assert not any(c.round.get("guess_checked") for c in sampled)  # a sampled guess is not judged

@@ -316,33 +316,6 @@ def test_acceptance_counts_truncated_runs() -> None:
     assert s.alpha == 0.0
 
 
-def test_a_checked_guess_is_one_more_acceptance_run() -> None:
-    """Greedy overlap: the guess of the bonus token heads the block drafted ahead. Held, it is a
-    success before the block's run; wrong, a run of length 0, even in a round with no block."""
-    config = PolicyConfig(ewma=1.0)
-    held = update(PolicyState(), replace(obs(4, 1), guessed=True, guess_held=True), config)
-    assert (held.accepted_ewma, held.rejected_ewma) == (2.0, 1.0)
-    missed = update(PolicyState(), replace(obs(0, 0), guessed=True), config)  # a probe it replaced
-    assert (missed.accepted_ewma, missed.rejected_ewma, missed.alpha) == (0.0, 1.0, 0.0)
-    missed_then_block = update(PolicyState(), replace(obs(4, 4), guessed=True), config)
-    assert (missed_then_block.accepted_ewma, missed_then_block.rejected_ewma) == (4.0, 1.0)
-    assert missed.verify_s[0] == 0.03 and all(v is None for v in missed.verify_s[1:])  # k = 0 priced
-
-
-def test_guesses_alone_estimate_alpha() -> None:
-    """A session held at k = 0 that only checks guesses (each right with probability alpha)
-    still learns alpha: the probes it skips cost nothing and lose nothing."""
-    rng = random.Random(7)
-    for alpha in (0.1, 0.5, 0.9):
-        s = PolicyState()
-        estimates = []
-        for _ in range(4000):
-            held = rng.random() < alpha
-            s = update(s, replace(obs(0, 0), guessed=True, guess_held=held), CONFIG)
-            estimates.append(s.alpha)
-        assert statistics_mean(estimates[500:]) == pytest.approx(alpha, abs=0.03)
-
-
 def test_acceptance_ewma_weighs_rounds_by_age() -> None:
     config = PolicyConfig(ewma=0.5)
     s = update(PolicyState(), obs(2, 2), config)  # S = 1.0, F = 0: the first round is not inflated
@@ -798,11 +771,6 @@ def test_invalid_observations_raise(args: tuple) -> None:
 def test_invalid_token_counts_raise(field: str, value) -> None:
     with pytest.raises(ValueError, match=field):
         Observation(2, 2, 1, 0.1, 0.1, 0.1, 0.1, **{field: value})
-
-
-def test_a_held_guess_needs_a_checked_one() -> None:
-    with pytest.raises(ValueError, match="guess_held"):
-        Observation(0, 0, 0, 0.0, 0.0, 0.1, 0.1, guess_held=True)
 
 
 # ---------------------------------------------------------------------------------------------
