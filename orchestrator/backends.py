@@ -43,15 +43,14 @@ class DraftUnavailable(Exception):
     """The draft failed or timed out; the round falls back to plain decoding."""
 
 
-class DraftReleased(DraftUnavailable):
-    """The draft dropped the call because the session's caches were released after it was sent
-    (the cleanup of an earlier request on the session); the replica is healthy."""
-
-
 class Released(Exception):
-    """The target dropped the verify because the session's caches were released after it was
-    sent (the cleanup of an earlier request on the session, e.g. one a resume took over from);
-    the replica is healthy, and the same call sent again runs."""
+    """A service dropped the call (CANCELLED from its side) because the session's caches were
+    released after the call was sent: the cleanup of an earlier request on the session, e.g. one
+    a resume took over from. The replica is healthy; the same call sent again runs."""
+
+
+class DraftReleased(Released, DraftUnavailable):
+    """`Released` from the draft: like any unusable draft, the round falls back to plain decoding."""
 
 
 class _ModelBackend:

@@ -9,6 +9,19 @@ import pytest
 from specdec.launcher import Pipeline, Plan, free_port
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Torch on one intra-op thread for a module: tiny forwards are erratic with a contended
+    thread pool on a shared 2-core machine. Modules opt in with
+    `pytestmark = pytest.mark.usefixtures("one_torch_thread")`."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
     """A tiny target, a good draft (small perturbation), a poor draft and a mismatched one."""

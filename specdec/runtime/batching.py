@@ -171,9 +171,7 @@ class Batcher:
         result = None
         async for result in self.stream(job):
             pass
-        if result is None:
-            if job.cancelled:  # dropped by a release of its session after it was submitted
-                raise Cancelled(f"the request for session {job.session_id!r} was cancelled")
+        if result is None:  # a cancelled job ends with Cancelled, a failed one with its error
             raise RuntimeError(f"job for session {job.session_id!r} finished without a result")
         return result
 
@@ -278,11 +276,12 @@ class Batcher:
             for job, item, finished, step in outcomes:
                 if isinstance(item, BaseException):
                     job.finish(item)
-                    continue
-                if not job.cancelled:
+                elif job.cancelled:  # during its step (its session released, or its caller gone)
+                    job.finish(Cancelled(f"the request for session {job.session_id!r} was cancelled"))
+                else:
                     job.deliver(item, step)
-                if finished:
-                    job.finish()
+                    if finished:
+                        job.finish()
             self._active = [j for j in self._active if not j.done]
             self._last_sessions = {job.session_id for job in batch}
             self._last_step_end = time.monotonic()

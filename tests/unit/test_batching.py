@@ -242,6 +242,21 @@ async def test_cancel_session_stops_a_running_draft(model):
     await batcher.close()
 
 
+async def test_a_verify_whose_session_is_released_during_its_pass_ends_cancelled(model):
+    """Released while its pass runs, the verify's result is dropped and it ends with Cancelled
+    (the orchestrator's cue to send it again), not as a job that finished without a result."""
+    caches = SlowCaches(model, 0.2)
+    batcher = Batcher(caches, BatchConfig(max_batch=4, window_s=0))
+    verifier = Verifier(caches, V)
+    running = asyncio.ensure_future(batcher.run(verifier.job("s", [5, 6, 7], [8], None, SamplingParams(), 0)))
+    while batcher.running == 0:  # admitted: its pass is running
+        await asyncio.sleep(0.01)
+    assert batcher.cancel_session("s") == 1
+    with pytest.raises(Cancelled):
+        await running
+    await batcher.close()
+
+
 async def test_a_request_sent_before_its_release_is_dropped_when_it_arrives_after(model):
     """The leak after cancellation: the orchestrator sends Verify, is cancelled, sends Release; the
     Release is handled first. The Verify, sent earlier by the caller's clock, must not re-create

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -30,12 +29,7 @@ from specdec.runtime.tiny import make_char_tokenizer, make_tiny_model
 HELDOUT = ["once upon a time", "good morning", "what is 2+2?", "tell me a story"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def make_tied_tiny_model(out: Path, *, seed: int = 0, hidden: int = 64, layers: int = 4) -> Path:
