@@ -248,11 +248,15 @@ async def test_a_verify_whose_session_is_released_during_its_pass_ends_cancelled
     caches = SlowCaches(model, 0.2)
     batcher = Batcher(caches, BatchConfig(max_batch=4, window_s=0))
     verifier = Verifier(caches, V)
-    running = asyncio.ensure_future(batcher.run(verifier.job("s", [5, 6, 7], [8], None, SamplingParams(), 0)))
+
+    async def consume() -> list:
+        return [item async for item in batcher.stream(verifier.job("s", [5, 6, 7], [8], None, SamplingParams(), 0))]
+
+    running = asyncio.ensure_future(consume())
     while batcher.running == 0:  # admitted: its pass is running
         await asyncio.sleep(0.01)
     assert batcher.cancel_session("s") == 1
-    with pytest.raises(Cancelled):
+    with pytest.raises(Cancelled):  # not a stream that just ends, with nothing in it
         await running
     await batcher.close()
 
