@@ -711,10 +711,12 @@ def next_k_and_ahead(
 
 def _step(
     state: PolicyState, obs: Observation | None, config: PolicyConfig
-) -> tuple[int, PolicyState, tuple[int | None, int | None], bool]:
-    """`(k, next state, _best of the state the choice was made on, that state's flag)`."""
+) -> tuple[int, PolicyState, tuple[int | None, int | None] | None, bool]:
+    """`(k, next state, _best of the state the choice was made on (None: not fitted), that
+    state's flag)`."""
     s = update(state, obs, config) if obs is not None else state
-    best = _best(s, config) if config.k_max > 0 else (0, None)
+    # The fit, unless the choice will not consult it (no draft allowed, back-off, its probe).
+    best = _best(s, config) if config.k_max > 0 and s.backoff <= 0 and not s.resume_probe else None
     k, speculating = _choose(s, config, best)
     in_backoff = s.backoff > 0
     return k, replace(
