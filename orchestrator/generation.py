@@ -378,7 +378,7 @@ class Generator:
         speculator = Speculator(state.session_id, params, state.seed, self.draft, self.target,
                                 self.fingerprint, overlap=self.config.overlap, deadline=deadline)
         first, round_end = True, None
-        upcoming = choose_k(policy, self.policy_config) if policy is not None else 0
+        upcoming = choose_k(policy, self.policy_config) if policy is not None else None
         try:
             while finish == pb.FINISH_REASON_UNSPECIFIED:
                 generated = len(state.tokens) - gen.start
@@ -397,8 +397,8 @@ class Generator:
                 # holds k = 0 the draft is left alone: drafting in every shadow kept its cache
                 # warm but cost each plain round a second call (3-6 % of plain decoding's pace
                 # in the GPU-class profile on this CPU).
-                upcoming = upcoming if policy is not None else wanted
-                k_next = max(0, min(upcoming, remaining - k - 2)) if self.draft is not None else 0
+                ahead = upcoming if policy is not None else wanted
+                k_next = max(0, min(ahead, remaining - k - 2)) if self.draft is not None else 0
                 round_start = time.perf_counter()
                 rnd = await speculator.round(state.tokens, k, k_next)
                 loop_s = round_start - round_end if round_end is not None else 0.0

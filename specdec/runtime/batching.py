@@ -112,6 +112,9 @@ class Job:
             self.done = True
             self._items.put_nowait(error)
 
+    def finish_cancelled(self) -> None:
+        self.finish(Cancelled(f"the request for session {self.session_id!r} was cancelled"))
+
     async def results(self) -> AsyncIterator[tuple[Any, StepInfo]]:
         """The job's items as they are produced; raises the job's error, if any, at the end."""
         while True:
@@ -277,7 +280,7 @@ class Batcher:
                 if isinstance(item, BaseException):
                     job.finish(item)
                 elif job.cancelled:  # during its step (its session released, or its caller gone)
-                    job.finish(Cancelled(f"the request for session {job.session_id!r} was cancelled"))
+                    job.finish_cancelled()
                 else:
                     job.deliver(item, step)
                     if finished:
@@ -336,7 +339,7 @@ class Batcher:
         if job.sent_unix_ns and job.sent_unix_ns <= self._released_sent.get(job.session_id, 0):
             job.cancelled = True  # sent before its session was released, arrived after
         if job.cancelled:
-            job.finish(Cancelled(f"the request for session {job.session_id!r} was cancelled"))
+            job.finish_cancelled()
             self.observer.on_dropped("cancelled")
             return True
         return False
