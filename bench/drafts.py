@@ -20,8 +20,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from specdec.drafts.build import REPORT_FILE, BuildConfig, build_draft
-from specdec.drafts.profile import ProfileConfig, profile_drafts
+from drafts.build import REPORT_FILE, BuildConfig, build_draft
+from drafts.profile import ProfileConfig, profile_drafts
 
 
 def main() -> None:

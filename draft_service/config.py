@@ -4,7 +4,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from specdec.config import DeviceOption, SnapshotServiceConfig
+from specdec.server.config import DeviceOption, SnapshotServiceConfig
 from specdec.runtime.models import DEFAULT_MODEL
 
 

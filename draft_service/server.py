@@ -8,8 +8,8 @@ import torch
 
 from draft_service.config import DraftConfig
 from draft_service.servicer import DraftServicer
-from specdec.admission import Admission
-from specdec.metrics import ServiceMetrics
+from specdec.server.admission import Admission
+from specdec.server.metrics import ServiceMetrics
 from specdec.runtime.batching import BatchConfig, Batcher
 from specdec.runtime.info import model_info
 from specdec.runtime.kv import SessionCaches
@@ -17,8 +17,8 @@ from specdec.runtime.latency import LatencyProfile
 from specdec.runtime.models import load_model, load_tokenizer, tokenizer_fingerprint
 from specdec.runtime.proposers import ModelProposer, NgramProposer, Proposer
 from specdec.runtime.snapshot import policy_of
-from specdec.serving import run_main, serve_servicer, start_metrics
-from specdec.tls import server_credentials_of
+from specdec.server.serving import run_main, serve_servicer, start_metrics
+from specdec.server.tls import server_credentials_of
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name

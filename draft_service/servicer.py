@@ -6,13 +6,13 @@ import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from specdec.admission import Admission, deadline_of
+from specdec.server.admission import Admission, deadline_of
 from specdec.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, grpc_errors
 from specdec.runtime.batching import Batcher
 from specdec.runtime.proposers import ModelProposer, Proposer
 from specdec.runtime.snapshot import drop_snapshot, save_snapshot
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
-from specdec.wire import probs_to_bytes, sampling_from_pb
+from specdec.server.wire import probs_to_bytes, sampling_from_pb
 
 
 class DraftServicer(draft_pb2_grpc.DraftServiceServicer):

@@ -22,11 +22,11 @@ from http_gateway.openai_api import (
     ApiError, ChatRequest, CompletionRequest, Reply, api_error, chat_kwargs, completion_kwargs, retry_after_s,
     validation_error,
 )
-from specdec import logs
-from specdec.auth import UNAUTHENTICATED_MESSAGE, Tokens, bearer_token
+from specdec.server import logs
+from specdec.server.auth import UNAUTHENTICATED_MESSAGE, Tokens, bearer_token
 from specdec.client import AsyncClient, AsyncStream, Chunk
 from specdec.errors import SpecdecError
-from specdec.tracing import tracer
+from specdec.server.tracing import tracer
 
 
 def _error_response(err: ApiError) -> JSONResponse:

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from specdec.config import ServiceConfig
+from specdec.server.config import ServiceConfig
 
 
 class GatewayConfig(ServiceConfig):

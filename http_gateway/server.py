@@ -11,8 +11,8 @@ import uvicorn
 
 from http_gateway.app import create_app
 from http_gateway.config import GatewayConfig
-from specdec.serving import configure_logging
-from specdec.tracing import setup as setup_tracing
+from specdec.server.serving import configure_logging
+from specdec.server.tracing import setup as setup_tracing
 
 log = logging.getLogger("specdec.http")
 

@@ -10,10 +10,10 @@ import grpc
 
 from specdec.core.sampling import SamplingParams
 from specdec.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
-from specdec.serving import channel
-from specdec.tls import ClientTLS
+from specdec.channel import channel
+from specdec.server.tls import ClientTLS
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
-from specdec.wire import sampling_to_pb
+from specdec.server.wire import sampling_to_pb
 
 
 @dataclass

@@ -4,7 +4,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from specdec.config import ServiceConfig
+from specdec.server.config import ServiceConfig
 from specdec.runtime.models import DEFAULT_MODEL
 
 

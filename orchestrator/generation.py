@@ -18,7 +18,7 @@ from orchestrator.loop import Speculator
 from orchestrator.replicas import DraftPool, TargetPool
 from orchestrator.store import GenerationRecord, RedisSessionStore, SessionState
 from orchestrator.text import TextStream
-from specdec.admission import Admission
+from specdec.server.admission import Admission
 from specdec.core.policy import (
     Observation,
     PolicyConfig,
@@ -36,8 +36,8 @@ from specdec.errors import (
     NotFound,
     SpecdecError,
 )
-from specdec.limits import check_session_id
-from specdec.metrics import OrchestratorMetrics
+from specdec.server.limits import check_session_id
+from specdec.server.metrics import OrchestratorMetrics
 from specdec.v1 import common_pb2
 from specdec.v1 import orchestrator_pb2 as pb
 
@@ -62,7 +62,7 @@ class GenerationSpec:
     # A chat turn that continues a session: the input to use when the history ends with an
     # end-of-sequence token, and when it does not (the end-of-turn marker is then added first).
     chat_after_eos: list[int] | None = None
-    principal: str = ""  # who sends it (specdec.auth.principal_of): only they may continue its session
+    principal: str = ""  # who sends it (specdec.server.auth.principal_of): only they may continue its session
 
 
 def observation(stats: pb.RoundStats, loop_s: float = 0.0) -> Observation:

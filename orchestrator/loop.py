@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from orchestrator.backends import DraftUnavailable, Proposal
 from orchestrator.replicas import DraftPool, TargetPool
 from specdec.core.sampling import SamplingParams
-from specdec.tracing import traced
+from specdec.server.tracing import traced
 from specdec.errors import DeadlineExceeded
 from specdec.v1 import orchestrator_pb2
 

@@ -13,14 +13,14 @@ from orchestrator.generation import Generator
 from orchestrator.replicas import DraftPool, TargetPool
 from orchestrator.servicer import OrchestratorServicer
 from orchestrator.store import RedisSessionStore
-from specdec.auth import AuthInterceptor, Tokens
+from specdec.server.auth import AuthInterceptor, Tokens
 from specdec.errors import Unavailable
-from specdec.interceptors import DecodeGuard
-from specdec.limits import ConcurrencyLimit, PerIdentityLimit
+from specdec.server.interceptors import DecodeGuard
+from specdec.server.limits import ConcurrencyLimit, PerIdentityLimit
 from specdec.runtime.models import load_tokenizer, tokenizer_fingerprint
-from specdec.serving import run_main, serve_servicer, start_metrics
-from specdec.tls import ClientTLS, server_credentials_of
-from specdec.tracing import ServerTracing
+from specdec.server.serving import run_main, serve_servicer, start_metrics
+from specdec.server.tls import ClientTLS, server_credentials_of
+from specdec.server.tracing import ServerTracing
 from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
 log = logging.getLogger("specdec.orchestrator")

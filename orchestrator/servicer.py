@@ -6,8 +6,8 @@ import contextlib
 
 from orchestrator.generation import Generator
 from orchestrator.status import Counters, status
-from specdec.admission import deadline_of
-from specdec.auth import current_principal
+from specdec.server.admission import deadline_of
+from specdec.server.auth import current_principal
 from specdec.errors import InvalidArgument, grpc_errors
 from specdec.v1 import orchestrator_pb2 as pb
 from specdec.v1 import orchestrator_pb2_grpc

@@ -97,7 +97,7 @@ class SessionState:
     policy: dict = field(default_factory=dict)  # draft-length controller state (PolicyState.to_dict)
     created_at: float = field(default_factory=time.time)
     generation: GenerationRecord | None = None  # the latest generation
-    principal: str = ""  # hash of the identity that opened it (specdec.auth.principal_of; "" = anonymous)
+    principal: str = ""  # hash of the identity that opened it (specdec.server.auth.principal_of; "" = anonymous)
 
     def record(self) -> str:
         """The JSON record of everything but the history (kept as a Redis list) and the key.

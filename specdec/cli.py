@@ -265,13 +265,28 @@ def cmd_status(args: argparse.Namespace) -> int:
                   "(or set $SPECDEC_ADDRESS).", file=sys.stderr)
     return worst
 
+COMMANDS_GROUP = "specdec.commands"
+
+
+def _add_plugin_commands(sub) -> None:
+    """Subcommands that tools installed with specdec register (entry point group
+    `specdec.commands`: a function that adds its parser to `sub`), e.g. `specdec loadtest` and
+    `specdec draft`. The library never imports a tool: where one is not installed (a serving
+    image ships only the services) its subcommand is simply absent."""
+    from importlib.metadata import entry_points
+
+    for entry in sorted(entry_points(group=COMMANDS_GROUP), key=lambda e: e.name):
+        try:
+            add_parser = entry.load()
+        except ImportError:
+            continue  # registered by the distribution but not shipped here
+        add_parser(sub)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdec", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    from specdec.drafts.cli import add_draft_parser  # `specdec draft build|profile`
-    add_draft_parser(sub)
-    from loadtest.cli import add_loadtest_parser  # `specdec loadtest`
-    add_loadtest_parser(sub)
+    _add_plugin_commands(sub)
 
     up = sub.add_parser("up", help="start Redis, draft, target and orchestrator locally")
     _add_plan_flags(up)

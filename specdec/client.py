@@ -46,7 +46,7 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.json_format import MessageToDict
 
 from specdec.errors import Internal, SpecdecError, from_rpc_error
-from specdec.serving import CHANNEL_OPTIONS
+from specdec.channel import CHANNEL_OPTIONS
 from specdec.v1 import orchestrator_pb2 as pb, orchestrator_pb2_grpc
 
 SERVICE = "specdec.v1.Orchestrator"
@@ -72,7 +72,7 @@ _DROPPED = re.compile(r"stream removed|socket closed|rst_stream|connection reset
 
 def call_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
     """Metadata of one call: the bearer token, the current trace context and request id."""
-    from specdec.tracing import inject
+    from specdec.server.tracing import inject
 
     carrier: dict[str, str] = {}
     if token:

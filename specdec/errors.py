@@ -67,7 +67,7 @@ class ResourceExhausted(SpecdecError):
 
 
 class Unauthenticated(SpecdecError):
-    """No valid bearer token came with the call (see `specdec.auth`)."""
+    """No valid bearer token came with the call (see `specdec.server.auth`)."""
 
     code = grpc.StatusCode.UNAUTHENTICATED
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from specdec.admission import Admission
-from specdec.metrics import ServiceMetrics
+from specdec.server.admission import Admission
+from specdec.server.metrics import ServiceMetrics
 from specdec.runtime.batching import BatchConfig, Batcher
 from specdec.runtime.info import model_info
 from specdec.runtime.kv import SessionCaches
@@ -13,8 +13,8 @@ from specdec.runtime.latency import LatencyProfile
 from specdec.runtime.models import load_model
 from specdec.runtime.snapshot import policy_of
 from specdec.runtime.verifier import Verifier
-from specdec.serving import run_main, serve_servicer, start_metrics
-from specdec.tls import server_credentials_of
+from specdec.server.serving import run_main, serve_servicer, start_metrics
+from specdec.server.tls import server_credentials_of
 from specdec.v1 import target_pb2, target_pb2_grpc
 from target_service.config import TargetConfig
 from target_service.servicer import TargetServicer

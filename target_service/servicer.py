@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import time
 
-from specdec.admission import Admission, deadline_of
+from specdec.server.admission import Admission, deadline_of
 from specdec.errors import InvalidArgument, grpc_errors
 from specdec.runtime.batching import Batcher
 from specdec.runtime.snapshot import drop_snapshot, save_snapshot
 from specdec.runtime.verifier import Verifier
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
-from specdec.wire import probs_from_bytes, sampling_from_pb
+from specdec.server.wire import probs_from_bytes, sampling_from_pb
 
 
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):

@@ -35,7 +35,7 @@ from transformers import DynamicCache
 from specdec.errors import FailedPrecondition
 
 if TYPE_CHECKING:  # kv and batching import this module
-    from specdec.config import SnapshotServiceConfig
+    from specdec.server.config import SnapshotServiceConfig
     from specdec.runtime.batching import Batcher
     from specdec.runtime.kv import SessionCaches
     from specdec.runtime.models import LoadedModel

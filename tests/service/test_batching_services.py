@@ -17,9 +17,9 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from specdec.admission import retry_after_ms
+from specdec.server.admission import retry_after_ms
 from specdec.launcher import free_port, wait_healthy
-from specdec.serving import channel
+from specdec.channel import channel
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from tests.reference import Reference
 

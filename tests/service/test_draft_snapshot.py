@@ -18,7 +18,8 @@ from pydantic import ValidationError
 from draft_service.config import DraftConfig
 from draft_service.server import SERVICE_NAME, build_servicer
 from specdec.runtime.snapshot import SnapshotStore, meta_key
-from specdec.serving import channel, create_server
+from specdec.channel import channel
+from specdec.server.serving import create_server
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
 HISTORY = [5 + (i * 7) % 90 for i in range(40)]  # 40 token ids of the tiny character vocabulary

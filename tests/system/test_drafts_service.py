@@ -9,8 +9,8 @@ import grpc
 import pytest
 
 from specdec import Client
-from specdec.drafts.build import BuildConfig, build_draft
-from specdec.drafts.profile import ProfileConfig, profile_drafts
+from drafts.build import BuildConfig, build_draft
+from drafts.profile import ProfileConfig, profile_drafts
 from specdec.runtime.models import load_model
 from specdec.v1 import common_pb2, draft_pb2_grpc
 from tests.conftest import orchestrator_address, start_pipeline

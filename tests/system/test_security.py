@@ -1,7 +1,7 @@
 """Security of a real pipeline: mutual TLS to draft and target, TLS + bearer tokens on the public
 API, sessions bound to the token that opened them, limits, and Redis with a password over TLS.
 
-One set of processes (tiny float64 models) with a throwaway CA (`specdec.tls.make_pki`):
+One set of processes (tiny float64 models) with a throwaway CA (`specdec.server.tls.make_pki`):
 draft and target require a client certificate of the CA; the orchestrator presents one, serves
 its own API over TLS and accepts two tokens (alice, bob). Verify is padded to 20 ms (a labelled
 simulation) so streams are still running when a concurrent request arrives.
@@ -28,7 +28,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specdec import Client, errors
 from specdec.launcher import free_port, redis_server_binary
-from specdec.tls import ClientTLS, make_pki
+from specdec.server.tls import ClientTLS, make_pki
 from specdec.v1 import common_pb2, draft_pb2_grpc, orchestrator_pb2 as pb, orchestrator_pb2_grpc, target_pb2_grpc
 
 HOST = "127.0.0.1"

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from specdec import Client, logs
+from specdec import Client
+from specdec.server import logs
 from specdec.launcher import free_port
 from tests.conftest import orchestrator_address, start_tiny_pipeline
 

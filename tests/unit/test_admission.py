@@ -8,7 +8,7 @@ import time
 import grpc
 import pytest
 
-from specdec.admission import RETRY_AFTER_KEY, Admission, Overloaded, retry_after_ms
+from specdec.server.admission import RETRY_AFTER_KEY, Admission, Overloaded, retry_after_ms
 from specdec.errors import DeadlineExceeded
 
 

@@ -8,9 +8,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specdec.auth import AuthInterceptor, Tokens, bearer_token, current_identity, identity_of_token, principal_of
-from specdec.interceptors import DecodeGuard
-from specdec.serving import create_server, mark_serving
+from specdec.server.auth import AuthInterceptor, Tokens, bearer_token, current_identity, identity_of_token, principal_of
+from specdec.server.interceptors import DecodeGuard
+from specdec.server.serving import create_server, mark_serving
 from specdec.v1 import orchestrator_pb2 as pb, orchestrator_pb2_grpc
 
 ALICE = "alice-0123456789abcdef"
@@ -168,7 +168,7 @@ async def test_a_request_that_does_not_parse_is_invalid_argument(tokens_file):
 
 def test_per_identity_limit_counts_each_token_apart():
     from specdec.errors import ResourceExhausted
-    from specdec.limits import PerIdentityLimit
+    from specdec.server.limits import PerIdentityLimit
 
     limit = PerIdentityLimit(2)
     with limit.hold("alice"), limit.hold("alice"):
@@ -187,7 +187,7 @@ def test_per_identity_limit_counts_each_token_apart():
                                      ("x" * 65, False), ("a b", False), ("{x}", False), ("é", False), ("a\n", False)])
 def test_session_ids_must_look_like_ours(sid, ok):
     from specdec.errors import InvalidArgument
-    from specdec.limits import check_session_id
+    from specdec.server.limits import check_session_id
 
     if ok:
         assert check_session_id(sid) == sid

@@ -1,4 +1,4 @@
-"""Shallow self-distilled drafts (specdec.drafts): layer choice, the loss, build, resume, profile, devices."""
+"""Shallow self-distilled drafts (drafts): layer choice, the loss, build, resume, profile, devices."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from specdec.cli import main as specdec_main
-from specdec.drafts.build import REPORT_FILE, BuildConfig, build_draft
-from specdec.drafts.data import TeacherData, cached_teacher_data, load_prompt_file
-from specdec.drafts.distill import batch_logits, evaluate, topk_kl
-from specdec.drafts.profile import ProfileConfig, expected_tokens, profile_drafts
-from specdec.drafts.shallow import (
+from drafts.build import REPORT_FILE, BuildConfig, build_draft
+from drafts.data import TeacherData, cached_teacher_data, load_prompt_file
+from drafts.distill import batch_logits, evaluate, topk_kl
+from drafts.profile import ProfileConfig, expected_tokens, profile_drafts
+from drafts.shallow import (
     choose_layers,
     freeze_shared,
     layers_equal,

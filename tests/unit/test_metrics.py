@@ -7,7 +7,7 @@ import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from specdec.metrics import OrchestratorMetrics, ServiceMetrics, serve_metrics
+from specdec.server.metrics import OrchestratorMetrics, ServiceMetrics, serve_metrics
 from specdec.v1 import orchestrator_pb2
 
 
@@ -104,7 +104,7 @@ async def test_orchestrator_metrics_follow_an_admission_counter():
 
     import pytest
 
-    from specdec.admission import Admission, Overloaded
+    from specdec.server.admission import Admission, Overloaded
 
     m = OrchestratorMetrics()
     admission = Admission(max_concurrent=1, max_queued=0, name="orchestrator")

@@ -6,9 +6,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specdec.config import ServiceConfig
-from specdec.serving import channel, create_server, mark_serving
-from specdec.tls import ClientTLS, make_pki, server_credentials
+from specdec.server.config import ServiceConfig
+from specdec.channel import channel
+from specdec.server.serving import create_server, mark_serving
+from specdec.server.tls import ClientTLS, make_pki, server_credentials
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,7 @@ from typing import Iterable
 
 import grpc
 
-from specdec.interceptors import deny_handler, is_open_method, wrap_handler
+from specdec.server.interceptors import deny_handler, is_open_method, wrap_handler
 
 current_identity: contextvars.ContextVar[str] = contextvars.ContextVar("specdec_identity", default="")
 

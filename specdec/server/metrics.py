@@ -239,7 +239,7 @@ class OrchestratorMetrics:
         self.waiting.set(0)
 
     def track_admission(self, admission) -> None:
-        """Read running/waiting from a `specdec.admission.Admission` (and count its refusals and drops)."""
+        """Read running/waiting from a `specdec.server.admission.Admission` (and count its refusals and drops)."""
         self.running.set_function(lambda: admission.running)
         self.waiting.set_function(lambda: admission.waiting)
         admission.observer = self

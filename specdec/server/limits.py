@@ -4,7 +4,7 @@
   client cannot make the store build keys from arbitrary bytes.
 - `PerIdentityLimit`: generations one token (identity) may run at once on this orchestrator
   replica; the next one gets RESOURCE_EXHAUSTED naming the limit. `ConcurrencyLimit` applies it
-  to the generation methods as a server interceptor (after `specdec.auth.AuthInterceptor`).
+  to the generation methods as a server interceptor (after `specdec.server.auth.AuthInterceptor`).
 
 Message size is a server option (`--max-message-bytes`, gRPC answers RESOURCE_EXHAUSTED);
 prompt tokens, new tokens and stop strings are checked with the request
@@ -21,9 +21,9 @@ from typing import Iterable, Iterator
 
 import grpc
 
-from specdec.auth import current_identity
+from specdec.server.auth import current_identity
 from specdec.errors import InvalidArgument, ResourceExhausted
-from specdec.interceptors import method_handler
+from specdec.server.interceptors import method_handler
 
 SESSION_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 

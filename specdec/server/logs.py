@@ -1,6 +1,6 @@
 """Logging with request, session and trace ids on every line, as text (people) or JSON (machines).
 
-The ids live in context variables: the server interceptor (`specdec.tracing.ServerTracing`)
+The ids live in context variables: the server interceptor (`specdec.server.tracing.ServerTracing`)
 sets the request id (the caller's `x-request-id`, or a new one) and the session id (from the
 request, or from the first response that names one) for the call's task, and the trace and span
 ids come from the current OpenTelemetry span. `ContextFilter` copies them onto every record, so a

@@ -26,15 +26,15 @@ import torch
 
 from specdec.data import bundled_prompts
 from specdec.defaults import cache_dir
-from specdec.drafts.data import TeacherData, cached_teacher_data, load_prompt_file
-from specdec.drafts.distill import (
+from drafts.data import TeacherData, cached_teacher_data, load_prompt_file
+from drafts.distill import (
     DistillConfig,
     DistillResult,
     distill,
     evaluate,
     has_state,
 )
-from specdec.drafts.shallow import (
+from drafts.shallow import (
     LAYER_STRATEGIES,
     choose_layers,
     freeze_shared,

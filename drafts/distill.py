@@ -30,7 +30,7 @@ from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
-from specdec.drafts.data import TeacherData
+from drafts.data import TeacherData
 
 STATE_TENSORS = "state.safetensors"
 STATE_JSON = "state.json"

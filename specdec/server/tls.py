@@ -1,13 +1,13 @@
 """Transport security: TLS for the public API, mutual TLS between the orchestrator and its backends.
 
-Every service takes the same server-side flags (`specdec.config.ServiceConfig`):
+Every service takes the same server-side flags (`specdec.server.config.ServiceConfig`):
 
     --tls-cert server.pem --tls-key server.key                     TLS (clients verify the server)
     ... --tls-ca ca.pem --tls-client-auth required                   mutual TLS (the server verifies clients)
 
 Draft and target run with mutual TLS, so only holders of a certificate signed by the CA (the
 orchestrators) reach them; the orchestrator's public API runs with TLS and bearer tokens
-(`specdec.auth`). The orchestrator's own client side is `ClientTLS` (`--backend-tls-*`).
+(`specdec.server.auth`). The orchestrator's own client side is `ClientTLS` (`--backend-tls-*`).
 
 `make_pki` writes a throwaway CA with server and client certificates, for tests and local
 development only (it needs the `cryptography` package, a dev dependency).

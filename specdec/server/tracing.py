@@ -28,9 +28,9 @@ import grpc
 from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from specdec import logs
+from specdec.server import logs
 from specdec.errors import CANCELLATIONS
-from specdec.interceptors import is_open_method, wrap_handler
+from specdec.server.interceptors import is_open_method, wrap_handler
 
 log = logging.getLogger(__name__)
 access_log = logging.getLogger("specdec.access")

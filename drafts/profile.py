@@ -39,8 +39,8 @@ import torch
 from specdec.core.sampling import SamplingParams
 from specdec.data import bundled_prompts
 from specdec.defaults import DEFAULT_MODEL, cache_dir
-from specdec.drafts.build import REPORT_FILE, check_device
-from specdec.drafts.data import TeacherData, cached_teacher_data, load_prompt_file
+from drafts.build import REPORT_FILE, check_device
+from drafts.data import TeacherData, cached_teacher_data, load_prompt_file
 from specdec.runtime.kv import SessionCaches
 from specdec.runtime.models import LoadedModel, load_model
 from specdec.runtime.proposers import ModelProposer, NgramProposer, Proposer

@@ -12,14 +12,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from specdec.channel import CHANNEL_OPTIONS, merge_options
+
 log = logging.getLogger(__name__)
-
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-]
-
 
 def create_server(
     address: str,
@@ -33,10 +28,10 @@ def create_server(
 
     Returns the server, the bound port (bind port 0 in tests) and the health servicer, whose
     status starts as NOT_SERVING until `mark_serving` is called. `credentials` (see
-    `specdec.tls`) serve TLS instead of plaintext; `options` override the channel options
+    `specdec.server.tls`) serve TLS instead of plaintext; `options` override the channel options
     (e.g. a smaller `grpc.max_receive_message_length`).
     """
-    server = grpc.aio.server(options=_merge_options(CHANNEL_OPTIONS, options), interceptors=list(interceptors))
+    server = grpc.aio.server(options=merge_options(CHANNEL_OPTIONS, options), interceptors=list(interceptors))
     for add in register:
         add(server)
     health_servicer = health.aio.HealthServicer()
@@ -67,33 +62,9 @@ async def serve_until_signalled(server: grpc.aio.Server, grace: float = 5.0) -> 
     await server.stop(grace)
 
 
-def _merge_options(base: Sequence[tuple[str, object]], extra: Sequence[tuple[str, object]]) -> list:
-    """`base` with the keys of `extra` replaced (gRPC would take the first of a repeated key)."""
-    keys = {k for k, _ in extra}
-    return [(k, v) for k, v in base if k not in keys] + list(extra)
-
-
-def channel(address: str, credentials: grpc.ChannelCredentials | None = None,
-            options: Sequence[tuple[str, object]] = ()) -> grpc.aio.Channel:
-    """A channel to one of our services, with our message-size limits, carrying trace context.
-
-    Plaintext unless `credentials` are given (mutual TLS: `specdec.tls.ClientTLS.credentials()`).
-    Reconnection backs off to at most 2 s (gRPC's default grows to 120 s), so a replica that
-    comes back after an outage is used again within seconds.
-    """
-    from specdec.tracing import client_interceptors
-
-    opts = _merge_options(CHANNEL_OPTIONS + [
-        ("grpc.initial_reconnect_backoff_ms", 500), ("grpc.max_reconnect_backoff_ms", 2000),
-    ], options)
-    if credentials is not None:
-        return grpc.aio.secure_channel(address, credentials, options=opts, interceptors=client_interceptors())
-    return grpc.aio.insecure_channel(address, options=opts, interceptors=client_interceptors())
-
-
 def configure_logging(level: str = "INFO", fmt: str = "text", service: str = "") -> None:
     """Log lines with request, session and trace ids: text for people, `fmt="json"` for machines."""
-    from specdec.logs import configure
+    from specdec.server.logs import configure
 
     configure(level, fmt, service)
 
@@ -124,7 +95,7 @@ def start_metrics(registry, host: str, port: int | None) -> int:
     """
     if port is None:
         return 0
-    from specdec.metrics import serve_metrics
+    from specdec.server.metrics import serve_metrics
 
     bound, _stop = serve_metrics(registry, host, port)
     log.info("metrics at http://%s:%d/metrics", host, bound)
@@ -133,15 +104,15 @@ def start_metrics(registry, host: str, port: int | None) -> int:
 
 def default_interceptors() -> list[grpc.aio.ServerInterceptor]:
     """What every service runs: a span and log ids per call, then requests that fail to parse refused."""
-    from specdec.interceptors import DecodeGuard
-    from specdec.tracing import ServerTracing
+    from specdec.server.interceptors import DecodeGuard
+    from specdec.server.tracing import ServerTracing
 
     return [ServerTracing(), DecodeGuard()]
 
 
 def run_main(config_cls, serve, prog: str, argv=None, startup_errors: tuple[type[Exception], ...] = ()) -> None:
     """The entry point of every service: flags → config → logging, tracing → asyncio.run(serve(config))."""
-    from specdec.tracing import setup as setup_tracing
+    from specdec.server.tracing import setup as setup_tracing
 
     config = config_cls.from_args(argv, prog=prog)
     service = prog.rsplit(" ", 1)[-1]

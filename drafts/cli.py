@@ -12,7 +12,7 @@ DEVICE_HELP = "auto (the first CUDA GPU if any, else the CPU), cpu, cuda or cuda
 
 
 def cmd_build(args: argparse.Namespace) -> int:
-    from specdec.drafts.build import BuildConfig, build_draft
+    from drafts.build import BuildConfig, build_draft
 
     config = BuildConfig(
         target=args.target, layers=args.layers, out=args.out, budget_min=args.budget, width=args.width,
@@ -34,7 +34,7 @@ def cmd_build(args: argparse.Namespace) -> int:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from specdec.drafts.profile import ProfileConfig, profile_drafts
+    from drafts.profile import ProfileConfig, profile_drafts
 
     config = ProfileConfig(
         target=args.target, drafts=args.draft or [], copy=not args.no_copy, ngram=args.ngram,
