@@ -26,7 +26,7 @@ from specdec.core.policy import (
     choose_k,
     initial_state,
     merge_prior,
-    next_k_and_ahead,
+    step,
 )
 from specdec.core.sampling import SamplingParams
 from specdec.errors import (
@@ -404,7 +404,7 @@ class Generator:
                 loop_s = round_start - round_end if round_end is not None else 0.0
                 round_end = time.perf_counter()
                 if policy is not None:
-                    _, upcoming, policy = next_k_and_ahead(policy, observation(rnd.stats, loop_s),
+                    _, upcoming, policy = step(policy, observation(rnd.stats, loop_s),
                                                            self.policy_config)
                     state.policy = policy.to_dict()
                 kept, finish = self._apply_stops(rnd.emitted, remaining, text)

@@ -19,8 +19,8 @@ import redis.asyncio as redis
 from redis.exceptions import RedisError
 
 from specdec.errors import Aborted, Unavailable
+from specdec.server.keys import PRIOR_KEY, session_meta_key, session_tokens_key
 
-PREFIX = "specdec:v1"
 
 # KEYS: meta, tokens. ARGV: expected version ("0" = must not exist), new state JSON, ttl, tokens...
 _APPEND = """
@@ -36,16 +36,7 @@ return version
 """
 
 
-PRIOR_KEY = f"{PREFIX}:policy-prior"
 PRIOR_TTL_S = 7 * 24 * 3600
-
-
-def meta_key(session_id: str) -> str:
-    return f"{PREFIX}:{{{session_id}}}:meta"
-
-
-def tokens_key(session_id: str) -> str:
-    return f"{PREFIX}:{{{session_id}}}:tokens"
 
 
 @dataclass
@@ -130,8 +121,8 @@ class RedisSessionStore:
 
     async def load(self, session_id: str) -> SessionState | None:
         pipe = self.redis.pipeline(transaction=True)
-        pipe.hgetall(meta_key(session_id))
-        pipe.lrange(tokens_key(session_id), 0, -1)
+        pipe.hgetall(session_meta_key(session_id))
+        pipe.lrange(session_tokens_key(session_id), 0, -1)
         meta, tokens = await self._call(pipe.execute())
         if not meta:
             return None
@@ -143,7 +134,7 @@ class RedisSessionStore:
         `state.tokens` must already include `new_tokens`; `state.version` is bumped on success.
         """
         result = await self._call(self._append(
-            keys=[meta_key(state.session_id), tokens_key(state.session_id)],
+            keys=[session_meta_key(state.session_id), session_tokens_key(state.session_id)],
             args=[state.version, state.record(), self.ttl_s, *new_tokens],
         ))
         if result == -1:
@@ -159,7 +150,7 @@ class RedisSessionStore:
         await self._call(self.redis.set(PRIOR_KEY, json.dumps(prior, separators=(",", ":")), ex=PRIOR_TTL_S))
 
     async def delete(self, session_id: str) -> bool:
-        removed = await self._call(self.redis.delete(meta_key(session_id), tokens_key(session_id)))
+        removed = await self._call(self.redis.delete(session_meta_key(session_id), session_tokens_key(session_id)))
         return removed > 0
 
     async def close(self) -> None:

@@ -695,7 +695,7 @@ def next_k(
     return k, s
 
 
-def next_k_and_ahead(
+def step(
     state: PolicyState, obs: Observation | None, config: PolicyConfig
 ) -> tuple[int, int, PolicyState]:
     """`next_k`, and `choose_k` of the state it returns: the draft length of the round after

@@ -33,6 +33,7 @@ from safetensors.torch import save as st_save
 from transformers import DynamicCache
 
 from specdec.errors import FailedPrecondition
+from specdec.server.keys import snapshot_chunk_key, snapshot_meta_key
 
 if TYPE_CHECKING:  # kv and batching import this module
     from specdec.server.config import SnapshotServiceConfig
@@ -40,7 +41,6 @@ if TYPE_CHECKING:  # kv and batching import this module
     from specdec.runtime.kv import SessionCaches
     from specdec.runtime.models import LoadedModel
 
-PREFIX = "specdec:v1"
 CHUNK_BYTES = 4 * 1024 * 1024
 
 
@@ -89,12 +89,6 @@ def decode(blob: bytes, identity: SnapshotIdentity, config,
     return tokens, cache
 
 
-def meta_key(session_id: str, role: str) -> str:
-    return f"{PREFIX}:{{{session_id}}}:kv:{role}:meta"
-
-
-def chunk_key(session_id: str, role: str, i: int, tag: str = "") -> str:
-    return f"{PREFIX}:{{{session_id}}}:kv:{role}:{tag}{i}"
 
 
 # KEYS: meta, then the temporary chunk keys, then the final chunk keys (as many).
@@ -141,22 +135,22 @@ class SnapshotStore:
     def put(self, session_id: str, blob: bytes, tokens: int) -> None:
         chunks = [blob[i:i + self.chunk_bytes] for i in range(0, len(blob), self.chunk_bytes)] or [b""]
         tag = f"tmp-{uuid.uuid4().hex[:8]}-"
-        temp = [chunk_key(session_id, self.role, i, tag) for i in range(len(chunks))]
-        final = [chunk_key(session_id, self.role, i) for i in range(len(chunks))]
+        temp = [snapshot_chunk_key(session_id, self.role, i, tag) for i in range(len(chunks))]
+        final = [snapshot_chunk_key(session_id, self.role, i) for i in range(len(chunks))]
         pipe = self.redis.pipeline(transaction=False)
         for key, chunk in zip(temp, chunks):
             pipe.set(key, chunk, ex=60)  # expires on its own if the writer dies before publishing
         pipe.execute()
         fields = {"chunks": len(chunks), "bytes": len(blob), "tokens": tokens, "written_at": time.time()}
         args = [self.ttl_s] + [x for kv in fields.items() for x in kv]
-        self._publish(keys=[meta_key(session_id, self.role), *temp, *final], args=args)
+        self._publish(keys=[snapshot_meta_key(session_id, self.role), *temp, *final], args=args)
 
     def get(self, session_id: str) -> bytes | None:
-        meta = self.redis.hgetall(meta_key(session_id, self.role))
+        meta = self.redis.hgetall(snapshot_meta_key(session_id, self.role))
         if not meta:
             return None
         n = int(meta[b"chunks"])
-        parts = self.redis.mget([chunk_key(session_id, self.role, i) for i in range(n)])
+        parts = self.redis.mget([snapshot_chunk_key(session_id, self.role, i) for i in range(n)])
         if any(p is None for p in parts):
             return None  # expired or replaced while reading: treat as absent
         blob = b"".join(parts)
@@ -164,13 +158,13 @@ class SnapshotStore:
 
     def tokens(self, session_id: str) -> int:
         """Tokens the stored snapshot covers (0 if none): lets a caller decide before fetching."""
-        value = self.redis.hget(meta_key(session_id, self.role), "tokens")
+        value = self.redis.hget(snapshot_meta_key(session_id, self.role), "tokens")
         return int(value) if value else 0
 
     def delete(self, session_id: str) -> None:
-        meta = meta_key(session_id, self.role)
+        meta = snapshot_meta_key(session_id, self.role)
         n = int(self.redis.hget(meta, "chunks") or 0)
-        self.redis.delete(meta, *[chunk_key(session_id, self.role, i) for i in range(n)])
+        self.redis.delete(meta, *[snapshot_chunk_key(session_id, self.role, i) for i in range(n)])
 
     def close(self) -> None:
         self.redis.close()

@@ -17,7 +17,8 @@ from pydantic import ValidationError
 
 from draft_service.config import DraftConfig
 from draft_service.server import SERVICE_NAME, build_servicer
-from specdec.runtime.snapshot import SnapshotStore, meta_key
+from specdec.runtime.snapshot import SnapshotStore
+from specdec.server.keys import snapshot_meta_key
 from specdec.channel import channel
 from specdec.server.serving import create_server
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
@@ -104,7 +105,7 @@ async def test_short_sessions_are_not_saved(tiny_models, redis_url):
         assert (await save(replica, "short")).tokens == 0  # covers fewer than --snapshot-min-tokens
         assert (await save(replica, "never-seen")).tokens == 0
         assert (await info(replica)).snapshot_saves == 0
-    assert not redis.Redis.from_url(redis_url).exists(meta_key("short", "draft"))
+    assert not redis.Redis.from_url(redis_url).exists(snapshot_meta_key("short", "draft"))
 
 
 async def test_release_deletes_the_draft_snapshot_and_leaves_the_targets(tiny_models, redis_url):
@@ -115,7 +116,7 @@ async def test_release_deletes_the_draft_snapshot_and_leaves_the_targets(tiny_mo
         await propose(replica, "release-1", HISTORY)
         assert (await save(replica, "release-1")).tokens > 0
         draft_keys = {k.decode() for k in r.keys("*{release-1}:kv:draft:*")}
-        assert meta_key("release-1", "draft") in draft_keys and len(draft_keys) >= 2  # meta and chunks
+        assert snapshot_meta_key("release-1", "draft") in draft_keys and len(draft_keys) >= 2  # meta and chunks
         assert (await replica.Release(common_pb2.ReleaseRequest(session_id="release-1"), timeout=10)).released
     assert not r.keys("*{release-1}:kv:draft:*")
     assert target_store.get("release-1") == b"the target's snapshot"  # another namespace: untouched

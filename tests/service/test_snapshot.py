@@ -9,7 +9,8 @@ from transformers import DynamicCache
 
 from specdec.errors import FailedPrecondition
 from specdec.runtime.models import load_model
-from specdec.runtime.snapshot import SnapshotIdentity, SnapshotStore, chunk_key, decode, encode, meta_key
+from specdec.runtime.snapshot import SnapshotIdentity, SnapshotStore, decode, encode
+from specdec.server.keys import snapshot_chunk_key, snapshot_meta_key
 
 
 @pytest.fixture(scope="module")
@@ -63,14 +64,14 @@ def test_store_chunks_replaces_and_deletes(model, redis_url):
     long_history = list(range(5, 65))
     blob = encode(_prefill(model, long_history), long_history, _identity(model))
     store.put("s1", blob, len(long_history))
-    chunks = int(r.hget(meta_key("s1", "target"), "chunks"))
+    chunks = int(r.hget(snapshot_meta_key("s1", "target"), "chunks"))
     assert chunks == -(-len(blob) // 1000) > 1
     assert store.get("s1") == blob and store.tokens("s1") == len(long_history)
-    assert 0 < r.ttl(meta_key("s1", "target")) <= 120 and 0 < r.ttl(chunk_key("s1", "target", 0)) <= 120
+    assert 0 < r.ttl(snapshot_meta_key("s1", "target")) <= 120 and 0 < r.ttl(snapshot_chunk_key("s1", "target", 0)) <= 120
     short = encode(_prefill(model, [5, 6]), [5, 6], _identity(model))
     store.put("s1", short, 2)  # a shorter snapshot leaves no stale chunks behind
     assert store.get("s1") == short
-    assert not r.exists(chunk_key("s1", "target", chunks - 1))
+    assert not r.exists(snapshot_chunk_key("s1", "target", chunks - 1))
     assert not r.keys("*tmp-*")
     store.delete("s1")
     assert store.get("s1") is None and not r.keys("*{s1}*")

@@ -7,7 +7,8 @@ import json
 import pytest
 import redis
 
-from orchestrator.store import RedisSessionStore, SessionState, meta_key, tokens_key
+from orchestrator.store import RedisSessionStore, SessionState
+from specdec.server.keys import session_meta_key, session_tokens_key
 from specdec.errors import Aborted, Unavailable
 
 
@@ -23,9 +24,9 @@ async def test_save_load_round_trip_with_ttl_and_hash_tag(redis_url):
     loaded = await store.load("rt")
     assert loaded == state
     raw = redis.Redis.from_url(redis_url)
-    assert meta_key("rt") == "specdec:v1:{rt}:meta" and tokens_key("rt") == "specdec:v1:{rt}:tokens"
-    assert 0 < raw.ttl(meta_key("rt")) <= 120 and 0 < raw.ttl(tokens_key("rt")) <= 120
-    record = json.loads(raw.hget(meta_key("rt"), "state"))  # plain JSON, never pickle
+    assert session_meta_key("rt") == "specdec:v1:{rt}:meta" and session_tokens_key("rt") == "specdec:v1:{rt}:tokens"
+    assert 0 < raw.ttl(session_meta_key("rt")) <= 120 and 0 < raw.ttl(session_tokens_key("rt")) <= 120
+    record = json.loads(raw.hget(session_meta_key("rt"), "state"))  # plain JSON, never pickle
     assert record["seed"] == 42 and "tokens" not in record
     assert await store.delete("rt") and await store.load("rt") is None
     await store.close()

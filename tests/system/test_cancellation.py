@@ -12,7 +12,7 @@ import urllib.request
 import grpc
 import redis
 
-from orchestrator.store import PRIOR_KEY, meta_key
+from specdec.server.keys import PRIOR_KEY, session_meta_key
 from specdec.launcher import free_port
 from specdec.v1 import common_pb2, draft_pb2_grpc, orchestrator_pb2 as pb, orchestrator_pb2_grpc, target_pb2_grpc
 from tests.conftest import orchestrator_address, start_tiny_pipeline
@@ -81,7 +81,7 @@ def test_cancelled_streams_free_everything_and_the_rest_are_unchanged(tiny_model
         # What the server saw: a cancelled stream's generation is left interrupted (finish 0, still
         # resumable) unless it ended before the cancel reached the server (a race the test allows).
         r = redis.Redis(port=pipeline.plan.redis_port)
-        interrupted = sum(json.loads(r.hget(meta_key(results[i][0]), "state"))["generation"]["finish"] == 0
+        interrupted = sum(json.loads(r.hget(session_meta_key(results[i][0]), "state"))["generation"]["finish"] == 0
                           for i in CANCELLED)
         assert interrupted >= len(CANCELLED) - 2
         # The cancelled streams' caches go at once; the finished sessions keep theirs until closed.

@@ -14,7 +14,7 @@ import grpc
 import pytest
 import redis
 
-from orchestrator.store import tokens_key
+from specdec.server.keys import session_tokens_key
 from specdec.runtime.models import load_tokenizer
 from specdec.v1 import draft_pb2_grpc, orchestrator_pb2 as pb
 from tests.cluster import Cluster, cached_sessions, model_info, orchestrator_stub, request
@@ -108,7 +108,7 @@ def test_redis_killed_fails_in_flight_requests_cleanly_and_persisted_sessions_su
         assert "session store unavailable" in info.value.details()
         cluster.restart("redis")
         # The persisted record is exactly what the client received: the prompt and its tokens.
-        stored = [int(t) for t in redis.Redis(port=redis_port).lrange(tokens_key(session), 0, -1)]
+        stored = [int(t) for t in redis.Redis(port=redis_port).lrange(session_tokens_key(session), 0, -1)]
         prompt_ids = list(load_tokenizer(str(cluster.models["target"]))(PROMPT)["input_ids"])
         assert stored == prompt_ids + tokens
         rest = list(stub.Generate(pb.GenerateRequest(session_id=session, resume_from=len(tokens)), timeout=120))
@@ -128,7 +128,7 @@ def test_kv_snapshot_moves_a_session_to_another_replica_without_a_prefill(cluste
         while model_info(cluster.addresses[holder]).snapshot_saves < 1 and time.monotonic() < deadline:
             time.sleep(0.1)
         assert model_info(cluster.addresses[holder]).snapshot_saves == 1
-        history = [int(t) for t in redis.Redis(port=redis_port).lrange(tokens_key(first.session_id), 0, -1)]
+        history = [int(t) for t in redis.Redis(port=redis_port).lrange(session_tokens_key(first.session_id), 0, -1)]
         cluster.kill(holder)
         second = stub.GenerateUnary(request(" and so", session_id=first.session_id, max_new_tokens=16), timeout=120)
     survivor = "target-2" if holder == "target-1" else "target-1"
@@ -159,7 +159,7 @@ def test_draft_kv_snapshot_moves_a_session_to_another_draft_replica_without_a_pr
         while info(holder).snapshot_saves < 1 and time.monotonic() < deadline:
             time.sleep(0.1)
         assert info(holder).snapshot_saves == 1
-        history = [int(t) for t in redis.Redis(port=redis_port).lrange(tokens_key(first.session_id), 0, -1)]
+        history = [int(t) for t in redis.Redis(port=redis_port).lrange(session_tokens_key(first.session_id), 0, -1)]
         cluster.kill(holder)
         second = stub.GenerateUnary(request(" and so", session_id=first.session_id, max_new_tokens=16), timeout=120)
     survivor = "draft-2" if holder == "draft-1" else "draft-1"

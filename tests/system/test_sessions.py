@@ -16,7 +16,7 @@ import redis
 from orchestrator.chat import first_turn
 from orchestrator.config import OrchestratorConfig
 from orchestrator.server import build_generator
-from orchestrator.store import meta_key, tokens_key
+from specdec.server.keys import session_meta_key, session_tokens_key
 from specdec.runtime.models import load_tokenizer
 from specdec.v1 import orchestrator_pb2 as pb
 from tests.cluster import cached_sessions, orchestrator_stub, request
@@ -49,7 +49,7 @@ def expected(tiny_models) -> list[int]:
 
 def _history(pipeline, session: str) -> list[int]:
     r = redis.Redis(port=pipeline.plan.redis_port)
-    return [int(t) for t in r.lrange(tokens_key(session), 0, -1)]
+    return [int(t) for t in r.lrange(session_tokens_key(session), 0, -1)]
 
 
 def test_second_request_on_a_busy_session_is_aborted_and_state_is_not_interleaved(pipeline, stub, expected):
@@ -125,7 +125,7 @@ def test_a_stream_closed_at_a_yield_frees_the_lease_and_both_caches(pipeline, ti
         cancelled = generator.metrics.registry.get_sample_value(
             "specdec_request_success_total", {"finish_reason": "cancelled", "service": "orchestrator"})
         return session, before, after, cancelled, json.loads(redis.Redis(port=pipeline.plan.redis_port).hget(
-            meta_key(session), "state"))["generation"]
+            session_meta_key(session), "state"))["generation"]
 
     session, before, after, cancelled, generation = asyncio.run(scenario())
     assert after == before, "the closed stream's caches were left on the services"
@@ -190,10 +190,10 @@ def test_multi_turn_chat_keeps_one_history_equal_to_the_whole_conversation(pipel
 def test_sessions_expire_by_ttl_and_close_frees_everything(pipeline, stub):
     r = redis.Redis(port=pipeline.plan.redis_port)
     out = stub.GenerateUnary(request(PROMPT, max_new_tokens=6), timeout=60)
-    for key in (meta_key(out.session_id), tokens_key(out.session_id)):
+    for key in (session_meta_key(out.session_id), session_tokens_key(out.session_id)):
         assert 0 < r.ttl(key) <= 3600  # --session-ttl-s default, refreshed on every write
     target = pipeline.plan.grpc_addresses()["target"]
     before = cached_sessions(target)
     assert stub.CloseSession(pb.CloseSessionRequest(session_id=out.session_id), timeout=30).closed
-    assert not r.exists(meta_key(out.session_id), tokens_key(out.session_id))
+    assert not r.exists(session_meta_key(out.session_id), session_tokens_key(out.session_id))
     assert cached_sessions(target) == before - 1

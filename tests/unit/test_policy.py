@@ -34,7 +34,7 @@ from specdec.core.policy import (
     is_exploration_round,
     merge_prior,
     next_k,
-    next_k_and_ahead,
+    step,
     pass_line,
     round_time,
     update,
@@ -523,7 +523,7 @@ def test_next_k_and_ahead_is_next_k_then_choose_k(overlap: bool) -> None:
         for _ in range(rounds):
             observed = failed if regime is None else observe(regime, state.k, rng)
             k, expected = next_k(state, observed, config)
-            k2, ahead, got = next_k_and_ahead(state, observed, config)
+            k2, ahead, got = step(state, observed, config)
             assert (k2, got) == (k, expected)
             assert ahead == choose_k(expected, config)
             flips += expected.speculating != state.speculating
