@@ -1,6 +1,6 @@
 """The acceptance rule of speculative decoding: pure functions of tensors and a generator.
 
-Glossary (see DESIGN.md section 2): `p` is the target distribution, `q` the draft
+Glossary (see docs/maths.md, section "Glossary"): `p` is the target distribution, `q` the draft
 distribution, `k` the number of draft tokens. The target scores the block in one forward
 pass and returns `k + 1` rows: row `i` is the target's distribution for the token at draft
 position `i`, and row `k` the one after the last draft token.
@@ -11,8 +11,8 @@ tokens are distributed exactly as if the target had sampled them one at a time.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -151,7 +151,7 @@ def _check_block(target: torch.Tensor, tokens: list[int], name: str) -> tuple[in
     rows, v = target.shape
     if rows != k + 1:
         raise ValueError(f"{name} has {rows} rows but there are k={k} draft tokens (want k+1)")
-    if tokens and not (0 <= min(tokens) and max(tokens) < v):
+    if tokens and not (min(tokens) >= 0 and max(tokens) < v):
         raise ValueError(f"draft token ids {tokens} must be in [0, V={v})")
     return k, v
 

@@ -1,6 +1,6 @@
 """Sampling helpers shared by the draft and the target: pure tensor functions, no I/O.
 
-Glossary (see DESIGN.md section 2): `p` is the target distribution, `q` the draft
+Glossary (see docs/maths.md, section "Glossary"): `p` is the target distribution, `q` the draft
 distribution, `k` the number of draft tokens in a block. Both sides turn logits into
 probabilities with the same `logits_to_probs`, so temperature, top-k and top-p are applied
 to `p` and `q` alike before the acceptance test.
