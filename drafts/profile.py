@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from specdec.core.policy import expected_tokens
 from specdec.core.sampling import SamplingParams
 from specdec.data import bundled_prompts
 from specdec.defaults import DEFAULT_MODEL, cache_dir
@@ -227,13 +228,6 @@ def acceptance(proposer: Proposer, data: TeacherData, k: int) -> dict:
         "mean_accepted_length": totals["accepted"] / max(totals["rounds"], 1),
         "tokens_per_round": totals["tokens"] / max(totals["rounds"], 1),
     }
-
-
-def expected_tokens(alpha: float, k: int) -> float:
-    """E(k) = (1 − α^(k+1)) / (1 − α): expected tokens per round with per-token acceptance α."""
-    if alpha >= 1.0:
-        return float(k + 1)
-    return (1 - alpha ** (k + 1)) / (1 - alpha)
 
 
 def ideal_speedup(alpha: float, draft_ms: float, verify_ms: dict[int, float]) -> tuple[float, int]:
