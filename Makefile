@@ -6,7 +6,7 @@ PROTOS := $(wildcard protos/specdec/v1/*.proto)
 STUBS := $(patsubst protos/%.proto,%_pb2.py,$(PROTOS))
 PROMPT ?= Write a haiku about speculative decoding.
 
-.PHONY: install proto run test test-fast helm-check bench clean
+.PHONY: install proto run lint test test-fast helm-check bench clean
 
 ## install: create the virtualenv, install the package and generate the gRPC stubs
 install: $(VENV)/.installed proto
@@ -29,6 +29,11 @@ specdec/v1/%_pb2.py: protos/specdec/v1/%.proto $(VENV)/.installed
 run: install
 	$(VENV)/bin/specdec up --detach
 	$(VENV)/bin/specdec generate --chat "$(PROMPT)"; status=$$?; $(VENV)/bin/specdec down; exit $$status
+
+## lint: ruff (style, imports, likely bugs) over the repository, then mypy over the typed packages (pyproject.toml)
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 
 ## test: install and run the whole test suite (pytest's exit 5, "no tests collected", is a failure)
 test: install

@@ -37,11 +37,11 @@ import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from specdec.client import build_request  # noqa: E402
-from specdec.data import bundled_prompts  # noqa: E402
-from specdec.launcher import Pipeline, Plan  # noqa: E402
-from specdec.runtime.models import DEFAULT_MODEL  # noqa: E402
-from specdec.v1 import orchestrator_pb2_grpc  # noqa: E402
+from specdec.client import build_request
+from specdec.data import bundled_prompts
+from specdec.launcher import Pipeline, Plan
+from specdec.runtime.models import DEFAULT_MODEL
+from specdec.v1 import orchestrator_pb2_grpc
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -76,7 +76,8 @@ def scrape(port: int) -> dict[str, float]:
     from prometheus_client.parser import text_string_to_metric_families
 
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if "reason" not in s.labels}
+    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
+            if "reason" not in s.labels}
 
 
 class Cell:
@@ -166,7 +167,8 @@ def start_pipeline(base_port: int, max_batch: int, args) -> Pipeline:
     if args.window_ms is not None:
         batching += ["--batch-window-ms", str(args.window_ms)]
     plan = Plan(proposer=args.proposer, log_dir=tempfile.mkdtemp(prefix=f"bench-concurrency-{max_batch}-"),
-                target_threads=args.target_threads or None, orchestrator_port=base_port, draft_port=base_port + 1, target_port=base_port + 2,
+                target_threads=args.target_threads or None, orchestrator_port=base_port, draft_port=base_port + 1,
+                target_port=base_port + 2,
                 redis_port=base_port + 3, extra_target_args=[*batching, "--metrics-port", str(base_port + 4)],
                 extra_draft_args=batching if args.proposer == "model" else [])
     pipeline = Pipeline(plan)
@@ -245,12 +247,14 @@ def main() -> None:
                     summary = cell.summary(expected)
                     passes = after["specdec_batch_size_count"] - before["specdec_batch_size_count"]
                     summary["target_mean_batch_size"] = round(
-                        (after["specdec_batch_size_sum"] - before["specdec_batch_size_sum"]) / passes, 3) if passes else None
+                        (after["specdec_batch_size_sum"] - before["specdec_batch_size_sum"]) / passes, 3,
+                    ) if passes else None
                     summary["draft_length"] = length
                     results["modes"][mode].append(summary)
                     print(f"c={c:<3} k={length:<4} {mode:9} {summary['aggregate_tokens_per_s']:7.2f} tok/s  "
                           f"TPOT {summary['tpot_median_s']}s  batch {summary['target_mean_batch_size']}  "
-                          f"identical {summary['completed_identical_to_target_greedy']}/{summary['requests_completed']}",
+                          f"identical {summary['completed_identical_to_target_greedy']}/"
+                          f"{summary['requests_completed']}",
                           flush=True)
     finally:
         for pipeline in pipelines.values():
@@ -261,7 +265,8 @@ def main() -> None:
     ratios = {}
     for length in lengths:
         tag = "" if len(lengths) == 1 else f"k={length}: "
-        ratios[f"{tag}batched_{hi}_over_batched_{lo}"] = round(rate["batched", length, hi] / rate["batched", length, lo], 3)
+        ratios[f"{tag}batched_{hi}_over_batched_{lo}"] = round(rate["batched", length, hi]
+                                                               / rate["batched", length, lo], 3)
         ratios[f"{tag}batched_over_unbatched_at_{hi}"] = round(rate["batched", length, hi]
                                                              / rate["unbatched", length, hi], 3)
     if "auto" in lengths and len(lengths) > 1:

@@ -35,8 +35,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from specdec import Client  # noqa: E402
-from specdec.launcher import Pipeline, Plan, free_port, wait_healthy  # noqa: E402
+from specdec import Client
+from specdec.launcher import Pipeline, Plan, free_port, wait_healthy
 
 RTTS_MS = [0, 2, 10, 30]
 MODES = ["auto", "0", "1", "2", "4", "6", "8", "12"]
@@ -113,7 +113,7 @@ class RttFleet:
         return f"127.0.0.1:{port}"
 
     def _spawn(self, name: str, cmd: list[str]) -> subprocess.Popen:
-        log = open(self.log_dir / f"{name}.log", "wb")
+        log = open(self.log_dir / f"{name}.log", "wb")  # noqa: SIM115 (the child's stdout, open while it runs)
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         self.procs.append(proc)
         time.sleep(0.3)
@@ -227,7 +227,8 @@ def plot(results: dict, path: Path) -> None:
         ax.set_xlabel("round trip (ms)")
         ax.set_ylabel("tokens/s")
         ax2 = ax.twinx()
-        ax2.plot([float(r) for r in rtts], [results[key][r]["auto"]["mean_k"] for r in rtts], "k--", label="auto: mean k")
+        ax2.plot([float(r) for r in rtts], [results[key][r]["auto"]["mean_k"] for r in rtts], "k--",
+                 label="auto: mean k")
         ax2.set_ylabel("mean k chosen by auto")
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()

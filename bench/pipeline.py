@@ -24,10 +24,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from specdec import Client  # noqa: E402
-from specdec.data import bundled_prompts  # noqa: E402
-from specdec.launcher import Pipeline, Plan  # noqa: E402
-from specdec.runtime.models import DEFAULT_MODEL, load_model  # noqa: E402
+from specdec import Client
+from specdec.data import bundled_prompts
+from specdec.launcher import Pipeline, Plan
+from specdec.runtime.models import DEFAULT_MODEL, load_model
 
 
 def encode_chat(tokenizer, messages) -> list[int]:
@@ -154,7 +154,8 @@ def main() -> None:
             table[f"{name} k={k}"] = {**v["summary"], "speedup_vs_k0": round(v["summary"]["tokens_per_s"] / base, 3)}
     hf_base = hf["plain"]["summary"]["tokens_per_s"]
     for name, v in hf.items():
-        table[f"transformers {name}"] = {**v["summary"], "speedup_vs_plain": round(v["summary"]["tokens_per_s"] / hf_base, 3)}
+        table[f"transformers {name}"] = {**v["summary"],
+                                         "speedup_vs_plain": round(v["summary"]["tokens_per_s"] / hf_base, 3)}
     result["table"] = table
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))

@@ -4,10 +4,10 @@
     python bench/snapshot.py --role draft --dtype bfloat16 --out bench/results/snapshot-draft.json
 
 For each context length: the model's prefill of the whole context with logits for its last
-position only (what a replica without the cache pays), and a restore (fetch the snapshot from a real local Redis + decode it into a cache),
-plus the one-off cost of writing it (encode + put). Medians over --repeats, measured side by
-side in one run. A restore is worth it where it beats the prefill; the services' threshold flag
-takes the crossover from here.
+position only (what a replica without the cache pays), and a restore (fetch the snapshot from a
+real local Redis + decode it into a cache), plus the one-off cost of writing it (encode + put).
+Medians over --repeats, measured side by side in one run. A restore is worth it where it beats
+the prefill; the services' threshold flag takes the crossover from here.
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ from transformers import DynamicCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from specdec.data import bundled_prompts  # noqa: E402
-from specdec.launcher import _wait_redis, free_port, redis_server_binary  # noqa: E402
-from specdec.runtime.models import DEFAULT_MODEL, load_model  # noqa: E402
-from specdec.runtime.snapshot import SnapshotIdentity, SnapshotStore, decode, encode  # noqa: E402
+from specdec.data import bundled_prompts
+from specdec.launcher import _wait_redis, free_port, redis_server_binary
+from specdec.runtime.models import DEFAULT_MODEL, load_model
+from specdec.runtime.snapshot import SnapshotIdentity, SnapshotStore, decode, encode
 
 
 def timed(fn, repeats: int) -> tuple[float, object]:
@@ -76,14 +76,16 @@ def main() -> None:
                 def prefill():
                     cache = DynamicCache(config=model.config)
                     with torch.inference_mode():
-                        model(torch.tensor([tokens]), cache=cache, use_cache=True, logits_to_keep=1)
+                        model(torch.tensor([tokens]), cache=cache, use_cache=True, logits_to_keep=1)  # noqa: B023
                     return cache
 
+                # B023: timed() calls each closure at once, inside this iteration, so the loop
+                # variables they read are the current ones.
                 prefill_s, cache = timed(prefill, args.repeats)
-                encode_s, blob = timed(lambda: encode(cache, tokens, identity), args.repeats)
-                put_s, _ = timed(lambda: store.put("bench", blob, len(tokens)), args.repeats)
+                encode_s, blob = timed(lambda: encode(cache, tokens, identity), args.repeats)  # noqa: B023
+                put_s, _ = timed(lambda: store.put("bench", blob, len(tokens)), args.repeats)  # noqa: B023
                 get_s, fetched = timed(lambda: store.get("bench"), args.repeats)
-                decode_s, _ = timed(lambda: decode(fetched, identity, model.config), args.repeats)
+                decode_s, _ = timed(lambda: decode(fetched, identity, model.config), args.repeats)  # noqa: B023
                 restore_s = get_s + decode_s
                 row = dict(context_tokens=n, snapshot_bytes=len(blob), prefill_s=prefill_s,
                            restore_s=restore_s, fetch_s=get_s, decode_s=decode_s,

@@ -27,10 +27,10 @@ import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from specdec.client import build_request  # noqa: E402
-from specdec.data import bundled_prompts  # noqa: E402
-from specdec.launcher import Pipeline, Plan  # noqa: E402
-from specdec.v1 import common_pb2, draft_pb2_grpc, orchestrator_pb2, orchestrator_pb2_grpc, target_pb2_grpc  # noqa: E402
+from specdec.client import build_request
+from specdec.data import bundled_prompts
+from specdec.launcher import Pipeline, Plan
+from specdec.v1 import common_pb2, draft_pb2_grpc, orchestrator_pb2, orchestrator_pb2_grpc, target_pb2_grpc
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

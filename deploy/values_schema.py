@@ -37,7 +37,7 @@ def S(desc: str | None = None, **kw) -> dict:
     return typed("string", desc, **kw)
 
 
-def I(desc: str | None = None, **kw) -> dict:
+def I(desc: str | None = None, **kw) -> dict:  # noqa: E743 (S, I, B: one letter per JSON type)
     return typed("integer", desc, **kw)
 
 
@@ -75,7 +75,8 @@ defs = {
         "terminationGracePeriodSeconds": I(minimum=1),
     }, required=["periodSeconds", "failureThreshold"]),
     "probes": obj({
-        "startup": {"$ref": "#/definitions/probe", "description": "Startup probe: period × failureThreshold is the model-load budget."},
+        "startup": {"$ref": "#/definitions/probe",
+                    "description": "Startup probe: period × failureThreshold is the model-load budget."},
         "readiness": {"$ref": "#/definitions/probe"},
         "liveness": {"$ref": "#/definitions/probe"},
     }, required=["startup", "readiness", "liveness"]),
@@ -88,9 +89,11 @@ defs = {
     "dtype": {"enum": ["float32", "bfloat16", "float16", "float64"], "description": "Weight dtype."},
     "device": {"type": "string", "pattern": "^(|auto|cpu|cuda|cuda:[0-9]+)$",
                "description": "auto, cpu, cuda or cuda:N; empty: cuda when gpu.count > 0, else cpu."},
-    "threads": {"type": ["integer", "null"], "minimum": 1, "description": "torch intra-op threads; null: torch's choice."},
+    "threads": {"type": ["integer", "null"], "minimum": 1,
+                "description": "torch intra-op threads; null: torch's choice."},
     "args": {"type": "array", "items": {"type": "string"}, "description": "Extra command-line flags."},
-    "env": {"type": "array", "items": {"type": "object", "required": ["name"], "properties": {"name": {"type": "string", "minLength": 1}}}},
+    "env": {"type": "array", "items": {"type": "object", "required": ["name"],
+                                       "properties": {"name": {"type": "string", "minLength": 1}}}},
     "tolerations": {"type": "array", "items": {"type": "object"}},
     "affinity": {"type": "object"},
     "spread": {"type": "array", "items": {"type": "object"}},
@@ -127,7 +130,8 @@ def model_service() -> dict:
         "device": {"$ref": "#/definitions/device"},
         "threads": {"$ref": "#/definitions/threads"},
         "maxSessions": I("KV caches kept at most per replica.", minimum=1),
-        "idleTtlS": {"type": "number", "exclusiveMinimum": 0, "description": "Seconds an unused session cache is kept."},
+        "idleTtlS": {"type": "number", "exclusiveMinimum": 0,
+                     "description": "Seconds an unused session cache is kept."},
         "port": {"$ref": "#/definitions/port"},
         "gpu": {"$ref": "#/definitions/gpu"},
         **scheduling(),
@@ -136,19 +140,22 @@ def model_service() -> dict:
 
 common_required = ["replicas", "port", "resources", "probes", "pdb", "rollingUpdate"]
 
-target = obj(model_service(), required=common_required + ["model", "dtype", "gpu"], desc="The target service (large model).")
+target = obj(model_service(), required=common_required + ["model", "dtype", "gpu"],
+             desc="The target service (large model).")
 draft_props = model_service()
 draft_props.update({
     "enabled": B("Run a draft service (false: plain decoding, k = 0)."),
     "proposer": {"enum": ["ngram", "model"], "description": "Draft source."},
     "ngramMin": I(minimum=1), "ngramMax": I(minimum=1),
 })
-draft = obj(draft_props, required=common_required + ["enabled", "proposer", "model", "dtype", "gpu"], desc="The draft service (small model or prompt lookup).")
+draft = obj(draft_props, required=common_required + ["enabled", "proposer", "model", "dtype", "gpu"],
+            desc="The draft service (small model or prompt lookup).")
 
 orch_props = {
     "replicas": I("Replicas (when not autoscaled).", minimum=0),
     "model": S("Tokenizer model; empty: target.model."),
-    "draftLength": {"oneOf": [{"const": "auto"}, {"type": "integer", "minimum": 0}], "description": "'auto' or a fixed k."},
+    "draftLength": {"oneOf": [{"const": "auto"}, {"type": "integer", "minimum": 0}],
+                    "description": "'auto' or a fixed k."},
     "maxDraftLength": I(minimum=0, maximum=64),
     "overlap": B("Draft the next block during the verify."),
     "sessionTtlS": I(minimum=1),
@@ -165,12 +172,14 @@ orch_props = {
     "preStopSleepSeconds": I("Seconds to keep serving after the stop request.", minimum=0),
     **scheduling(),
 }
-orchestrator = obj(orch_props, required=common_required + ["service", "autoscaling"], desc="The orchestrator (public API, the loop, sessions in Redis).")
+orchestrator = obj(orch_props, required=common_required + ["service", "autoscaling"],
+                   desc="The orchestrator (public API, the loop, sessions in Redis).")
 
 redis_url = "^rediss?://[^@/\\s]+(/[0-9]+)?$"
 redis = obj({
     "enabled": B("Run Redis in the chart; false: use external.url."),
-    "external": obj({"url": S("URL of an external Redis without credentials.", pattern=f"({redis_url})|^$")}, required=["url"]),
+    "external": obj({"url": S("URL of an external Redis without credentials.", pattern=f"({redis_url})|^$")},
+                    required=["url"]),
     "auth": obj({
         "enabled": B(),
         "password": S("URL-safe password; empty: generated (in-chart Redis).", pattern="^[A-Za-z0-9._~-]*$"),
@@ -224,7 +233,8 @@ schema = {
             "allowDownload": B("Let transformers download missing hub ids."),
             "persistence": obj({
                 "enabled": B(), "existingClaim": S(), "storageClass": S(),
-                "accessModes": {"type": "array", "minItems": 1, "items": {"enum": ["ReadWriteOnce", "ReadOnlyMany", "ReadWriteMany", "ReadWriteOncePod"]}},
+                "accessModes": {"type": "array", "minItems": 1, "items": {
+                    "enum": ["ReadWriteOnce", "ReadOnlyMany", "ReadWriteMany", "ReadWriteOncePod"]}},
                 "size": S(minLength=1),
             }, required=["enabled"]),
             "emptyDir": obj({"sizeLimit": S(minLength=1)}),
@@ -245,8 +255,10 @@ schema = {
         }, required=["enabled", "port"]),
         "networkPolicy": obj({
             "enabled": B("Create NetworkPolicies."),
-            "orchestratorFrom": {"type": "array", "items": {"type": "object"}, "description": "Peers allowed to reach the orchestrator; empty: anyone."},
-            "metricsFrom": {"type": "array", "items": {"type": "object"}, "description": "Peers allowed to scrape metrics; empty: anyone."},
+            "orchestratorFrom": {"type": "array", "items": {"type": "object"},
+                                 "description": "Peers allowed to reach the orchestrator; empty: anyone."},
+            "metricsFrom": {"type": "array", "items": {"type": "object"},
+                            "description": "Peers allowed to scrape metrics; empty: anyone."},
         }, required=["enabled"]),
         "tests": obj({
             "prompt": S(minLength=1), "maxNewTokens": I(minimum=1), "timeoutSeconds": I(minimum=1),

@@ -24,8 +24,6 @@ from pathlib import Path
 
 import torch
 
-from specdec.data import bundled_prompts
-from specdec.defaults import cache_dir
 from drafts.data import TeacherData, cached_teacher_data, load_prompt_file
 from drafts.distill import (
     DistillConfig,
@@ -43,6 +41,8 @@ from drafts.shallow import (
     parse_width,
     save_draft,
 )
+from specdec.data import bundled_prompts
+from specdec.defaults import cache_dir
 from specdec.runtime.models import load_model, resolve_device
 
 REPORT_FILE = "draft-build.json"

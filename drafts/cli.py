@@ -53,7 +53,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
         return 2
     for cand in result["candidates"]:
         e2e = cand.get("e2e")
-        speed = f"  ×{e2e[str(args.k)]['speedup']:.2f} (k={args.k})  ×{e2e['auto']['speedup']:.2f} (auto)" if e2e else ""
+        speed = (f"  ×{e2e[str(args.k)]['speedup']:.2f} (k={args.k})  ×{e2e['auto']['speedup']:.2f} (auto)"
+                 if e2e else "")
         print(f"{cand['name']:>22}  step {cand['step_ms']:7.2f} ms ({cand['latency_ratio']:.3f}×)  "
               f"α {cand['agreement']:.3f}  acc@k {cand['acceptance']['acceptance_rate']:.3f}{speed}")
     return 0
@@ -67,7 +68,8 @@ def add_draft_parser(sub: argparse._SubParsersAction) -> None:
     build = verbs.add_parser("build", help="cut a shallow draft from the target's layers and distil it on the "
                                            "target's own text within a time budget")
     build.add_argument("--target", default=DEFAULT_MODEL, help="target model spec (default: %(default)s)")
-    build.add_argument("--layers", required=True, help="draft depth (e.g. 4) or explicit target layer indices (0,1,2,29)")
+    build.add_argument("--layers", required=True,
+                       help="draft depth (e.g. 4) or explicit target layer indices (0,1,2,29)")
     build.add_argument("--width", default=None, help="MLP width of the draft: units (768) or a fraction (0.5); "
                                                      "default: the target's")
     build.add_argument("--budget", type=float, required=True, help="training wall-clock minutes (data generation "
@@ -86,7 +88,8 @@ def add_draft_parser(sub: argparse._SubParsersAction) -> None:
     build.add_argument("--sampled-fraction", type=float, default=0.25, help="share of answers sampled at T=0.8")
     build.add_argument("--top-k", type=int, default=32, help="target log-probs kept per position (default: 32)")
     build.add_argument("--lr", type=float, default=2e-3, help="peak AdamW learning rate (default: %(default)s)")
-    build.add_argument("--tokens-per-batch", type=int, default=512, help="tokens per optimizer step (default: %(default)s)")
+    build.add_argument("--tokens-per-batch", type=int, default=512,
+                       help="tokens per optimizer step (default: %(default)s)")
     build.add_argument("--head-sample", type=int, default=4096,
                        help="train the output layer's softmax on the teacher's top-k tokens plus this many sampled "
                             "others (0 = the full vocabulary; default: %(default)s)")

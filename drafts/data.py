@@ -79,7 +79,8 @@ class TeacherData:
             "lengths": lengths,
             "start": torch.tensor(self.start, dtype=torch.int64),
             "spans": spans,
-            "top_ids": torch.cat(self.top_ids).to(torch.int32) if self.top_ids else torch.zeros(0, k, dtype=torch.int32),
+            "top_ids": (torch.cat(self.top_ids).to(torch.int32) if self.top_ids
+                        else torch.zeros(0, k, dtype=torch.int32)),
             "top_logp": torch.cat(self.top_logp).to(torch.float32) if self.top_logp else torch.zeros(0, k),
         }
         save_file(tensors, str(folder / "data.safetensors"))

@@ -53,7 +53,8 @@ def parse_layers(spec: str, n_layers: int) -> tuple[int, list[int] | None]:
         try:
             count = int(spec)
         except ValueError:
-            raise ValueError(f"--layers takes a count or a comma-separated list of layer indices, got {spec!r}") from None
+            raise ValueError(
+                f"--layers takes a count or a comma-separated list of layer indices, got {spec!r}") from None
         choose_layers(n_layers, count, "first")  # validates the range
         return count, None
     indices = [int(part) for part in spec.split(",") if part.strip()]

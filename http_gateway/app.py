@@ -4,28 +4,35 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from opentelemetry import propagate
+from opentelemetry.trace import SpanKind
 from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from opentelemetry import propagate
-from opentelemetry.trace import SpanKind
-
 from http_gateway.config import GatewayConfig
 from http_gateway.openai_api import (
-    ApiError, ChatRequest, CompletionRequest, Reply, api_error, chat_kwargs, completion_kwargs, retry_after_s,
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+    Reply,
+    api_error,
+    chat_kwargs,
+    completion_kwargs,
+    retry_after_s,
     validation_error,
 )
-from specdec.server import logs
-from specdec.server.auth import UNAUTHENTICATED_MESSAGE, Tokens, bearer_token
 from specdec.client import AsyncClient, AsyncStream, Chunk
 from specdec.errors import SpecdecError
+from specdec.server import logs
+from specdec.server.auth import UNAUTHENTICATED_MESSAGE, Tokens, bearer_token
 from specdec.server.tracing import tracer
 
 

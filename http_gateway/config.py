@@ -11,7 +11,8 @@ class GatewayConfig(ServiceConfig):
     port: int = Field(8000, ge=0, le=65535, description="HTTP port to listen on.")
     orchestrator: str = Field("127.0.0.1:50051",
                               description="Orchestrator address(es), comma-separated; calls fail over between them.")
-    model_name: str = Field("", description="Model id the API serves; empty: the target model the orchestrator reports.")
+    model_name: str = Field(
+        "", description="Model id the API serves; empty: the target model the orchestrator reports.")
     default_temperature: float = Field(
         1.0, ge=0, description="Temperature when a request leaves it unset (OpenAI's default is 1; 0 is greedy)."
     )

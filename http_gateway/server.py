@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import ssl
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 import uvicorn
 

@@ -13,8 +13,9 @@ import asyncio
 import os
 import signal
 import subprocess
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from loadtest.metrics import Round, distribution
 

@@ -8,7 +8,8 @@ statistics. Errors never escape `send`: they become the record's status.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from loadtest.metrics import RequestRecord, Round
 from loadtest.workloads import WorkItem

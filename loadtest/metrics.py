@@ -43,8 +43,9 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 SLO_METRICS = ("ttft", "tpot", "e2el")
 BASELINE = "0"  # the mode the others are compared with: plain decoding
@@ -97,7 +98,7 @@ class RequestRecord:
         return out
 
     @classmethod
-    def from_json(cls, obj: dict[str, Any]) -> "RequestRecord":
+    def from_json(cls, obj: dict[str, Any]) -> RequestRecord:
         """A record back from `to_json` (the per-round stats are not kept there, only k per round)."""
         names = set(cls.__dataclass_fields__) - {"chunks", "round_stats"}
         rec = cls(**{k: v for k, v in obj.items() if k in names})

@@ -19,8 +19,9 @@ import platform
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from loadtest.arrivals import arrival_times, worker_starts
 from loadtest.chaos import recovery

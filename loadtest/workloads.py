@@ -18,10 +18,10 @@ import itertools
 import json
 import random
 import re
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
-from typing import Iterator, Sequence
 
 BUNDLED = ("chat", "grounded", "code")
 

@@ -6,7 +6,7 @@ clients); it holds no server code.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import grpc
 

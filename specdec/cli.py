@@ -27,7 +27,8 @@ def _add_plan_flags(parser: argparse.ArgumentParser) -> None:
         "target_device": "where the target runs: auto (a CUDA GPU if any, else the CPU), cpu, cuda or cuda:N",
         "draft_device": "where the draft model runs (auto, cpu, cuda or cuda:N); on one GPU both may share it",
         "proposer": "draft source: model, ngram (prompt lookup) or none (plain decoding)",
-        "draft_length": "default draft length: auto (the controller picks k per round) or a fixed k (0 = plain decoding)",
+        "draft_length": "default draft length: auto (the controller picks k per round) "
+                        "or a fixed k (0 = plain decoding)",
         "ngram_min": "shortest suffix n-gram prompt lookup matches", "ngram_max": "longest suffix n-gram it matches",
         "host": "interface every service binds", "log_dir": "where the service logs go",
         "http_port": "port of the OpenAI-compatible HTTP API; 0 does not start it",
@@ -261,8 +262,8 @@ def cmd_status(args: argparse.Namespace) -> int:
             else:
                 print(f"orchestrator {report['address']}  UNREACHABLE  {report['error']}")
         if worst == 2:
-            print("Is the pipeline running? Start it with `specdec up` (or `specdec up --detach`), or pass --address HOST:PORT "
-                  "(or set $SPECDEC_ADDRESS).", file=sys.stderr)
+            print("Is the pipeline running? Start it with `specdec up` (or `specdec up --detach`), "
+                  "or pass --address HOST:PORT (or set $SPECDEC_ADDRESS).", file=sys.stderr)
     return worst
 
 COMMANDS_GROUP = "specdec.commands"

@@ -38,15 +38,16 @@ import json
 import re
 import threading
 import time
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Iterator, Sequence
+from typing import Any
 
 import grpc
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.json_format import MessageToDict
 
-from specdec.errors import Internal, SpecdecError, from_rpc_error
 from specdec.channel import CHANNEL_OPTIONS
+from specdec.errors import Internal, SpecdecError, from_rpc_error
 from specdec.v1 import orchestrator_pb2 as pb, orchestrator_pb2_grpc
 
 SERVICE = "specdec.v1.Orchestrator"
@@ -450,7 +451,7 @@ class Stream:
     def resumes(self) -> int:
         return self._run.resumes
 
-    def __iter__(self) -> "Stream":
+    def __iter__(self) -> Stream:
         return self
 
     def __next__(self) -> Chunk:
@@ -534,7 +535,7 @@ class Client(_Base):
         self._channels.clear()
         self._stubs.clear()
 
-    def __enter__(self) -> "Client":
+    def __enter__(self) -> Client:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -555,7 +556,7 @@ class AsyncStream:
     received = Stream.received
     resumes = Stream.resumes
 
-    def __aiter__(self) -> "AsyncStream":
+    def __aiter__(self) -> AsyncStream:
         return self
 
     async def __anext__(self) -> Chunk:
@@ -637,7 +638,7 @@ class AsyncClient(_Base):
         self._channels.clear()
         self._stubs.clear()
 
-    async def __aenter__(self) -> "AsyncClient":
+    async def __aenter__(self) -> AsyncClient:
         return self
 
     async def __aexit__(self, *exc) -> None:

@@ -287,5 +287,5 @@ def _wait_redis(host: str, port: int, proc: subprocess.Popen, timeout_s: float) 
             return
         except redis.ConnectionError:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"redis on port {port} did not start within {timeout_s}s")
+                raise TimeoutError(f"redis on port {port} did not start within {timeout_s}s") from None
             time.sleep(0.1)

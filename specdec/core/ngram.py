@@ -6,7 +6,7 @@ verifies it with `verify_sampling(p, None, ...)` or greedily.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 
 def propose_ngram(

@@ -21,8 +21,8 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import AsyncIterator
 
 from specdec.errors import DeadlineExceeded, ResourceExhausted
 

@@ -22,9 +22,9 @@ import contextvars
 import hashlib
 import hmac
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
 
 import grpc
 
@@ -83,7 +83,7 @@ class Tokens:
         self._entries = list(entries)
 
     @classmethod
-    def load(cls, path: str = "", env: str = "") -> "Tokens":
+    def load(cls, path: str = "", env: str = "") -> Tokens:
         """Tokens from a file and/or the environment variable named `env` (when set and not empty)."""
         entries: list[_Entry] = []
         if path:

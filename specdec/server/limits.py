@@ -17,12 +17,12 @@ import contextlib
 import inspect
 import re
 from collections import Counter
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import grpc
 
-from specdec.server.auth import current_identity
 from specdec.errors import InvalidArgument, ResourceExhausted
+from specdec.server.auth import current_identity
 from specdec.server.interceptors import method_handler
 
 SESSION_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")

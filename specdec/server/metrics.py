@@ -39,7 +39,8 @@ Useful PromQL::
     rate(specdec_spec_decode_num_accepted_tokens_total[1m]) / rate(specdec_spec_decode_num_draft_tokens_total[1m])
     1 + rate(specdec_spec_decode_num_accepted_tokens_total[1m]) / rate(specdec_spec_decode_num_drafts_total[1m])
     # acceptance at draft position 2 (0-based) relative to drafts
-    rate(specdec_spec_decode_num_accepted_tokens_per_pos_total{position="2"}[1m]) / rate(specdec_spec_decode_num_drafts_total[1m])
+    rate(specdec_spec_decode_num_accepted_tokens_per_pos_total{position="2"}[1m])
+      / rate(specdec_spec_decode_num_drafts_total[1m])
     # p90 time per output token, mean batch size of the target
     histogram_quantile(0.9, rate(specdec_time_per_output_token_seconds_bucket[5m]))
     rate(specdec_batch_size_sum{service="target"}[1m]) / rate(specdec_batch_size_count{service="target"}[1m])
@@ -50,7 +51,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
@@ -90,7 +91,8 @@ class ServiceMetrics:
                                     buckets=BATCH_BUCKETS, registry=r).labels(service)
         self.queue_wait = Histogram("specdec_queue_wait_seconds", "Time from submission to a request's first step.",
                                     labels, buckets=LATENCY_BUCKETS, registry=r).labels(service)
-        self.compute = Histogram("specdec_compute_seconds", "Time of one batched step (forward pass and per-job logic).",
+        self.compute = Histogram("specdec_compute_seconds",
+                                 "Time of one batched step (forward pass and per-job logic).",
                                  labels, buckets=LATENCY_BUCKETS, registry=r).labels(service)
         self.running = Gauge("specdec_num_requests_running", "Requests in a running batch.", labels,
                              registry=r).labels(service)

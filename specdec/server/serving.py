@@ -6,7 +6,7 @@ import asyncio
 import logging
 import signal
 import sys
-from typing import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -40,7 +40,8 @@ def create_server(
     reflection.enable_server_reflection(
         names + [health.SERVICE_NAME, reflection.SERVICE_NAME], server
     )
-    port = server.add_secure_port(address, credentials) if credentials is not None else server.add_insecure_port(address)
+    port = (server.add_secure_port(address, credentials) if credentials is not None
+            else server.add_insecure_port(address))
     if port == 0:
         raise RuntimeError(f"could not bind {address}: is the port in use?")
     return server, port, health_servicer

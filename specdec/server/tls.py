@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 import grpc
 

@@ -22,14 +22,15 @@ import functools
 import logging
 import os
 import time
-from typing import Any, Callable, MutableMapping
+from collections.abc import Callable, MutableMapping
+from typing import Any
 
 import grpc
 from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from specdec.server import logs
 from specdec.errors import CANCELLATIONS
+from specdec.server import logs
 from specdec.server.interceptors import is_open_method, wrap_handler
 
 log = logging.getLogger(__name__)
@@ -46,7 +47,7 @@ class JsonLinesExporter:
     """Writes every finished span as one JSON line to a file (appending)."""
 
     def __init__(self, path: str) -> None:
-        self._file = open(path, "a", buffering=1, encoding="utf-8")
+        self._file = open(path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115 (closed by shutdown())
 
     def export(self, spans) -> Any:
         from opentelemetry.sdk.trace.export import SpanExportResult

@@ -56,7 +56,8 @@ def installed(wheel, tmp_path_factory) -> Path:
     install of this checkout, are not run)."""
     venv = tmp_path_factory.mktemp("venv")
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
-    site = Path(subprocess.run([str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+    purelib = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    site = Path(subprocess.run([str(venv / "bin" / "python"), "-c", purelib],
                                capture_output=True, text=True, check=True).stdout.strip())
     (site / "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     subprocess.run([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install", "-q",

@@ -35,17 +35,27 @@ def config_fields(path) -> dict[str, list[str] | None]:
     Read from the source with `ast`, so the check costs no torch import.
     """
     fields: dict[str, list[str] | None] = {}
-    for source in (REPO / "specdec" / "config.py", path):
+    aliases: dict[str, list[str]] = {}  # module-level `Name = Literal[...]`
+
+    def literal(ann) -> list[str] | None:
+        if isinstance(ann, ast.Name):
+            return aliases.get(ann.id)
+        if isinstance(ann, ast.Subscript) and getattr(ann.value, "id", "") == "Literal":
+            elts = ann.slice.elts if isinstance(ann.slice, ast.Tuple) else [ann.slice]
+            return [e.value for e in elts]
+        return None
+
+    for source in (REPO / "specdec" / "server" / "config.py", path):
         tree = ast.parse(source.read_text())
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+                choices = literal(node.value)
+                if choices is not None:
+                    aliases[node.targets[0].id] = choices
         for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
             for stmt in cls.body:
                 if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
-                    choices = None
-                    ann = stmt.annotation
-                    if isinstance(ann, ast.Subscript) and getattr(ann.value, "id", "") == "Literal":
-                        elts = ann.slice.elts if isinstance(ann.slice, ast.Tuple) else [ann.slice]
-                        choices = [e.value for e in elts]
-                    fields[stmt.target.id] = choices
+                    fields[stmt.target.id] = literal(stmt.annotation)
     return fields
 
 
@@ -73,7 +83,8 @@ def test_grpc_probes_on_the_service_port_with_a_model_load_budget(render, value_
 
 
 def test_gpu_split_extends_the_target_load_budget(render):
-    startup = container(render("gpu-split").component("Deployment", "target")["spec"]["template"]["spec"])["startupProbe"]
+    target = render("gpu-split").component("Deployment", "target")
+    startup = container(target["spec"]["template"]["spec"])["startupProbe"]
     assert startup["periodSeconds"] * startup["failureThreshold"] == 3600
 
 
@@ -203,7 +214,8 @@ def test_selectors_match_pod_labels(render, value_set):
     for workload in r.workloads():
         selector = workload["spec"]["selector"]["matchLabels"]
         assert selector_matches(selector, workload["spec"]["template"]["metadata"]["labels"])
-        others = [name for name, lab in labels.items() if name != workload["metadata"]["name"] and selector_matches(selector, lab)]
+        others = [name for name, lab in labels.items()
+                  if name != workload["metadata"]["name"] and selector_matches(selector, lab)]
         assert not others, f"{workload['metadata']['name']}'s selector also matches {others}"
     for kind, path in (("Service", ("spec", "selector")), ("PodDisruptionBudget", ("spec", "selector", "matchLabels")),
                        ("NetworkPolicy", ("spec", "podSelector", "matchLabels"))):
@@ -368,7 +380,8 @@ def test_redis_without_auth_sends_no_password(render):
     assert r.component("Secret", "redis") is None
     orchestrator = container(r.component("Deployment", "orchestrator")["spec"]["template"]["spec"])
     assert "REDIS_PASSWORD" not in str(orchestrator)
-    assert flag(container(r.component("StatefulSet", "redis")["spec"]["template"]["spec"])["args"], "--protected-mode") == "no"
+    redis = container(r.component("StatefulSet", "redis")["spec"]["template"]["spec"])
+    assert flag(redis["args"], "--protected-mode") == "no"
 
 
 # --------------------------------------------------------------------------- availability and upgrades

@@ -6,8 +6,7 @@ import grpc
 import pytest
 import redis
 
-from specdec import Client
-from specdec import errors
+from specdec import Client, errors
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from tests.conftest import orchestrator_address, start_pipeline
 
@@ -28,12 +27,14 @@ CASES = [
     ("prompt longer than the context", dict(prompt="x" * 600), errors.InvalidArgument, "context holds 512"),
     ("max_new_tokens zero", dict(max_new_tokens=0), errors.InvalidArgument, "max_new_tokens must be between 1"),
     ("max_new_tokens negative", dict(max_new_tokens=-3), errors.InvalidArgument, "max_new_tokens must be between 1"),
-    ("max_new_tokens above the limit", dict(max_new_tokens=10**6), errors.InvalidArgument, "max_new_tokens must be between 1 and 4096"),
+    ("max_new_tokens above the limit", dict(max_new_tokens=10**6), errors.InvalidArgument,
+     "max_new_tokens must be between 1 and 4096"),
     ("negative temperature", dict(temperature=-0.5), errors.InvalidArgument, "temperature must be"),
     ("top_p zero", dict(top_p=0.0), errors.InvalidArgument, "top_p must lie in (0, 1]"),
     ("top_p above one", dict(top_p=1.5), errors.InvalidArgument, "top_p must lie in (0, 1]"),
     ("negative top_k", dict(top_k=-1), errors.InvalidArgument, "top_k must be >= 0"),
-    ("draft length too large", dict(draft_length=99), errors.InvalidArgument, "draft_length must be -1 (auto) or between 0 and 16"),
+    ("draft length too large", dict(draft_length=99), errors.InvalidArgument,
+     "draft_length must be -1 (auto) or between 0 and 16"),
     ("unknown session", dict(session_id="no-such-session"), errors.NotFound, "does not exist"),
 ]
 

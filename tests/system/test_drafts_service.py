@@ -8,9 +8,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from specdec import Client
 from drafts.build import BuildConfig, build_draft
 from drafts.profile import ProfileConfig, profile_drafts
+from specdec import Client
 from specdec.runtime.models import load_model
 from specdec.v1 import common_pb2, draft_pb2_grpc
 from tests.conftest import orchestrator_address, start_pipeline
@@ -55,7 +55,7 @@ def test_draft_service_serves_a_built_draft(built, tmp_path_factory):
                 assert out.token_ids == reference.greedy(prompt, MAX_NEW), prompt
                 drafted += out.stats["draft_tokens"]
                 accepted += out.stats["accepted_tokens"]
-        assert drafted > 0 and 0 < accepted  # the built draft really proposed, and was right sometimes
+        assert drafted > 0 and accepted > 0  # the built draft really proposed, and was right sometimes
     finally:
         pipeline.stop()
 

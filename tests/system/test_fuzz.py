@@ -112,7 +112,8 @@ floats = st.one_of(st.floats(width=32, allow_nan=True, allow_infinity=True),
                    st.sampled_from([0.0, -0.0, 1e-45, 1e-38, 0.5, 1.0, 1.0000001, 3.4e38]))
 roles = st.one_of(st.sampled_from([b"system", b"user", b"assistant"]), strings)
 message = st.tuples(st.none() | roles, st.none() | strings).map(
-    lambda rc: (field_bytes(1, rc[0]) if rc[0] is not None else b"") + (field_bytes(2, rc[1]) if rc[1] is not None else b""))
+    lambda rc: (field_bytes(1, rc[0]) if rc[0] is not None else b"")
+    + (field_bytes(2, rc[1]) if rc[1] is not None else b""))
 messages = st.lists(message, max_size=4).map(lambda ms: b"".join(field_bytes(1, m) for m in ms))
 
 
@@ -121,7 +122,8 @@ def mostly(valid, hostile):
     return st.integers(0, 5).flatmap(lambda n: hostile if n == 0 else valid)
 
 
-valid_text = st.text(alphabet=st.characters(min_codepoint=32, max_codepoint=126), min_size=1, max_size=30).map(str.encode)
+valid_text = st.text(alphabet=st.characters(min_codepoint=32, max_codepoint=126), min_size=1,
+                     max_size=30).map(str.encode)
 valid_message = st.tuples(st.sampled_from([b"system", b"user", b"assistant"]), valid_text).map(
     lambda rc: field_bytes(1, rc[0]) + field_bytes(2, rc[1]))
 VALID = {3: st.integers(1, 8), 6: st.integers(0, 50), 7: st.integers(0, 2**64 - 1), 9: st.integers(-1, 8),
@@ -248,8 +250,9 @@ def _post(url: str, body: bytes, timeout: float = 60) -> tuple[int, bytes]:
 
 json_scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=False),
                          st.text(max_size=30))
-json_values = st.recursive(json_scalars, lambda inner: st.one_of(st.lists(inner, max_size=3),
-                                                                 st.dictionaries(st.text(max_size=8), inner, max_size=3)),
+json_values = st.recursive(json_scalars,
+                           lambda inner: st.one_of(st.lists(inner, max_size=3),
+                                                   st.dictionaries(st.text(max_size=8), inner, max_size=3)),
                            max_leaves=8)
 
 

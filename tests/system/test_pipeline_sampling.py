@@ -35,7 +35,8 @@ def _pooled_chisquare(observed: np.ndarray, probs: np.ndarray, n: int) -> float:
     return stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
 
 
-@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_k=20, top_p=0.9)])
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0),
+                                    SamplingParams(temperature=0.8, top_k=20, top_p=0.9)])
 def test_sampled_tokens_follow_the_target_distribution(tiny_pipeline, tiny_models, params):
     """First and second generated tokens vs the exact target marginals, with a poor draft (k = 3)."""
     reference = Reference(str(tiny_models["target"]))

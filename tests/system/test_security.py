@@ -200,7 +200,8 @@ def test_draft_and_target_refuse_clients_without_a_valid_certificate(secure, ser
     refused = {
         "plaintext": None,
         "TLS without a client certificate": ClientTLS(str(pki.ca)).credentials(),
-        "a client certificate of another CA": ClientTLS(str(pki.ca), str(pki.rogue_cert), str(pki.rogue_key)).credentials(),
+        "a client certificate of another CA":
+            ClientTLS(str(pki.ca), str(pki.rogue_cert), str(pki.rogue_key)).credentials(),
     }
     for why, creds in refused.items():
         assert _health(address, creds) == grpc.StatusCode.UNAVAILABLE, why
@@ -258,7 +259,8 @@ def test_a_missing_or_wrong_token_is_unauthenticated(secure):
             with pytest.raises(errors.Unauthenticated):
                 client.close_session("0123456789abcdef0123456789abcdef")
     # Health stays open for probes (over TLS, without a token).
-    assert _health(address, grpc.ssl_channel_credentials(Path(ca).read_bytes())) == health_pb2.HealthCheckResponse.SERVING
+    health = _health(address, grpc.ssl_channel_credentials(Path(ca).read_bytes()))
+    assert health == health_pb2.HealthCheckResponse.SERVING
 
 
 def test_a_session_belongs_to_the_token_that_opened_it(alice, bob, secure):
@@ -327,7 +329,8 @@ def test_the_http_api_needs_a_token_and_forwards_it(secure):
 
 
 def test_each_limit_names_itself_and_its_value(alice):
-    with pytest.raises(errors.InvalidArgument, match=r"between 1 and 200, got 201 \(the limit is --max-new-tokens-limit\)"):
+    with pytest.raises(errors.InvalidArgument,
+                       match=r"between 1 and 200, got 201 \(the limit is --max-new-tokens-limit\)"):
         alice.generate(PROMPT, max_new_tokens=201)
     with pytest.raises(errors.InvalidArgument, match=r"the limit is --max-prompt-tokens=300"):
         alice.generate("a" * 400, max_new_tokens=1)

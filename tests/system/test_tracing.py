@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from specdec import Client
-from specdec.server import logs
 from specdec.launcher import free_port
+from specdec.server import logs
 from tests.conftest import orchestrator_address, start_tiny_pipeline
 
 SERVICES = ("orchestrator", "draft", "target", "http")
@@ -122,7 +122,8 @@ def test_json_log_lines_carry_request_session_and_trace_ids(traced):
         assert lines, f"{service} wrote no JSON log line"
         for line in lines:
             record = json.loads(line)
-            assert {"time", "level", "logger", "message", "service", "request_id", "session_id", "trace_id"} <= set(record)
+            fields = {"time", "level", "logger", "message", "service", "request_id", "session_id", "trace_id"}
+            assert fields <= set(record)
 
 
 def test_the_http_gateway_continues_the_callers_trace(traced):

@@ -3,7 +3,7 @@ checks that rejection sampling is lossless (emitted tokens follow the target's `
 
 from __future__ import annotations
 
-from typing import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 import pytest

@@ -8,8 +8,8 @@ import time
 import grpc
 import pytest
 
-from specdec.server.admission import RETRY_AFTER_KEY, Admission, Overloaded, retry_after_ms
 from specdec.errors import DeadlineExceeded
+from specdec.server.admission import RETRY_AFTER_KEY, Admission, Overloaded, retry_after_ms
 
 
 async def hold(admission: Admission, release: asyncio.Event, log: list, name: str, deadline=None) -> None:

@@ -9,7 +9,14 @@ import pytest
 
 from specdec import errors
 from specdec.client import (
-    Deadline, Endpoints, StreamRun, build_request, channel_options, chunk_from_pb, connection_lost, is_header,
+    Deadline,
+    Endpoints,
+    StreamRun,
+    build_request,
+    channel_options,
+    chunk_from_pb,
+    connection_lost,
+    is_header,
 )
 from specdec.v1 import orchestrator_pb2 as pb
 
@@ -46,7 +53,8 @@ def test_chunk_conversion_and_header_detection():
                            round=pb.RoundStats(draft_length=4, proposed=4, accepted=1))
     assert not is_header(msg)
     chunk = chunk_from_pb(msg)
-    assert (chunk.token_ids, chunk.text, chunk.offset, chunk.finish_reason, chunk.stats) == ([5, 6], "ab", 4, None, None)
+    assert ((chunk.token_ids, chunk.text, chunk.offset, chunk.finish_reason, chunk.stats)
+            == ([5, 6], "ab", 4, None, None))
     assert chunk.round["proposed"] == 4 and chunk.round["accepted"] == 1
     last = pb.GenerateChunk(session_id="s", finish_reason=pb.FINISH_REASON_EOS, stats=pb.GenerationStats(rounds=3))
     assert not is_header(last)  # a content-free last chunk still carries the end and the stats

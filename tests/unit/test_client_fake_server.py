@@ -285,7 +285,7 @@ def test_stopping_early_cancels_the_call(two):
 
     a.script = [endless]
     with Client(addr) as client:
-        for chunk in client.stream("Hi"):
+        for _chunk in client.stream("Hi"):
             break
     assert cancelled.wait(5)
 

@@ -10,7 +10,6 @@ import pytest
 import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-from specdec.cli import main as specdec_main
 from drafts.build import REPORT_FILE, BuildConfig, build_draft
 from drafts.data import TeacherData, cached_teacher_data, load_prompt_file
 from drafts.distill import batch_logits, evaluate, topk_kl
@@ -23,6 +22,7 @@ from drafts.shallow import (
     parse_layers,
     parse_width,
 )
+from specdec.cli import main as specdec_main
 from specdec.runtime.models import load_model, resolve_device
 from specdec.runtime.tiny import make_char_tokenizer, make_tiny_model
 
@@ -139,7 +139,8 @@ def test_width_keeps_the_strongest_mlp_units(tiny):
     draft = make_shallow(target, [1, 2], width=64)
     mlp, source = draft.model.layers[0].mlp, target.model.layers[1].mlp
     assert mlp.gate_proj.weight.shape == (64, 64) and mlp.down_proj.weight.shape == (64, 64)
-    score = source.gate_proj.weight.norm(dim=1) * source.up_proj.weight.norm(dim=1) * source.down_proj.weight.norm(dim=0)
+    score = (source.gate_proj.weight.norm(dim=1) * source.up_proj.weight.norm(dim=1)
+             * source.down_proj.weight.norm(dim=0))
     keep = torch.topk(score, 64).indices.sort().values
     assert torch.equal(mlp.up_proj.weight, source.up_proj.weight[keep])
     assert torch.equal(mlp.down_proj.weight, source.down_proj.weight[:, keep])
@@ -228,11 +229,13 @@ def test_sampled_head_is_the_full_softmax_when_it_draws_every_token(tiny):
     assert torch.allclose(topk_kl(everything, e_ids, e_logp), topk_kl(full, ids, logp), atol=1e-5)
     seen = torch.unique(ids)
     assert small.shape == (full.shape[0], len(seen) + 8) and len(seen) + 8 < full.shape[1]
-    assert torch.allclose(small.gather(1, s_ids), full.gather(1, ids), atol=1e-5)  # the teacher's tokens: their own logits
+    # the teacher's tokens: their own logits
+    assert torch.allclose(small.gather(1, s_ids), full.gather(1, ids), atol=1e-5)
     # The 8 drawn columns stand in for all the others: their logits carry log(rest / 8).
     rest = full.shape[1] - len(seen)
     drawn = small[:, len(seen):] - math.log(rest / 8)  # [N, 8] plain logits of the drawn tokens
-    assert all(any(torch.allclose(drawn[:, j], full[:, c], atol=1e-4) for c in range(full.shape[1]) if c not in set(seen.tolist()))
+    assert all(any(torch.allclose(drawn[:, j], full[:, c], atol=1e-4)
+                   for c in range(full.shape[1]) if c not in set(seen.tolist()))
                for j in range(8))
 
 

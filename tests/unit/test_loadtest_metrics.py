@@ -8,8 +8,18 @@ import numpy as np
 import pytest
 
 from loadtest.metrics import (
-    RequestRecord, Round, chunk_itl, distribution, itl_per_token, meets_slos, paired_speedups, parse_slo, percentile,
-    speculation, summarize, tpot,
+    RequestRecord,
+    Round,
+    chunk_itl,
+    distribution,
+    itl_per_token,
+    meets_slos,
+    paired_speedups,
+    parse_slo,
+    percentile,
+    speculation,
+    summarize,
+    tpot,
 )
 
 

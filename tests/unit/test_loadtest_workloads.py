@@ -10,7 +10,14 @@ import pytest
 
 from loadtest.runner import Load, LoadTestConfig
 from loadtest.workloads import (
-    BUNDLED, WorkItem, bundled, filler_words, fit_document, load_workload, request_order, shape_inputs,
+    BUNDLED,
+    WorkItem,
+    bundled,
+    filler_words,
+    fit_document,
+    load_workload,
+    request_order,
+    shape_inputs,
 )
 
 

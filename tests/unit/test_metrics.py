@@ -44,7 +44,8 @@ def test_orchestrator_round_and_request_metrics():
     assert value(r, "specdec_spec_decode_num_drafts_total", **o) == 2
     assert value(r, "specdec_spec_decode_num_draft_tokens_total", **o) == 8
     assert value(r, "specdec_spec_decode_num_accepted_tokens_total", **o) == 6
-    per_pos = [value(r, "specdec_spec_decode_num_accepted_tokens_per_pos_total", position=str(i), **o) for i in range(4)]
+    per_pos = [value(r, "specdec_spec_decode_num_accepted_tokens_per_pos_total", position=str(i), **o)
+               for i in range(4)]
     assert per_pos == [2, 2, 1, 1]
     assert value(r, "specdec_spec_decode_draft_length_count", **o) == 3
     assert value(r, "specdec_spec_decode_draft_length_sum", **o) == 8

@@ -7,7 +7,15 @@ import pytest
 from pydantic import ValidationError
 
 from http_gateway.openai_api import (
-    ApiError, ChatRequest, CompletionRequest, Reply, api_error, chat_kwargs, completion_kwargs, retry_after_s, usage,
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+    Reply,
+    api_error,
+    chat_kwargs,
+    completion_kwargs,
+    retry_after_s,
+    usage,
     validation_error,
 )
 from specdec import errors
@@ -39,7 +47,8 @@ def test_openai_defaults():
 def test_chat_request_to_generate_request():
     req = ChatRequest(model="m", max_tokens=5, max_completion_tokens=7, stop=["a", "b"], session_id="s",
                       messages=[{"role": "developer", "content": "Be brief."},
-                                {"role": "user", "content": [{"type": "text", "text": "Hel"}, {"type": "text", "text": "lo"}]},
+                                {"role": "user", "content": [{"type": "text", "text": "Hel"},
+                                                             {"type": "text", "text": "lo"}]},
                                 {"role": "assistant", "content": None}])
     msg = build_request(**chat_kwargs(req))
     assert [(m.role, m.content) for m in msg.messages.messages] == [("system", "Be brief."), ("user", "Hello"),

@@ -6,8 +6,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specdec.server.config import ServiceConfig
 from specdec.channel import channel
+from specdec.server.config import ServiceConfig
 from specdec.server.serving import create_server, mark_serving
 from specdec.server.tls import ClientTLS, make_pki, server_credentials
 
@@ -90,7 +90,8 @@ def test_client_tls_errors_name_the_flag(pki, tmp_path):
 
 @pytest.mark.parametrize("argv, message", [
     (["--tls-cert", "{cert}"], "--tls-cert and --tls-key go together"),
-    (["--tls-cert", "{cert}", "--tls-key", "{key}", "--tls-client-auth", "required"], "needs --tls-cert, --tls-key and --tls-ca"),
+    (["--tls-cert", "{cert}", "--tls-key", "{key}", "--tls-client-auth", "required"],
+     "needs --tls-cert, --tls-key and --tls-ca"),
     (["--tls-cert", "{cert}", "--tls-key", "{key}", "--tls-ca", "{ca}"], "add --tls-client-auth required"),
     (["--tls-cert", "/no/such/file.pem", "--tls-key", "{key}"], "no such file"),
 ])
