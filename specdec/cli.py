@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 from dataclasses import fields
@@ -46,6 +47,19 @@ def _add_plan_flags(parser: argparse.ArgumentParser) -> None:
                             help=f"{helps.get(f.name, f.name.replace('_', ' '))} (default: {default!r})")
 
 
+# What supervisors send to stop a foreground `specdec up` (docker stop, systemd, CI runners: SIGTERM;
+# a closed terminal: SIGHUP). Each stops every process it started, as Ctrl-C does.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+class Stop(Exception):
+    """A stop signal reached `specdec up`."""
+
+
+def _raise_stop(signum: int, _frame) -> None:
+    raise Stop(signal.Signals(signum).name)
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     from specdec.launcher import Pipeline, Plan, state_file
     from specdec.runtime.models import resolve_model_path
@@ -58,9 +72,15 @@ def cmd_up(args: argparse.Namespace) -> int:
     # Convert packaged models once, here, with a progress bar, before the services load them.
     for spec in {plan.target_model, plan.draft_model}:
         resolve_model_path(spec, progress=True)
-    pipeline = Pipeline(plan)
+    pipeline = Pipeline(plan, tied_to_parent=not args.detach)
+    for sig in STOP_SIGNALS:  # SIGINT already raises KeyboardInterrupt
+        signal.signal(sig, _raise_stop)
     started = time.monotonic()
-    pipeline.start(echo=print)
+    try:
+        pipeline.start(echo=print)  # stops what it started if it does not finish
+    except (KeyboardInterrupt, Stop) as exc:
+        print(f"stopped during start-up ({exc or 'SIGINT'}); every process it started is stopped", file=sys.stderr)
+        return 1
     print(f"pipeline up in {time.monotonic() - started:.1f}s: orchestrator at "
           f"{plan.host}:{plan.orchestrator_port}" + (f", OpenAI-compatible API at {plan.http_url()}"
                                                      if plan.http_port else ""))
@@ -75,9 +95,11 @@ def cmd_up(args: argparse.Namespace) -> int:
         dead = [n for n, p in pipeline.procs.items() if p.poll() is not None]
         print(f"process exited: {', '.join(dead)}; stopping the rest", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, Stop):
         return 0
     finally:
+        for sig in (*STOP_SIGNALS, signal.SIGINT):  # a second signal must not cut the shutdown short
+            signal.signal(sig, signal.SIG_IGN)
         pipeline.stop()
 
 

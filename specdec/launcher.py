@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import shutil
@@ -186,8 +187,11 @@ def wait_http_healthy(url: str, timeout_s: float, proc: subprocess.Popen | None 
 class Pipeline:
     """The running processes of one `specdec up`."""
 
-    def __init__(self, plan: Plan) -> None:
+    def __init__(self, plan: Plan, tied_to_parent: bool = False) -> None:
+        """`tied_to_parent`: the processes die with this one, even when it is SIGKILLed (a
+        foreground `specdec up`); a detached pipeline outlives the command that started it."""
         self.plan = plan
+        self.tied_to_parent = tied_to_parent
         self.procs: dict[str, subprocess.Popen] = {}
         self.log_dir = Path(plan.log_dir) if plan.log_dir else run_dir() / "logs"
 
@@ -225,7 +229,9 @@ class Pipeline:
         with open(log_path, "wb") as log:
             self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                                 env=dict(os.environ, PYTHONUNBUFFERED="1"),
-                                                start_new_session=True)
+                                                start_new_session=True,
+                                                preexec_fn=_die_with_parent(os.getpid()) if self.tied_to_parent
+                                                else None)
         echo(f"started {name:<12} pid {self.procs[name].pid:<7} log {log_path}")
 
     def save(self) -> None:
@@ -239,6 +245,21 @@ class Pipeline:
                 p.wait(timeout=1)
             except subprocess.TimeoutExpired:
                 pass
+
+
+def _die_with_parent(parent: int):
+    """A pre-exec hook asking Linux to send the child SIGTERM when `parent` dies
+    (prctl PR_SET_PDEATHSIG; it survives exec). Elsewhere None: no such guarantee."""
+    if not sys.platform.startswith("linux"):
+        return None
+
+    def hook() -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the parent died before the request took effect
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return hook
 
 
 def stop_pids(pids: dict[str, int], grace_s: float = 10.0) -> None:
