@@ -8,16 +8,18 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from specdec.core.sampling import SamplingParams
-from specdec.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
 from specdec.channel import channel
+from specdec.core.sampling import SamplingParams
+from specdec.errors import Cancelled, SpecdecError, Unavailable, from_backend_error
 from specdec.server.tls import ClientTLS
-from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from specdec.server.wire import sampling_to_pb
+from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
 
 @dataclass
-class Proposal:
+class DraftReply:
+    """What the draft proposed for one round (streamed in; `into` lets the loop watch it grow)."""
+
     tokens: list[int] = field(default_factory=list)
     probs: list[bytes] = field(default_factory=list)  # one float32 row per token, or empty
     wall_ns: int = 0
@@ -27,7 +29,10 @@ class Proposal:
 
 
 @dataclass
-class Verdict:
+class VerifyReply:
+    """The target's verdict on a draft block, with timing: `num_accepted` draft tokens kept, then
+    `token_id` (recovered at the first rejection, or the bonus when all were accepted)."""
+
     num_accepted: int
     token_id: int
     bonus: bool
@@ -37,6 +42,10 @@ class Verdict:
     batch_size: int = 1  # sessions in the same pass
     batch_positions: int = 0  # positions that pass scored (0: not reported)
     prefill_tokens: int = 0  # history tokens the target (re-)prefilled before verifying
+
+    def emitted(self, draft_tokens: list[int]) -> list[int]:
+        """The round's tokens: the accepted draft prefix, then the target's own token."""
+        return draft_tokens[:self.num_accepted] + [self.token_id]
 
 
 class DraftUnavailable(Exception):
@@ -69,8 +78,15 @@ class _ModelBackend:
     def _timeout(self, remaining: float | None) -> float:
         return self.timeout_s if remaining is None else min(self.timeout_s, remaining)
 
+    def _failure(self, exc: grpc.aio.AioRpcError, passed_on: tuple[grpc.StatusCode, ...], remaining: float | None,
+                 doing: str) -> SpecdecError:
+        """The typed error of a failed call (specdec.errors); `remaining` cut it if shorter than ours."""
+        cut = remaining is not None and remaining < self.timeout_s
+        return from_backend_error(exc, passed_on, request_deadline=doing if cut else "")
+
     async def release(self, session_id: str) -> None:
-        await self.stub.Release(common_pb2.ReleaseRequest(session_id=session_id, sent_unix_ns=time.time_ns()), timeout=self.timeout_s)
+        request = common_pb2.ReleaseRequest(session_id=session_id, sent_unix_ns=time.time_ns())
+        await self.stub.Release(request, timeout=self.timeout_s)
 
     async def save_snapshot(self, session_id: str) -> int:
         """Ask this replica to write the session's KV cache to Redis; the tokens it covers."""
@@ -89,8 +105,8 @@ class DraftBackend(_ModelBackend):
         super().__init__(address, timeout_s, draft_pb2_grpc.DraftServiceStub, tls)
 
     async def propose(self, session_id: str, history: list[int], k: int, params: SamplingParams,
-                      seed: int, fingerprint: str, into: Proposal | None = None,
-                      progress: asyncio.Event | None = None, timeout: float | None = None) -> Proposal:
+                      seed: int, fingerprint: str, into: DraftReply | None = None,
+                      progress: asyncio.Event | None = None, timeout: float | None = None) -> DraftReply:
         """Collect the streamed proposals (into `into`, as they arrive, if given).
 
         `timeout` is what is left of the request's deadline (the call's own limit if shorter).
@@ -100,7 +116,7 @@ class DraftBackend(_ModelBackend):
             session_id=session_id, history=history, num_tokens=k, sampling=sampling_to_pb(params),
             seed=seed, tokenizer_fingerprint=fingerprint, sent_unix_ns=time.time_ns(),
         )
-        proposal = into if into is not None else Proposal()
+        proposal = into if into is not None else DraftReply()
         try:
             async for msg in self.stub.Propose(request, timeout=self._timeout(timeout)):
                 proposal.tokens.append(msg.token_id)
@@ -111,13 +127,12 @@ class DraftBackend(_ModelBackend):
                 if progress is not None:
                     progress.set()
         except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                raise FailedPrecondition(exc.details()) from exc
-            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and timeout is not None and timeout < self.timeout_s:
-                raise DeadlineExceeded("the request's deadline passed while the draft proposed") from exc
-            if exc.code() == grpc.StatusCode.CANCELLED:  # by the server: our own cancel raises CancelledError
-                raise DraftReleased(exc.details()) from exc
-            raise DraftUnavailable(f"{exc.code().name}: {exc.details()}") from exc
+            error = self._failure(exc, (grpc.StatusCode.FAILED_PRECONDITION,), timeout, "the draft proposed")
+            if isinstance(error, Cancelled):
+                raise DraftReleased(str(error)) from exc
+            if isinstance(error, Unavailable):
+                raise DraftUnavailable(str(error)) from exc
+            raise error from exc
         proposal.wall_ns = time.perf_counter_ns() - start
         proposal.drafted = len(proposal.tokens)
         return proposal
@@ -129,8 +144,8 @@ class TargetBackend(_ModelBackend):
     def __init__(self, address: str, timeout_s: float, tls: ClientTLS | None = None) -> None:
         super().__init__(address, timeout_s, target_pb2_grpc.TargetServiceStub, tls)
 
-    async def verify(self, session_id: str, history: list[int], proposal: Proposal, params: SamplingParams,
-                     seed: int, timeout: float | None = None) -> Verdict:
+    async def verify(self, session_id: str, history: list[int], proposal: DraftReply, params: SamplingParams,
+                     seed: int, timeout: float | None = None) -> VerifyReply:
         start = time.perf_counter_ns()
         request = target_pb2.VerifyRequest(
             session_id=session_id, history=history, draft_tokens=proposal.tokens,
@@ -140,16 +155,13 @@ class TargetBackend(_ModelBackend):
         try:
             reply = await self.stub.Verify(request, timeout=self._timeout(timeout))
         except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                raise InvalidArgument(exc.details()) from exc
-            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and timeout is not None and timeout < self.timeout_s:
-                raise DeadlineExceeded("the request's deadline passed while the target verified") from exc
-            if exc.code() == grpc.StatusCode.CANCELLED:  # by the server: our own cancel raises CancelledError
-                raise Released(exc.details()) from exc
-            raise Unavailable(
-                f"target service at {self.address} failed ({exc.code().name}: {exc.details()}); "
-                "the session is kept, retry the request"
-            ) from exc
-        return Verdict(reply.num_accepted, reply.token_id, reply.bonus,
+            error = self._failure(exc, (grpc.StatusCode.INVALID_ARGUMENT,), timeout, "the target verified")
+            if isinstance(error, Cancelled):
+                raise Released(str(error)) from exc
+            if isinstance(error, Unavailable):
+                raise Unavailable(f"target service at {self.address} failed ({error}); "
+                                  "the session is kept, retry the request") from exc
+            raise error from exc
+        return VerifyReply(reply.num_accepted, reply.token_id, reply.bonus,
                        time.perf_counter_ns() - start, reply.compute_ns, reply.queue_ns, max(1, reply.batch_size),
                        reply.batch_positions, reply.prefill_tokens)

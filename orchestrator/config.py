@@ -4,8 +4,8 @@ from typing import Literal
 
 from pydantic import Field
 
+from specdec.defaults import DEFAULT_MODEL
 from specdec.server.config import ServiceConfig
-from specdec.runtime.models import DEFAULT_MODEL
 
 
 class OrchestratorConfig(ServiceConfig):
@@ -21,7 +21,9 @@ class OrchestratorConfig(ServiceConfig):
         description="Draft replicas, written as for --target; empty runs plain decoding only.",
     )
     replica_refresh_s: float = Field(5.0, gt=0, description="Seconds between re-resolving and probing the replicas.")
-    backend_tls_ca: str = Field("", description="PEM CA that draft and target certificates must chain to; set: TLS to them.")
+    backend_tls_ca: str = Field(
+        "", description="PEM CA that draft and target certificates must chain to; set: TLS to them."
+    )
     backend_tls_cert: str = Field("", description="PEM client certificate presented to draft and target (mutual TLS).")
     backend_tls_key: str = Field("", description="PEM private key of --backend-tls-cert.")
     backend_tls_server_name: str = Field(
@@ -37,13 +39,21 @@ class OrchestratorConfig(ServiceConfig):
     redis_tls_ca: str = Field("", description="PEM CA that the Redis server certificate must chain to (rediss://).")
     redis_tls_cert: str = Field("", description="PEM client certificate for Redis (when it requires one).")
     redis_tls_key: str = Field("", description="PEM private key of --redis-tls-cert.")
-    model: str = Field(DEFAULT_MODEL, description="Tokenizer to use (must match the target's): model name or directory.")
-    draft_length: int | Literal["auto"] = Field(
-        "auto", description="Default draft length: 'auto' (chosen per round from measured costs) or a fixed k (0 = plain decoding)."
+    model: str = Field(
+        DEFAULT_MODEL, description="Tokenizer to use (must match the target's): model name or directory."
     )
-    max_draft_length: int = Field(16, ge=0, le=64, description="Largest k a request may ask for, and the bound of 'auto'.")
+    draft_length: int | Literal["auto"] = Field(
+        "auto",
+        description="Default draft length: 'auto' (chosen per round from measured costs) or a fixed k "
+        "(0 = plain decoding).",
+    )
+    max_draft_length: int = Field(
+        16, ge=0, le=64, description="Largest k a request may ask for, and the bound of 'auto'."
+    )
     overlap: bool = Field(
-        False, description="Draft the next block while the target verifies this one (pays when draft and target do not share compute)."
+        False,
+        description="Draft the next block while the target verifies this one (pays when draft and target do "
+        "not share compute).",
     )
     policy_explore_every: int = Field(16, ge=2, description="'auto' tries a neighbouring k every this many rounds.")
     policy_ewma: float = Field(0.2, gt=0, le=1, description="Weight of a new measurement in the controller's averages.")
@@ -73,16 +83,24 @@ class OrchestratorConfig(ServiceConfig):
         60.0, gt=0, description="A running generation holds its session this long past its latest round; "
         "other requests on the session get ABORTED meanwhile (a resume takes the generation over at once)."
     )
-    draft_timeout_s: float = Field(10.0, gt=0, description="Deadline of one draft call; past it the round runs at k = 0.")
-    draft_retry_s: float = Field(2.0, gt=0, description="After a draft failure, seconds before that replica is tried again.")
-    target_retry_s: float = Field(5.0, gt=0, description="After a target replica fails, seconds before it is tried again.")
+    draft_timeout_s: float = Field(
+        10.0, gt=0, description="Deadline of one draft call; past it the round runs at k = 0."
+    )
+    draft_retry_s: float = Field(
+        2.0, gt=0, description="After a draft failure, seconds before that replica is tried again."
+    )
+    target_retry_s: float = Field(
+        5.0, gt=0, description="After a target replica fails, seconds before it is tried again."
+    )
     target_timeout_s: float = Field(120.0, gt=0, description="Deadline of one verify call (includes a re-prefill).")
     kv_snapshots: bool = Field(
         False, description="After each generation, have the target and draft replicas holding the session write "
         "its KV caches to Redis in the background (the services need --snapshot-redis-url; a prompt-lookup draft "
         "has none to write), so another replica can restore them instead of re-prefilling."
     )
-    max_concurrent: int = Field(256, ge=1, description="Admission: generations running at once; more wait in the queue.")
+    max_concurrent: int = Field(
+        256, ge=1, description="Admission: generations running at once; more wait in the queue."
+    )
     max_queued: int = Field(
         256, ge=0, description="Admission: generations waiting for a slot; beyond this RESOURCE_EXHAUSTED at once."
     )

@@ -19,11 +19,11 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-from orchestrator.backends import DraftUnavailable, Proposal
-from orchestrator.replicas import DraftPool, TargetPool
+from orchestrator.backends import DraftReply, DraftUnavailable
+from orchestrator.replicas import Drafts, Targets
 from specdec.core.sampling import SamplingParams
-from specdec.server.tracing import traced
 from specdec.errors import DeadlineExceeded
+from specdec.server.tracing import traced
 from specdec.v1 import orchestrator_pb2
 
 
@@ -41,7 +41,7 @@ class _Ahead:
     block: list[int]  # the block under verification
     asked: int  # draft tokens it was asked for beyond the guessed bonus token
     task: asyncio.Task
-    proposal: Proposal  # filled as tokens arrive
+    proposal: DraftReply  # filled as tokens arrive
     progress: asyncio.Event  # set on every new token
     started_ns: int = field(default_factory=time.perf_counter_ns)
 
@@ -49,8 +49,8 @@ class _Ahead:
 class Speculator:
     """Runs the rounds of one request against the draft and target replica sets."""
 
-    def __init__(self, session_id: str, params: SamplingParams, seed: int, draft: DraftPool | None,
-                 target: TargetPool, fingerprint: str, overlap: bool = False,
+    def __init__(self, session_id: str, params: SamplingParams, seed: int, draft: Drafts | None,
+                 target: Targets, fingerprint: str, overlap: bool = False,
                  deadline: float | None = None) -> None:
         self.session_id = session_id
         self.params = params
@@ -73,12 +73,12 @@ class Speculator:
     @traced("orchestrator.round", lambda self, history, k, k_next: {"specdec.k": k, "specdec.history": len(history)})
     async def round(self, history: list[int], k: int, k_next: int) -> Round:
         """One round at draft length k; with overlap, start drafting the next block (of k_next)."""
-        proposal, fallback, overlapped = Proposal(), False, False
+        proposal, fallback, overlapped = DraftReply(), False, False
         if k > 0 and self.draft is not None:
-            ahead = await self._take_ahead(history, k)
-            if ahead is not None:
+            taken = await self._take_ahead(history, k)
+            if taken is not None:
                 # A block drafted ahead for a shorter k than chosen now stands for its own k.
-                (proposal, k), overlapped = ahead, True
+                (proposal, k), overlapped = taken, True
             else:
                 try:
                     if not self.draft.available:
@@ -94,24 +94,23 @@ class Speculator:
         if self.overlap and k_next > 0 and self.draft is not None and self.draft.available:
             self._start_ahead(history, proposal.tokens, k_next)
         try:
-            verdict = await verify
+            reply = await verify
         except BaseException:
             self.close()
             raise
-        emitted = proposal.tokens[:verdict.num_accepted] + [verdict.token_id]
         stats = orchestrator_pb2.RoundStats(
-            draft_length=k, proposed=len(proposal.tokens), accepted=verdict.num_accepted,
+            draft_length=k, proposed=len(proposal.tokens), accepted=reply.num_accepted,
             draft_ns=proposal.wall_ns, draft_compute_ns=proposal.compute_ns,
-            verify_ns=verdict.wall_ns, verify_compute_ns=verdict.compute_ns, draft_fallback=fallback,
-            overlapped=overlapped, verify_queue_ns=verdict.queue_ns, verify_batch_size=verdict.batch_size,
-            verify_batch_positions=verdict.batch_positions, draft_prefill_tokens=proposal.prefill_tokens,
-            verify_prefill_tokens=verdict.prefill_tokens, drafted=proposal.drafted,
+            verify_ns=reply.wall_ns, verify_compute_ns=reply.compute_ns, draft_fallback=fallback,
+            overlapped=overlapped, verify_queue_ns=reply.queue_ns, verify_batch_size=reply.batch_size,
+            verify_batch_positions=reply.batch_positions, draft_prefill_tokens=proposal.prefill_tokens,
+            verify_prefill_tokens=reply.prefill_tokens, drafted=proposal.drafted,
         )
-        return Round(emitted, stats)
+        return Round(reply.emitted(proposal.tokens), stats)
 
     def _start_ahead(self, history: list[int], block: list[int], k_next: int) -> None:
         self.close()
-        proposal, progress = Proposal(), asyncio.Event()
+        proposal, progress = DraftReply(), asyncio.Event()
         task = asyncio.ensure_future(self.draft.propose(
             self.session_id, history + block, k_next + 1, self.params, self.seed, self.fingerprint,
             into=proposal, progress=progress, timeout=self._remaining()))
@@ -119,7 +118,7 @@ class Speculator:
         ahead.task.add_done_callback(lambda t: t.cancelled() or t.exception())  # never "unretrieved"
         self._ahead = ahead
 
-    async def _take_ahead(self, history: list[int], k: int) -> tuple[Proposal, int] | None:
+    async def _take_ahead(self, history: list[int], k: int) -> tuple[DraftReply, int] | None:
         """The overlapped draft's block if its guess held (history = guessed base + bonus), with
         the draft length it covers (`k`, or less when it was asked for fewer tokens)."""
         ahead, self._ahead = self._ahead, None
@@ -141,7 +140,7 @@ class Speculator:
         if not ahead.task.done():
             ahead.task.cancel()  # we have the k tokens we need: stop the draft here
         proposal, k = ahead.proposal, min(k, ahead.asked)
-        return Proposal(tokens=tokens[1:1 + k], probs=proposal.probs[1:1 + k],
+        return DraftReply(tokens=tokens[1:1 + k], probs=proposal.probs[1:1 + k],
                         wall_ns=proposal.wall_ns or time.perf_counter_ns() - ahead.started_ns,
                         compute_ns=proposal.compute_ns, prefill_tokens=proposal.prefill_tokens,
                         drafted=len(tokens)), k

@@ -19,14 +19,21 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
 from urllib.parse import urlsplit
 
 import grpc
 
 from orchestrator.backends import (
-    DraftBackend, DraftReleased, DraftUnavailable, Proposal, Released, TargetBackend, Verdict,
+    DraftBackend,
+    DraftReleased,
+    DraftReply,
+    DraftUnavailable,
+    Released,
+    TargetBackend,
+    VerifyReply,
 )
 from specdec.core.sampling import SamplingParams
 from specdec.errors import Unavailable
@@ -59,7 +66,7 @@ async def resolve(name: str) -> list[str]:
     host, _, port = name.rpartition(":")
     infos = await asyncio.get_running_loop().getaddrinfo(host, int(port), type=0, proto=6)
     out = []
-    for family, *_, sockaddr in infos:
+    for *_, sockaddr in infos:
         ip = sockaddr[0]
         out.append(f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}")
     return sorted(set(out))
@@ -96,6 +103,38 @@ class Replica(Generic[B]):
             self.rtt_s += weight * (net - self.rtt_s)
             self.compute_s += weight * (compute_s - self.compute_s)
         self.calls += 1
+
+
+class Pool(Protocol):
+    """What the orchestrator asks of one role's replicas, besides its calls."""
+
+    role: str
+
+    def members(self) -> list:
+        """Each replica's client (`.address`, `info()`)."""
+
+    async def release(self, session_id: str) -> None: ...
+
+    async def save_snapshot(self, session_id: str) -> int: ...
+
+
+class Targets(Pool, Protocol):
+    """The target replicas as the loop sees them (TargetPool; a fake in unit tests)."""
+
+    async def verify(self, session_id: str, history: list[int], proposal: DraftReply, params: SamplingParams,
+                     seed: int, timeout: float | None = None) -> VerifyReply: ...
+
+
+class Drafts(Pool, Protocol):
+    """The draft replicas as the loop sees them (DraftPool; a fake in unit tests)."""
+
+    @property
+    def available(self) -> bool:
+        """Whether a draft replica is up (else the round runs at k = 0 without asking)."""
+
+    async def propose(self, session_id: str, history: list[int], k: int, params: SamplingParams, seed: int,
+                      fingerprint: str, into: DraftReply | None = None,
+                      progress: asyncio.Event | None = None, timeout: float | None = None) -> DraftReply: ...
 
 
 class ReplicaPool(Generic[B]):
@@ -142,7 +181,7 @@ class ReplicaPool(Generic[B]):
             await asyncio.sleep(self.refresh_s)
             try:
                 await self.refresh()
-            except Exception:  # noqa: BLE001 - keep watching whatever one refresh hit
+            except Exception:
                 log.exception("refreshing the %s replicas failed", self.role)
 
     async def refresh(self) -> None:
@@ -245,7 +284,7 @@ class ReplicaPool(Generic[B]):
                 log.warning("%s replica %s keeps no snapshots (%s); not reported again", self.role,
                             replica.address, exc.details())
             return 0
-        except Exception:  # noqa: BLE001 - a snapshot is an optimisation; the generation has finished
+        except Exception:
             log.exception("snapshot of %s on %s replica %s failed", session_id, self.role, replica.address)
             return 0
 
@@ -261,8 +300,8 @@ class TargetPool(ReplicaPool[TargetBackend]):
 
     role = "target"
 
-    async def verify(self, session_id: str, history: list[int], proposal: Proposal, params: SamplingParams,
-                     seed: int, timeout: float | None = None) -> Verdict:
+    async def verify(self, session_id: str, history: list[int], proposal: DraftReply, params: SamplingParams,
+                     seed: int, timeout: float | None = None) -> VerifyReply:
         tried: set[str] = set()
         resent = False
         while True:
@@ -274,7 +313,7 @@ class TargetPool(ReplicaPool[TargetBackend]):
             tried.add(replica.address)
             replica.in_flight += 1
             try:
-                verdict = await replica.backend.verify(session_id, history, proposal, params, seed, timeout)
+                reply = await replica.backend.verify(session_id, history, proposal, params, seed, timeout)
             except Released as exc:
                 # An earlier request's cleanup released the session after this call was sent: sent
                 # again (now after the release) it runs, re-prefilling the history.
@@ -290,8 +329,8 @@ class TargetPool(ReplicaPool[TargetBackend]):
                 continue
             finally:
                 replica.in_flight -= 1
-            replica.observe(verdict.wall_ns / 1e9, verdict.compute_ns / 1e9)
-            return verdict
+            replica.observe(reply.wall_ns / 1e9, reply.compute_ns / 1e9)
+            return reply
 
 
 class DraftPool(ReplicaPool[DraftBackend]):
@@ -300,8 +339,8 @@ class DraftPool(ReplicaPool[DraftBackend]):
     role = "draft"
 
     async def propose(self, session_id: str, history: list[int], k: int, params: SamplingParams, seed: int,
-                      fingerprint: str, into: Proposal | None = None,
-                      progress: asyncio.Event | None = None, timeout: float | None = None) -> Proposal:
+                      fingerprint: str, into: DraftReply | None = None,
+                      progress: asyncio.Event | None = None, timeout: float | None = None) -> DraftReply:
         replica = self.pick(session_id)
         if replica is None:
             raise DraftUnavailable("no healthy draft replica")

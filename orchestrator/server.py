@@ -4,24 +4,24 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from orchestrator.backends import DraftBackend, TargetBackend
 from orchestrator.config import OrchestratorConfig
-from orchestrator.generation import Generator
+from orchestrator.generation import Orchestrator
 from orchestrator.replicas import DraftPool, TargetPool
 from orchestrator.servicer import OrchestratorServicer
 from orchestrator.store import RedisSessionStore
-from specdec.server.auth import AuthInterceptor, Tokens
 from specdec.errors import Unavailable
+from specdec.runtime.models import load_tokenizer, tokenizer_fingerprint
+from specdec.server.auth import AuthInterceptor, Tokens
 from specdec.server.interceptors import DecodeGuard
 from specdec.server.limits import ConcurrencyLimit, PerIdentityLimit
-from specdec.runtime.models import load_tokenizer, tokenizer_fingerprint
 from specdec.server.serving import run_main, serve_servicer, start_metrics
 from specdec.server.tls import ClientTLS, server_credentials_of
 from specdec.server.tracing import ServerTracing
-from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
+from specdec.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
 
 log = logging.getLogger("specdec.orchestrator")
 SERVICE_NAME = orchestrator_pb2.DESCRIPTOR.services_by_name["Orchestrator"].full_name
@@ -62,7 +62,7 @@ def backend_tls(config: OrchestratorConfig) -> ClientTLS | None:
     return tls
 
 
-async def build_generator(config: OrchestratorConfig) -> Generator:
+async def build_orchestrator(config: OrchestratorConfig) -> Orchestrator:
     store = RedisSessionStore(config.redis_url, config.session_ttl_s, **redis_options(config))
     await store.ping()
     tls = backend_tls(config)
@@ -86,24 +86,29 @@ async def build_generator(config: OrchestratorConfig) -> Generator:
     target.expected_fingerprint = target_info.tokenizer_fingerprint
     await target.refresh()
     if draft is not None:
-        try:
-            draft_info = await draft.start(timeout_s=60.0)
-        except Unavailable as exc:
-            raise StartupError(f"draft service at {config.draft} is not reachable: {exc}") from exc
-        if draft_info.tokenizer_fingerprint != target_info.tokenizer_fingerprint:
-            raise StartupError(
-                f"draft model {draft_info.model!r} and target model {target_info.model!r} have different "
-                f"tokenizers ({draft_info.tokenizer_fingerprint} vs {target_info.tokenizer_fingerprint}); "
-                "speculative decoding needs a draft that shares the target's tokenizer"
-            )
-        draft.expected_fingerprint = target_info.tokenizer_fingerprint
-        await draft.refresh()  # now with the fingerprint: a mismatched replica is left out
-        log.info("draft %s: %s (%s, %s)", config.draft, draft_info.model, draft_info.kind, draft_info.dtype)
+        await start_draft(draft, config, target_info)
     log.info("target %s: %s (%s)", config.target, target_info.model, target_info.dtype)
     for pool in (target, draft):
         if pool is not None:
             pool.watch()
-    return Generator(config, store, target, draft, tokenizer, target_info)
+    return Orchestrator(config, store, target, draft, tokenizer, target_info)
+
+
+async def start_draft(draft: DraftPool, config: OrchestratorConfig, target_info: common_pb2.ModelInfo) -> None:
+    """Wait for a draft replica and check that it shares the target's tokenizer."""
+    try:
+        draft_info = await draft.start(timeout_s=60.0)
+    except Unavailable as exc:
+        raise StartupError(f"draft service at {config.draft} is not reachable: {exc}") from exc
+    if draft_info.tokenizer_fingerprint != target_info.tokenizer_fingerprint:
+        raise StartupError(
+            f"draft model {draft_info.model!r} and target model {target_info.model!r} have different "
+            f"tokenizers ({draft_info.tokenizer_fingerprint} vs {target_info.tokenizer_fingerprint}); "
+            "speculative decoding needs a draft that shares the target's tokenizer"
+        )
+    draft.expected_fingerprint = target_info.tokenizer_fingerprint
+    await draft.refresh()  # now with the fingerprint: a mismatched replica is left out
+    log.info("draft %s: %s (%s, %s)", config.draft, draft_info.model, draft_info.kind, draft_info.dtype)
 
 
 def public_api_security(config: OrchestratorConfig) -> dict:
@@ -126,10 +131,11 @@ def public_api_security(config: OrchestratorConfig) -> dict:
 
 async def serve(config: OrchestratorConfig) -> None:
     security = public_api_security(config)
-    generator = await build_generator(config)
-    start_metrics(generator.metrics.registry, config.host, config.metrics_port)
-    servicer = OrchestratorServicer(generator)
-    await serve_servicer(config.address, lambda s: orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(servicer, s),
+    orchestrator = await build_orchestrator(config)
+    start_metrics(orchestrator.metrics.registry, config.host, config.metrics_port)
+    servicer = OrchestratorServicer(orchestrator)
+    await serve_servicer(config.address,
+                         lambda s: orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(servicer, s),
                          SERVICE_NAME, "orchestrator", **security)
 
 

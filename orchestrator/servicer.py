@@ -1,36 +1,35 @@
-"""gRPC translation for the public API; the logic lives in orchestrator.generation."""
+"""gRPC translation for the public API; the logic lives in orchestrator.generation (Orchestrator)."""
 
 from __future__ import annotations
 
 import contextlib
 
-from orchestrator.generation import Generator
+from orchestrator.generation import Orchestrator
 from orchestrator.status import Counters, status
+from specdec.errors import InvalidArgument, grpc_errors
 from specdec.server.admission import deadline_of
 from specdec.server.auth import current_principal
-from specdec.errors import InvalidArgument, grpc_errors
-from specdec.v1 import orchestrator_pb2 as pb
-from specdec.v1 import orchestrator_pb2_grpc
+from specdec.v1 import orchestrator_pb2 as pb, orchestrator_pb2_grpc
 
 
 class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
-    def __init__(self, generator: Generator) -> None:
-        self.generator = generator
+    def __init__(self, orchestrator: Orchestrator) -> None:
+        self.orchestrator = orchestrator
         self.counters = Counters()
 
     @grpc_errors
     async def Generate(self, request: pb.GenerateRequest, context):
-        spec = self.generator.parse(request, principal=current_principal())
-        chunks = self.counters.observe(self.generator.generate(spec, deadline_of(context), context))
+        spec = self.orchestrator.parse(request, principal=current_principal())
+        chunks = self.counters.observe(self.orchestrator.generate(spec, deadline_of(context), context))
         async with contextlib.aclosing(chunks):  # closed with this handler: cleanup runs at once
             async for chunk in chunks:
                 yield chunk
 
     @grpc_errors
     async def GenerateUnary(self, request: pb.GenerateRequest, context):
-        spec = self.generator.parse(request, principal=current_principal())
+        spec = self.orchestrator.parse(request, principal=current_principal())
         reply = pb.GenerateResponse()
-        async for chunk in self.counters.observe(self.generator.generate(spec, deadline_of(context), context)):
+        async for chunk in self.counters.observe(self.orchestrator.generate(spec, deadline_of(context), context)):
             reply.session_id = chunk.session_id
             reply.token_ids.extend(chunk.token_ids)
             reply.text += chunk.text
@@ -43,9 +42,9 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
     async def CloseSession(self, request: pb.CloseSessionRequest, context):
         if not request.session_id:
             raise InvalidArgument("session_id is empty")
-        closed = await self.generator.close_session(request.session_id, principal=current_principal())
+        closed = await self.orchestrator.close_session(request.session_id, principal=current_principal())
         return pb.CloseSessionResponse(closed=closed)
 
     @grpc_errors
     async def GetStatus(self, request: pb.GetStatusRequest, context):
-        return await status(self.counters, self.generator.backends(), self.generator.config.draft_length)
+        return await status(self.counters, self.orchestrator.backends(), self.orchestrator.config.draft_length)

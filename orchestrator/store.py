@@ -1,10 +1,10 @@
-"""Session state in Redis: the must-not-lose record of every session.
+"""Session state: the must-not-lose record of every session, behind the `SessionStore` interface.
 
-Keys are namespaced, versioned and hash-tagged by session id, so a session's keys share a cluster
-slot: `specdec:v1:{<session>}:meta` (a hash: `version`, `state` as JSON) and
-`specdec:v1:{<session>}:tokens` (a list of token ids). Every write is one Lua script, atomic and
-checked against the version the writer read (optimistic concurrency), and refreshes both TTLs.
-Nothing is pickled.
+`RedisSessionStore` is the production store. Keys are namespaced, versioned and hash-tagged
+by session id, so a session's keys share a cluster slot: `specdec:v1:{<session>}:meta` (a hash:
+`version`, `state` as JSON) and `specdec:v1:{<session>}:tokens` (a list of token ids). Every write
+is one Lua script, atomic and checked against the version the writer read (optimistic
+concurrency), and refreshes both TTLs. Nothing is pickled.
 """
 
 from __future__ import annotations
@@ -13,14 +13,13 @@ import json
 import re
 import time
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import Any, Protocol
 
 import redis.asyncio as redis
 from redis.exceptions import RedisError
 
 from specdec.errors import Aborted, Unavailable
 from specdec.server.keys import PRIOR_KEY, session_meta_key, session_tokens_key
-
 
 # KEYS: meta, tokens. ARGV: expected version ("0" = must not exist), new state JSON, ttl, tokens...
 _APPEND = """
@@ -101,14 +100,39 @@ class SessionState:
         return json.dumps(data, separators=(",", ":"))
 
     @classmethod
-    def from_record(cls, session_id: str, version: int, tokens: list[int], raw: bytes) -> "SessionState":
+    def from_record(cls, session_id: str, version: int, tokens: list[int], raw: bytes) -> SessionState:
         data: dict[str, Any] = json.loads(raw)
         generation = data.pop("generation", None)
         return cls(session_id=session_id, version=version, tokens=tokens,
                    generation=GenerationRecord(**generation) if generation else None, **data)
 
 
+class SessionStore(Protocol):
+    """Where sessions live. `save` is optimistic: it raises Aborted when the stored version is
+    not `state.version` (another request wrote since this one loaded) and bumps it on success.
+    `load` returns a fresh copy: changing it changes nothing stored until `save`. Failures of the
+    store itself raise Unavailable."""
+
+    async def ping(self) -> None: ...
+
+    async def load(self, session_id: str) -> SessionState | None: ...
+
+    async def save(self, state: SessionState, new_tokens: list[int]) -> None:
+        """Append `new_tokens` (already in `state.tokens`) and write the record."""
+
+    async def delete(self, session_id: str) -> bool: ...
+
+    async def load_prior(self) -> dict | None:
+        """The global draft-length prior that new sessions start from, if any."""
+
+    async def save_prior(self, prior: dict) -> None: ...
+
+    async def close(self) -> None: ...
+
+
 class RedisSessionStore:
+    """The production `SessionStore`."""
+
     def __init__(self, url: str, ttl_s: int, **connection: Any) -> None:
         """`connection`: more redis-py options, e.g. password, ssl_ca_certs, ssl_certfile, ssl_keyfile."""
         self.url = re.sub(r"//[^/@]*@", "//", url)  # as named in messages: no credentials

@@ -8,7 +8,7 @@ token 10 and at token 10,000.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 
 class TextStream:

@@ -2,7 +2,8 @@
 
 Servers raise these (or let `ValueError` from validation escape); the `grpc_errors`
 decorator turns them into a gRPC status with the message intact. The SDK turns a status back
-into the same class with `from_rpc_error`.
+into the same class with `from_rpc_error`; one service calling another reads the failure with
+`from_backend_error`.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import contextlib
 import functools
 import inspect
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import grpc
@@ -99,6 +100,26 @@ def from_rpc_error(err: grpc.RpcError) -> SpecdecError:
     exc = cls(details or code.name)
     exc.code = code
     return exc
+
+
+def from_backend_error(err: grpc.RpcError, passed_on: Collection[grpc.StatusCode] = (),
+                       request_deadline: str = "") -> SpecdecError:
+    """Service to service: what a failed call from one of our services to another means.
+
+    A code in `passed_on` is the request's own fault: its typed error, as `from_rpc_error`.
+    DEADLINE_EXCEEDED, when the request's deadline cut the call short (`request_deadline` says
+    what was under way), is DeadlineExceeded. CANCELLED is Cancelled: the server dropped the call
+    (a cancel of our own raises CancelledError instead). Anything else is Unavailable: that
+    backend failed, and another replica, or plain decoding, may take over.
+    """
+    code, details = err.code(), err.details()
+    if code in passed_on:
+        return from_rpc_error(err)
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED and request_deadline:
+        return DeadlineExceeded(f"the request's deadline passed while {request_deadline}")
+    if code == grpc.StatusCode.CANCELLED:
+        return Cancelled(details)
+    return Unavailable(f"{code.name}: {details}")
 
 
 def _status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:

@@ -13,7 +13,7 @@ from specdec import Client
 from specdec.core.sampling import SamplingParams
 from specdec.runtime.kv import ScoreRequest, SessionCaches
 from specdec.runtime.models import load_model
-from specdec.runtime.snapshot import SnapshotIdentity, decode, encode
+from specdec.runtime.snapshot_codec import SnapshotIdentity, decode, encode
 from specdec.runtime.verifier import accept_block
 from tests.conftest import orchestrator_address, start_tiny_pipeline
 from tests.reference import Reference

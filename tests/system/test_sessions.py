@@ -15,9 +15,9 @@ import redis
 
 from orchestrator.chat import first_turn
 from orchestrator.config import OrchestratorConfig
-from orchestrator.server import build_generator
-from specdec.server.keys import session_meta_key, session_tokens_key
+from orchestrator.server import build_orchestrator
 from specdec.runtime.models import load_tokenizer
+from specdec.server.keys import session_meta_key, session_tokens_key
 from specdec.v1 import orchestrator_pb2 as pb
 from tests.cluster import cached_sessions, orchestrator_stub, request
 from tests.conftest import orchestrator_address, start_tiny_pipeline
@@ -103,26 +103,27 @@ def test_a_stream_closed_at_a_yield_frees_the_lease_and_both_caches(pipeline, ti
     addresses = pipeline.plan.grpc_addresses()
 
     async def scenario() -> tuple[str, dict, dict, float, dict]:
-        config = OrchestratorConfig(target=addresses["target"], draft=addresses["draft"], model=str(tiny_models["target"]),
+        config = OrchestratorConfig(target=addresses["target"], draft=addresses["draft"],
+                                    model=str(tiny_models["target"]),
                                     redis_url=f"redis://127.0.0.1:{pipeline.plan.redis_port}/0", draft_length=4)
-        generator = await build_generator(config)
+        orchestrator = await build_orchestrator(config)
 
         async def cached() -> dict[str, int]:  # sessions each service holds a cache for
-            return {role: (await backend.info()).cached_sessions for role, backend in generator.backends()}
+            return {role: (await backend.info()).cached_sessions for role, backend in orchestrator.backends()}
 
         before = await cached()
-        stream = generator.generate(generator.parse(request(PROMPT, max_new_tokens=MAX_NEW)))
+        stream = orchestrator.generate(orchestrator.parse(request(PROMPT, max_new_tokens=MAX_NEW)))
         session = (await anext(stream)).session_id
         for _ in range(2):  # the first round is the target's alone; the second drafts too
             assert (await anext(stream)).token_ids
         assert await cached() == {role: n + 1 for role, n in before.items()}
         await stream.aclose()  # as gRPC does when the client goes away at a write
         for _ in range(100):
-            if not generator._background:
+            if not orchestrator._background:
                 break
             await asyncio.sleep(0.05)
         after = await cached()
-        cancelled = generator.metrics.registry.get_sample_value(
+        cancelled = orchestrator.metrics.registry.get_sample_value(
             "specdec_request_success_total", {"finish_reason": "cancelled", "service": "orchestrator"})
         return session, before, after, cancelled, json.loads(redis.Redis(port=pipeline.plan.redis_port).hget(
             session_meta_key(session), "state"))["generation"]

@@ -8,7 +8,7 @@ import time
 import grpc
 import pytest
 
-from orchestrator.backends import Proposal, Verdict
+from orchestrator.backends import DraftReply, VerifyReply
 from orchestrator.replicas import DraftPool, Replica, TargetPool, parse_addresses, resolve
 from specdec.core.sampling import SamplingParams
 from specdec.errors import Unavailable
@@ -26,7 +26,7 @@ class FakeTarget:
         self.calls.append(session_id)
         if self.fail:
             raise Unavailable(f"{self.address} is down")
-        return Verdict(num_accepted=0, token_id=len(history), bonus=False, wall_ns=2_000_000, compute_ns=1_000_000)
+        return VerifyReply(num_accepted=0, token_id=len(history), bonus=False, wall_ns=2_000_000, compute_ns=1_000_000)
 
     async def release(self, session_id):
         self.calls.append("release:" + session_id)
@@ -42,8 +42,8 @@ def pool_of(*names: str, failing: set[str] = frozenset()) -> TargetPool:
     return pool
 
 
-def verify(pool: TargetPool, session: str) -> Verdict:
-    return asyncio.run(pool.verify(session, [1, 2, 3], Proposal(), SamplingParams(), 0))
+def verify(pool: TargetPool, session: str) -> VerifyReply:
+    return asyncio.run(pool.verify(session, [1, 2, 3], DraftReply(), SamplingParams(), 0))
 
 
 def test_parse_addresses():

@@ -1,0 +1,71 @@
+"""The draft length of each round: the request's fixed k, or the controller's choice (auto)."""
+
+from __future__ import annotations
+
+from orchestrator.requests import AUTO
+from orchestrator.store import SessionState, SessionStore
+from specdec.core.policy import (
+    Observation,
+    PolicyConfig,
+    PolicyState,
+    choose_k,
+    initial_state,
+    merge_prior,
+    step,
+)
+from specdec.v1 import orchestrator_pb2 as pb
+
+
+def observation(stats: pb.RoundStats, loop_s: float = 0.0) -> Observation:
+    """What the controller learns from one round (`loop_s`: the orchestrator's own time since
+    the previous round)."""
+    return Observation(
+        k=stats.draft_length if not stats.draft_fallback else 0, proposed=stats.proposed, accepted=stats.accepted,
+        draft_wall_s=stats.draft_ns / 1e9, draft_compute_s=stats.draft_compute_ns / 1e9,
+        verify_wall_s=stats.verify_ns / 1e9, verify_compute_s=stats.verify_compute_ns / 1e9,
+        draft_failed=stats.draft_fallback, verify_queue_s=min(stats.verify_queue_ns, stats.verify_ns) / 1e9,
+        batch_size=max(1, stats.verify_batch_size), batch_positions=stats.verify_batch_positions,
+        drafted=stats.drafted, draft_prefill_tokens=stats.draft_prefill_tokens,
+        verify_prefill_tokens=stats.verify_prefill_tokens, loop_s=max(0.0, loop_s),
+    )
+
+
+class DraftLength:
+    """`wanted`: k for the next round; `upcoming`: what the controller would choose now (the
+    length of a block drafted ahead). Fixed unless the session runs the controller."""
+
+    def __init__(self, fixed: int, policy: PolicyState | None, config: PolicyConfig) -> None:
+        self.fixed = fixed
+        self.policy = policy
+        self.config = config
+        self.upcoming = choose_k(policy, config) if policy is not None else fixed
+
+    @classmethod
+    async def of(cls, state: SessionState, drafting: bool, store: SessionStore,
+                 config: PolicyConfig) -> DraftLength:
+        """The session's: its controller state, or a fresh one started from the global prior."""
+        policy = None
+        if state.draft_length == AUTO and drafting:
+            if state.policy:
+                policy = PolicyState.from_dict(state.policy)
+            else:
+                prior = await store.load_prior()
+                policy = initial_state(config, PolicyState.from_dict(prior) if prior else None)
+        return cls(max(state.draft_length, 0), policy, config)
+
+    @property
+    def wanted(self) -> int:
+        return self.policy.k if self.policy is not None else self.fixed
+
+    def observe(self, state: SessionState, stats: pb.RoundStats, loop_s: float) -> None:
+        """Let the controller learn from a round; its state travels with the session."""
+        if self.policy is not None:
+            _, self.upcoming, self.policy = step(self.policy, observation(stats, loop_s), self.config)
+            state.policy = self.policy.to_dict()
+
+    async def finish(self, store: SessionStore) -> None:
+        """Fold a finished generation's estimates into the prior new sessions start from."""
+        if self.policy is not None:
+            raw = await store.load_prior()
+            prior = merge_prior(PolicyState.from_dict(raw) if raw else None, self.policy)
+            await store.save_prior(prior.to_dict())

@@ -1,0 +1,160 @@
+"""A GenerateRequest, validated: the `GenerationSpec` the loop runs, or an error that says why not."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from orchestrator.chat import first_turn, next_turn
+from orchestrator.config import OrchestratorConfig
+from specdec.core.sampling import SamplingParams
+from specdec.errors import FailedPrecondition, InvalidArgument
+from specdec.server.limits import check_session_id
+from specdec.v1 import orchestrator_pb2 as pb
+
+AUTO = -1  # draft_length value that selects the controller
+
+
+@dataclass(frozen=True)
+class GenerationSpec:
+    """A validated request."""
+
+    input_ids: list[int]
+    max_new_tokens: int
+    params: SamplingParams
+    seed: int | None
+    stop: tuple[str, ...]
+    draft_length: int  # AUTO (-1) lets the controller choose k every round
+    session_id: str
+    resume_from: int | None = None  # resume the session's latest generation; the client holds this many
+    # A chat turn that continues a session: the input to use when the history ends with an
+    # end-of-sequence token, and when it does not (the end-of-turn marker is then added first).
+    chat_after_eos: list[int] | None = None
+    principal: str = ""  # who sends it (specdec.server.auth.principal_of): only they may continue its session
+
+
+def parse_resume(request: pb.GenerateRequest) -> GenerationSpec:
+    """A resume: the session's latest generation goes on with its original settings."""
+    if not request.session_id:
+        raise InvalidArgument("resume_from needs the session_id of the generation to resume")
+    if request.WhichOneof("input") is not None:
+        raise InvalidArgument("a resume continues the session's latest generation: leave prompt and "
+                              "messages unset (its settings are the original request's)")
+    return GenerationSpec(input_ids=[], max_new_tokens=0, params=SamplingParams(), seed=None, stop=(),
+                          draft_length=0, session_id=request.session_id, resume_from=request.resume_from)
+
+
+def parse_sampling(request: pb.GenerateRequest) -> SamplingParams:
+    temperature = request.temperature if request.HasField("temperature") else 0.0
+    top_p = request.top_p if request.HasField("top_p") else 1.0
+    top_k = request.top_k if request.HasField("top_k") else 0
+    if not math.isfinite(temperature) or temperature < 0:
+        raise InvalidArgument(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
+    if not (math.isfinite(top_p) and 0 < top_p <= 1):
+        raise InvalidArgument(f"top_p must lie in (0, 1] (1 disables it), got {top_p}")
+    if top_k < 0:
+        raise InvalidArgument(f"top_k must be >= 0 (0 disables it), got {top_k}")
+    return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+
+
+class RequestParser:
+    """Checks requests against the configured limits and the target's tokenizer and context."""
+
+    def __init__(self, config: OrchestratorConfig, tokenizer, max_context: int, eos_ids: set[int]) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.max_context = max_context
+        self.eos_ids = eos_ids
+
+    def parse(self, request: pb.GenerateRequest, principal: str = "") -> GenerationSpec:
+        if request.session_id:
+            check_session_id(request.session_id)
+        if request.HasField("resume_from"):
+            return replace(parse_resume(request), principal=principal)
+        max_new = self._max_new_tokens(request)
+        params = parse_sampling(request)
+        k = self._draft_length(request)
+        stop = self._stop(request)
+        input_ids, chat_after_eos = self._input(request)
+        return GenerationSpec(
+            input_ids=input_ids, max_new_tokens=max_new, params=params,
+            seed=request.seed if request.HasField("seed") else None,
+            stop=stop, draft_length=k, session_id=request.session_id, chat_after_eos=chat_after_eos,
+            principal=principal,
+        )
+
+    def _max_new_tokens(self, request: pb.GenerateRequest) -> int:
+        cfg = self.config
+        max_new = request.max_new_tokens if request.HasField("max_new_tokens") else cfg.default_max_new_tokens
+        if not 1 <= max_new <= cfg.max_new_tokens_limit:
+            raise InvalidArgument(f"max_new_tokens must be between 1 and {cfg.max_new_tokens_limit}, got {max_new} "
+                                  "(the limit is --max-new-tokens-limit)")
+        return max_new
+
+    def _draft_length(self, request: pb.GenerateRequest) -> int:
+        cfg = self.config
+        default_k = AUTO if cfg.draft_length == "auto" else cfg.draft_length
+        k = request.draft_length if request.HasField("draft_length") else default_k
+        if not (k == AUTO or 0 <= k <= cfg.max_draft_length):
+            raise InvalidArgument(
+                f"draft_length must be -1 (auto) or between 0 and {cfg.max_draft_length}, got {k}"
+            )
+        return k
+
+    def _stop(self, request: pb.GenerateRequest) -> tuple[str, ...]:
+        cfg = self.config
+        stop = tuple(request.stop)
+        if len(stop) > cfg.max_stop_strings:
+            raise InvalidArgument(f"at most {cfg.max_stop_strings} stop strings are allowed, got {len(stop)} "
+                                  "(the limit is --max-stop-strings)")
+        for s in stop:
+            if not s or len(s) > cfg.max_stop_length:
+                raise InvalidArgument(f"each stop string must have 1 to {cfg.max_stop_length} characters, got {len(s)} "
+                                      "(the limit is --max-stop-length)")
+        return stop
+
+    def _input(self, request: pb.GenerateRequest) -> tuple[list[int], list[int] | None]:
+        """The input tokens, and for a chat turn that continues a session its variant after EOS."""
+        continuing = bool(request.session_id)
+        chat_after_eos = None
+        which = request.WhichOneof("input")
+        if which == "prompt":
+            if not request.prompt:
+                raise InvalidArgument("prompt is empty: send the text to continue, or use messages")
+            encoded = self.tokenizer(request.prompt, add_special_tokens=not continuing)
+            input_ids = self._check_length(encoded["input_ids"])
+        elif which == "messages":
+            messages = self._messages(request)
+            if continuing:
+                input_ids, chat_after_eos = next_turn(self.tokenizer, messages, self.eos_ids)
+                self._check_length(chat_after_eos)
+            else:
+                input_ids = first_turn(self.tokenizer, messages)
+            self._check_length(input_ids)
+        else:
+            raise InvalidArgument("set either prompt or messages")
+        limit = self.config.max_prompt_tokens
+        if limit is not None and len(input_ids) > limit:
+            raise InvalidArgument(f"the input has {len(input_ids)} tokens; the limit is --max-prompt-tokens={limit}")
+        return input_ids, chat_after_eos
+
+    def _messages(self, request: pb.GenerateRequest) -> list[dict[str, str]]:
+        messages = [{"role": m.role, "content": m.content} for m in request.messages.messages]
+        if not messages:
+            raise InvalidArgument("messages is empty: send at least one message")
+        for i, m in enumerate(messages):
+            if m["role"] not in ("system", "user", "assistant"):
+                raise InvalidArgument(f"messages[{i}].role must be system, user or assistant, got {m['role']!r}")
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise FailedPrecondition("the model has no chat template; send a raw prompt instead")
+        return messages
+
+    def _check_length(self, ids: list[int]) -> list[int]:
+        if not ids:
+            raise InvalidArgument("the input tokenizes to nothing; send some text")
+        if len(ids) >= self.max_context:
+            raise InvalidArgument(
+                f"the input has {len(ids)} tokens but the model's context holds {self.max_context}; "
+                "shorten the prompt"
+            )
+        return list(ids)

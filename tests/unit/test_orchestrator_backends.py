@@ -1,0 +1,94 @@
+"""How the orchestrator's clients read a failed call to a draft or target replica (no network:
+the stubs are replaced), and what a verify reply emits."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from orchestrator.backends import (
+    DraftBackend,
+    DraftReleased,
+    DraftReply,
+    DraftUnavailable,
+    Released,
+    TargetBackend,
+    VerifyReply,
+)
+from specdec.core.sampling import SamplingParams
+from specdec.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
+
+C = grpc.StatusCode
+
+
+def rpc_error(code: grpc.StatusCode, details: str = "boom") -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
+
+
+class FailingStub:
+    def __init__(self, code: grpc.StatusCode) -> None:
+        self.error = rpc_error(code)
+
+    def Propose(self, request, timeout=None):
+        async def stream():
+            raise self.error
+            yield  # an async generator, as a streaming call is
+
+        return stream()
+
+    async def Verify(self, request, timeout=None):
+        raise self.error
+
+
+async def propose(code: grpc.StatusCode, timeout: float | None = None) -> None:
+    backend = DraftBackend("127.0.0.1:1", timeout_s=10.0)
+    backend.stub = FailingStub(code)
+    try:
+        await backend.propose("s", [1, 2], 3, SamplingParams(), 0, "fp", timeout=timeout)
+    finally:
+        await backend.close()
+
+
+async def verify(code: grpc.StatusCode, timeout: float | None = None) -> None:
+    backend = TargetBackend("127.0.0.1:1", timeout_s=10.0)
+    backend.stub = FailingStub(code)
+    try:
+        await backend.verify("s", [1, 2], DraftReply(tokens=[3]), SamplingParams(), 0, timeout=timeout)
+    finally:
+        await backend.close()
+
+
+@pytest.mark.parametrize("code, timeout, error, message", [
+    (C.FAILED_PRECONDITION, None, FailedPrecondition, "^boom$"),  # the request's fault: passed on
+    (C.CANCELLED, None, DraftReleased, "^boom$"),  # the session was released: the replica is fine
+    (C.DEADLINE_EXCEEDED, 1.0, DeadlineExceeded, "deadline passed while the draft proposed"),
+    (C.DEADLINE_EXCEEDED, None, DraftUnavailable, "^DEADLINE_EXCEEDED: boom$"),  # the draft's own limit
+    (C.DEADLINE_EXCEEDED, 20.0, DraftUnavailable, "^DEADLINE_EXCEEDED: boom$"),
+    (C.UNAVAILABLE, None, DraftUnavailable, "^UNAVAILABLE: boom$"),
+    (C.INVALID_ARGUMENT, None, DraftUnavailable, "^INVALID_ARGUMENT: boom$"),
+])
+async def test_a_draft_failure_falls_back_unless_it_is_the_requests(code, timeout, error, message):
+    with pytest.raises(error, match=message) as caught:
+        await propose(code, timeout)
+    assert isinstance(caught.value, DraftUnavailable) == (error in (DraftReleased, DraftUnavailable))
+
+
+@pytest.mark.parametrize("code, timeout, error, message", [
+    (C.INVALID_ARGUMENT, None, InvalidArgument, "^boom$"),
+    (C.CANCELLED, None, Released, "^boom$"),
+    (C.DEADLINE_EXCEEDED, 1.0, DeadlineExceeded, "deadline passed while the target verified"),
+    (C.DEADLINE_EXCEEDED, None, Unavailable, r"^target service at 127.0.0.1:1 failed \(DEADLINE_EXCEEDED: boom\); "
+                                             "the session is kept, retry the request$"),
+    (C.FAILED_PRECONDITION, None, Unavailable, r"failed \(FAILED_PRECONDITION: boom\)"),
+    (C.UNAVAILABLE, None, Unavailable, r"failed \(UNAVAILABLE: boom\)"),
+])
+async def test_a_target_failure_is_unavailable_unless_it_is_the_requests(code, timeout, error, message):
+    with pytest.raises(error, match=message) as caught:
+        await verify(code, timeout)
+    assert not isinstance(caught.value, Released) or error is Released
+
+
+def test_a_verify_reply_emits_the_accepted_draft_prefix_then_the_targets_token():
+    assert VerifyReply(2, 9, False, 0, 0).emitted([4, 5, 6]) == [4, 5, 9]  # recovered at the third
+    assert VerifyReply(3, 9, True, 0, 0).emitted([4, 5, 6]) == [4, 5, 6, 9]  # bonus
+    assert VerifyReply(0, 9, True, 0, 0).emitted([]) == [9]  # k = 0: plain decoding

@@ -1,0 +1,155 @@
+"""The orchestrator's request path over fake pools and the in-memory store: rounds, stops, the
+draft falling back, overlap, the controller. The fake target writes `REFERENCE` greedily, so
+every lossless run must stream exactly its text."""
+
+from __future__ import annotations
+
+import pytest
+
+from specdec.errors import Aborted
+from specdec.v1 import orchestrator_pb2 as pb
+from tests.unit.fakes import EOS, FakeDraft, FakeTarget, InMemorySessionStore, orchestrator, tokens
+
+PROMPT = "Once upon a time"
+TEXT = " there was a small orchestrator that verified every token it was given."
+REFERENCE = tokens(PROMPT + TEXT)  # then EOS: FakeTarget writes EOS past the end
+START = len(tokens(PROMPT))
+
+
+def request(**fields) -> pb.GenerateRequest:
+    fields.setdefault("prompt", PROMPT)
+    fields.setdefault("max_new_tokens", 24)
+    return pb.GenerateRequest(**fields)
+
+
+async def run(orch, **fields) -> list[pb.GenerateChunk]:
+    return [chunk async for chunk in orch.generate(orch.parse(request(**fields)))]
+
+
+def generated(chunks: list[pb.GenerateChunk]) -> list[int]:
+    return [t for c in chunks for t in c.token_ids]
+
+
+def success(orch, finish_reason: str) -> float | None:
+    return orch.metrics.registry.get_sample_value(
+        "specdec_request_success_total", {"finish_reason": finish_reason, "service": "orchestrator"})
+
+
+async def test_a_right_draft_streams_the_targets_text_in_blocks_of_k():
+    store, target, draft = InMemorySessionStore(), FakeTarget(REFERENCE), FakeDraft(REFERENCE)
+    orch = orchestrator(store, target, draft, draft_length=4)
+    chunks = await run(orch, max_new_tokens=12)
+    assert chunks[0].session_id and not chunks[0].token_ids and chunks[0].offset == 0  # the header
+    assert generated(chunks) == REFERENCE[START:START + 12]
+    assert "".join(c.text for c in chunks) == TEXT[:12]
+    assert [c.offset for c in chunks[1:]] == [0, 1, 6, 11]  # the first round is the target's alone
+    assert target.calls[0] == (START, []) and draft.calls == [(START + 1, 4), (START + 6, 4)]
+    last = chunks[-1]
+    assert last.finish_reason == pb.FINISH_REASON_LENGTH and last.stats.completion_tokens == 12
+    assert last.stats.rounds == 4 and last.stats.draft_tokens == last.stats.accepted_tokens == 8
+    state = await store.load(chunks[0].session_id)
+    assert state.tokens == REFERENCE[:START + 12] and state.generated_tokens == 12 and state.rounds == 4
+    assert state.generation.finish == pb.FINISH_REASON_LENGTH and state.generation.lease_until == 0
+    assert success(orch, "length") == 1
+
+
+async def test_wrong_draft_tokens_are_replaced_by_the_targets_own():
+    wrong = {START + 2, START + 9, START + 10}
+    target, draft = FakeTarget(REFERENCE), FakeDraft(REFERENCE, wrong_at=wrong)
+    chunks = await run(orchestrator(InMemorySessionStore(), target, draft, draft_length=4), max_new_tokens=20)
+    assert generated(chunks) == REFERENCE[START:START + 20]  # lossless
+    rounds = [c.round for c in chunks[1:]]
+    assert [r.accepted for r in rounds][:4] == [0, 1, 4, 1]  # rejected at START + 2, all four, at START + 9
+    assert chunks[-1].stats.accepted_tokens < chunks[-1].stats.draft_tokens
+    assert all(len(c.token_ids) == c.round.accepted + 1 for c in chunks[1:-1])
+
+
+async def test_eos_ends_the_generation_and_counts_as_stop_in_the_metric():
+    short = tokens(PROMPT + " the end")
+    orch = orchestrator(InMemorySessionStore(), FakeTarget(short), FakeDraft(short), draft_length=3)
+    chunks = await run(orch, max_new_tokens=50)
+    assert generated(chunks) == tokens(" the end") + [EOS]
+    assert "".join(c.text for c in chunks) == " the end"
+    assert chunks[-1].finish_reason == pb.FINISH_REASON_EOS and chunks[-1].stats.completion_tokens == 9
+    assert success(orch, "stop") == 1 and success(orch, "eos") is None  # the label speaks OpenAI
+
+
+async def test_a_stop_string_ends_the_text_before_it():
+    orch = orchestrator(InMemorySessionStore(), FakeTarget(REFERENCE), FakeDraft(REFERENCE), draft_length=4)
+    chunks = await run(orch, max_new_tokens=40, stop=["small"])
+    assert "".join(c.text for c in chunks) == " there was a "
+    assert generated(chunks) == tokens(" there was a small")  # up to the token that completed it
+    assert chunks[-1].finish_reason == pb.FINISH_REASON_STOP
+
+
+async def test_drafts_never_outrun_the_tokens_still_wanted():
+    target, draft = FakeTarget(REFERENCE), FakeDraft(REFERENCE)
+    orch = orchestrator(InMemorySessionStore(), target, draft, draft_length=8, overlap=True)
+    chunks = await run(orch, max_new_tokens=13)
+    assert generated(chunks) == REFERENCE[START:START + 13]
+    for length, k in draft.calls:  # the last token of all is the target's
+        assert length + k <= START + 12
+    # The context fills before max_new_tokens is reached: the generation ends at its edge.
+    target = FakeTarget(REFERENCE)
+    chunks = await run(orchestrator(InMemorySessionStore(), target, FakeDraft(REFERENCE), max_context=START + 5,
+                                    draft_length=4), max_new_tokens=24)
+    assert generated(chunks) == REFERENCE[START:START + 5] and chunks[-1].finish_reason == pb.FINISH_REASON_LENGTH
+
+
+@pytest.mark.parametrize("failure", [True, "released", "unavailable"])
+async def test_a_failing_draft_falls_back_to_plain_decoding(failure):
+    draft = FakeDraft(REFERENCE, available=False) if failure == "unavailable" else FakeDraft(REFERENCE, fail=failure)
+    orch = orchestrator(InMemorySessionStore(), FakeTarget(REFERENCE), draft, draft_length=4)
+    chunks = await run(orch, max_new_tokens=6)
+    assert generated(chunks) == REFERENCE[START:START + 6]  # one token per round, no error
+    # Rounds 2-5 wanted k = 4, 3, 2, 1; the first and the last (one token left) draft nothing.
+    assert [c.round.draft_fallback for c in chunks[1:]] == [False] + [True] * 4 + [False]
+    assert chunks[-1].stats.draft_fallbacks == 4 and chunks[-1].stats.draft_tokens == 0
+    assert len(draft.calls) == (0 if failure == "unavailable" else 4)
+
+
+async def test_without_a_draft_every_round_is_plain_decoding():
+    target = FakeTarget(REFERENCE)
+    chunks = await run(orchestrator(InMemorySessionStore(), target, None, draft_length=4), max_new_tokens=5)
+    assert generated(chunks) == REFERENCE[START:START + 5]
+    assert all(draft_tokens == [] for _, draft_tokens in target.calls) and len(target.calls) == 5
+
+
+@pytest.mark.parametrize("wrong_at", [set(), {START + 8, START + 20}])
+async def test_overlap_drafts_the_next_block_during_the_verify(wrong_at):
+    target, draft = FakeTarget(REFERENCE), FakeDraft(REFERENCE, wrong_at=wrong_at)
+    orch = orchestrator(InMemorySessionStore(), target, draft, draft_length=3, overlap=True)
+    chunks = await run(orch, max_new_tokens=30)
+    assert generated(chunks) == REFERENCE[START:START + 30]  # lossless either way
+    assert draft.calls[0] == (START, 4)  # during the first verify: a guess of its token, then k = 3
+    overlapped = [c.round.overlapped for c in chunks[1:]]
+    assert chunks[-1].stats.overlapped_rounds == sum(overlapped)
+    if wrong_at:  # a rejected block's guess fails: the next block is drafted afresh, not overlapped
+        assert overlapped[:2] == [False, True] and not all(overlapped[1:-1])
+    else:  # 30 tokens: 1, then 4 a round; the last round (one token left) drafts nothing
+        assert overlapped == [False] + [True] * 7 + [False]
+
+
+async def test_auto_runs_the_controller_and_folds_it_into_the_prior():
+    store = InMemorySessionStore()
+    orch = orchestrator(store, FakeTarget(REFERENCE), FakeDraft(REFERENCE), draft_length="auto")
+    chunks = await run(orch, max_new_tokens=30)
+    assert generated(chunks) == REFERENCE[START:START + 30]
+    assert (await store.load(chunks[0].session_id)).policy  # the controller's state travels with the session
+    assert await store.load_prior() is not None
+
+
+async def test_a_session_takes_turns_and_refuses_a_second_request_while_leased():
+    store, target = InMemorySessionStore(), FakeTarget(REFERENCE)
+    orch = orchestrator(store, target, FakeDraft(REFERENCE), draft_length=2)
+    first = await run(orch, prompt=PROMPT[:10], max_new_tokens=3)
+    session = first[0].session_id
+    assert generated(first) == REFERENCE[10:13]
+    second = await run(orch, session_id=session, prompt=PROMPT[13:16], max_new_tokens=2)
+    assert second[0].session_id == session
+    state = await store.load(session)
+    assert state.tokens == REFERENCE[:16 + 2] and state.generation.prompt_tokens == 16
+    state.generation.lease_until, state.generation.finish = 1e12, 0  # as if a request held it now
+    await store.save(state, [])
+    with pytest.raises(Aborted, match="is busy with generation"):
+        await run(orch, session_id=session, prompt="x")
