@@ -157,7 +157,8 @@ class RequestTimer:
         self.last = now
 
     def observe_finish(self, finish_reason: str, prompt_tokens: int, completion_tokens: int) -> None:
-        """The request ended (finish_reason: eos, length, stop, cancelled, error, ...); once only."""
+        """The request ended; once only. `finish_reason` is the label as OpenAI and vLLM name it: stop
+        (an end-of-sequence token or a stop string), length, cancelled, error."""
         if self.finished:
             return
         self.finished = True
