@@ -4,11 +4,11 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from specdec.server.config import DeviceOption, SnapshotServiceConfig
-from specdec.runtime.models import DEFAULT_MODEL
+from specdec.defaults import DEFAULT_MODEL
+from specdec.server.config import BatchWindowMs, Dtype, MaxBatch, ModelServiceConfig
 
 
-class DraftConfig(SnapshotServiceConfig, DeviceOption):
+class DraftConfig(ModelServiceConfig):
     """specdec draft service: streams draft-token proposals for the orchestrator.
 
     The --snapshot-* options keep the model proposer's KV caches in Redis under the draft's own
@@ -17,25 +17,21 @@ class DraftConfig(SnapshotServiceConfig, DeviceOption):
 
     port: int = Field(50052, ge=0, le=65535, description="Port to listen on (0 picks a free one).")
     proposer: Literal["model", "ngram"] = Field(
-        "ngram", description="Draft source: a causal LM ('model') or prompt lookup ('ngram', no model; the measured default on CPU)."
+        "ngram", description="Draft source: a causal LM ('model') or prompt lookup ('ngram', no model; the measured "
+        "default on CPU)."
     )
-    model: str = Field(DEFAULT_MODEL, description="Draft model: the packaged default name, a local directory or a transformers id.")
-    dtype: Literal["float32", "bfloat16", "float16", "float64"] = Field(
-        "bfloat16", description="Weight dtype of the draft model."
+    model: str = Field(
+        DEFAULT_MODEL, description="Draft model: the packaged default name, a local directory or a transformers id."
     )
-    threads: int | None = Field(None, ge=1, description="torch intra-op threads (default: torch's choice).")
-    max_sessions: int = Field(256, ge=1, description="KV caches kept at most (least recently used evicted first).")
-    idle_ttl_s: float = Field(900.0, gt=0, description="Seconds an unused session cache is kept.")
-    max_batch: int = Field(16, ge=1, le=256, description="Most requests drafted (model proposer) in one forward pass (1 = no batching).")
-    batch_window_ms: float = Field(
-        5.0, ge=0, le=1000,
+    dtype: Dtype = Field("bfloat16", description="Weight dtype of the draft model.")
+    max_batch: MaxBatch = Field(
+        16, description="Most requests drafted (model proposer) in one forward pass (1 = no batching)."
+    )
+    batch_window_ms: BatchWindowMs = Field(
+        5.0,
         description="Longest wait for the sessions of the previous forward pass to send their next request (the "
                     "pass starts at once when they are back or max-batch requests wait; the wait adapts to their "
                     "measured turnaround, up to this).",
-    )
-    max_concurrent: int = Field(64, ge=1, description="Admission: requests served at once; more wait in the queue.")
-    max_queued: int = Field(
-        256, ge=0, description="Admission: requests that may wait; beyond, RESOURCE_EXHAUSTED with a retry hint."
     )
     emulate_draft_per_token_ms: float = Field(
         0.0, ge=0, description="BENCHMARK SIMULATION: pad each draft step to this many ms (0 = off)."

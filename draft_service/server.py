@@ -2,23 +2,20 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
 from draft_service.config import DraftConfig
 from draft_service.servicer import DraftServicer
-from specdec.server.admission import Admission
-from specdec.server.metrics import ServiceMetrics
-from specdec.runtime.batching import BatchConfig, Batcher
+from specdec.runtime.drafting import Drafter
 from specdec.runtime.info import model_info
-from specdec.runtime.kv import SessionCaches
 from specdec.runtime.latency import LatencyProfile
 from specdec.runtime.models import load_model, load_tokenizer, tokenizer_fingerprint
 from specdec.runtime.proposers import ModelProposer, NgramProposer, Proposer
-from specdec.runtime.snapshot import policy_of
-from specdec.server.serving import run_main, serve_servicer, start_metrics
-from specdec.server.tls import server_credentials_of
+from specdec.server.metrics import ServiceMetrics
+from specdec.server.model_service import admission_and_metrics, batcher_for, serve_model_service, session_caches
+from specdec.server.serving import run_main
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
@@ -35,36 +32,27 @@ def build_proposer(config: DraftConfig) -> tuple[Proposer, common_pb2.ModelInfo,
                                     vocab_size=len(tokenizer))
         return NgramProposer(config.ngram_max, config.ngram_min), info, profile
     loaded = load_model(config.model, dtype=config.dtype, threads=config.threads, device=config.device)
-    caches = SessionCaches(loaded.model, loaded.max_context, config.max_sessions, config.idle_ttl_s,
-                           policy_of(config, loaded, "draft"))
-    info = model_info(loaded, "model", profile)
-    info.max_batch = config.max_batch
-    return ModelProposer(caches, profile), info, profile
+    caches = session_caches(config, loaded, "draft")
+    return ModelProposer(caches, profile), model_info(loaded, "model", profile, config.max_batch), profile
 
 
 def build_servicer(config: DraftConfig) -> tuple[DraftServicer, ServiceMetrics]:
     """Build the proposer and wire batcher (model proposer), admission and metrics (call inside the event loop)."""
     proposer, info, profile = build_proposer(config)
-    metrics = ServiceMetrics("draft")
-    admission = Admission(config.max_concurrent, config.max_queued, name="draft service", observer=metrics)
-    batcher = None
+    admission, metrics = admission_and_metrics(config, "draft")
+    batcher = None  # prompt lookup computes nothing to batch
     if isinstance(proposer, ModelProposer):
-        batcher = Batcher(proposer.caches, BatchConfig(config.max_batch, config.batch_window_ms / 1e3), profile,
-                          metrics)
-    running = (lambda: batcher.running) if batcher is not None else (lambda: admission.running)
-    waiting = (lambda: admission.waiting + batcher.waiting) if batcher is not None else (lambda: admission.waiting)
-    metrics.track(running=running, waiting=waiting, kv_sessions=proposer.cached_sessions,
-                  kv_tokens=proposer.cached_tokens)
-    return DraftServicer(proposer, info, admission, batcher), metrics
+        batcher = batcher_for(config, proposer.caches, profile, admission, metrics)
+    drafter = Drafter(proposer, info.tokenizer_fingerprint, info.model, batcher)
+    return DraftServicer(drafter, info, admission), metrics
 
 
 async def serve(config: DraftConfig) -> None:
     servicer, metrics = build_servicer(config)
-    servicer.info.metrics_port = start_metrics(metrics.registry, config.host, config.metrics_port)
     info = servicer.info
-    await serve_servicer(config.address, lambda s: draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, s),
-                         SERVICE_NAME, f"draft service ({info.kind}, {info.model} {info.dtype})",
-                         credentials=server_credentials_of(config))
+    await serve_model_service(config, servicer, metrics,
+                              lambda s: draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, s), SERVICE_NAME,
+                              f"draft service ({info.kind}, {info.model} {info.dtype})")
 
 
 def main(argv: Sequence[str] | None = None) -> None:

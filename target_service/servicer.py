@@ -4,22 +4,23 @@ from __future__ import annotations
 
 import time
 
-from specdec.server.admission import Admission, deadline_of
-from specdec.errors import InvalidArgument, grpc_errors
+from specdec.errors import grpc_errors
 from specdec.runtime.batching import Batcher
-from specdec.runtime.snapshot import drop_snapshot, save_snapshot
 from specdec.runtime.verifier import Verifier
-from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
+from specdec.server.admission import Admission, deadline_of
+from specdec.server.model_service import ModelServicer
 from specdec.server.wire import probs_from_bytes, sampling_from_pb
+from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
 
 
-class TargetServicer(target_pb2_grpc.TargetServiceServicer):
+class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
+    """Verify; Release, SaveSnapshot and GetInfo: `ModelServicer`."""
+
     def __init__(self, verifier: Verifier, info: common_pb2.ModelInfo, batcher: Batcher,
                  admission: Admission) -> None:
+        super().__init__(info, admission, batcher)
         self.verifier = verifier
-        self.info = info
-        self.batcher = batcher
-        self.admission = admission
+        self.batcher: Batcher = batcher
 
     @grpc_errors
     async def Verify(self, request: target_pb2.VerifyRequest, context):
@@ -39,35 +40,3 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             compute_ns=step.compute_ns, prefill_tokens=prefilled, batch_size=step.batch_size,
             queue_ns=step.queue_ns, batch_positions=step.positions,
         )
-
-    @grpc_errors
-    async def Rollback(self, request, context):
-        length = await self.batcher.call(self.verifier.caches.rollback, request.session_id, request.length)
-        return common_pb2.RollbackResponse(length=length)
-
-    @grpc_errors
-    async def Release(self, request, context):
-        self.batcher.cancel_session(request.session_id, request.sent_unix_ns)  # queued work of the session is dropped too
-        released = await self.batcher.call(self.verifier.caches.release, request.session_id)
-        await drop_snapshot(self.verifier.caches, request.session_id)  # everything held for the session goes
-        return common_pb2.ReleaseResponse(released=released)
-
-    @grpc_errors
-    async def SaveSnapshot(self, request, context):
-        if not request.session_id:
-            raise InvalidArgument("session_id is empty")
-        tokens, size = await save_snapshot(self.batcher, request.session_id)
-        return common_pb2.SaveSnapshotResponse(tokens=tokens, bytes=size)
-
-    @grpc_errors
-    async def GetInfo(self, request, context):
-        info = common_pb2.ModelInfo()
-        info.CopyFrom(self.info)
-        caches = self.verifier.caches
-        info.cached_sessions = len(caches)
-        info.cached_tokens = caches.cached_tokens
-        if caches.snapshots is not None:
-            info.snapshot_saves, info.snapshot_restores = caches.snapshots.saves, caches.snapshots.restores
-        info.running_requests = self.batcher.running
-        info.waiting_requests = self.admission.waiting + self.batcher.waiting
-        return info

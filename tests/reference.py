@@ -1,11 +1,15 @@
-"""Target-only reference decoding with plain transformers, for comparison with the pipeline."""
+"""References to compare with: target-only decoding with plain transformers, a block verified alone."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
+from specdec.core.acceptance import Verdict
 from specdec.core.sampling import SamplingParams, logits_to_probs
+from specdec.runtime.kv import Scored
 from specdec.runtime.models import load_model
+from specdec.runtime.verifier import Verifier
 
 
 class Reference:
@@ -41,3 +45,12 @@ class Reference:
                 logits = self.loaded.model(torch.tensor([ctx])).logits[0, -1:]
                 rows.append(logits_to_probs(logits, params)[0])
         return torch.stack(rows)
+
+
+def verify_alone(verifier: Verifier, session_id: str, history: list[int], draft_tokens: list[int],
+                 draft_probs: np.ndarray | None, params: SamplingParams, seed: int) -> Verdict:
+    """Verify one block on its own (no batcher): the reference the batched path must equal."""
+    job = verifier.job(session_id, history, draft_tokens, draft_probs, params, seed)
+    logits, prefilled = verifier.caches.score(session_id, history, draft_tokens)  # [k+1, V]
+    (verdict, _), _ = job.advance(Scored(logits, prefilled), verifier.caches)
+    return verdict

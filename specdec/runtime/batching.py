@@ -31,12 +31,13 @@ import asyncio
 import logging
 import time
 from collections import deque
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable
+from typing import Any, Protocol
 
 from specdec.errors import Cancelled, DeadlineExceeded
-from specdec.runtime.kv import PREFILL_ALONE_ABOVE, ScoreRequest, Scored, SessionCaches
+from specdec.runtime.kv import PREFILL_ALONE_ABOVE, Scored, ScoreRequest, SessionCaches
 from specdec.runtime.latency import LatencyProfile
 
 log = logging.getLogger(__name__)
@@ -66,14 +67,27 @@ class StepInfo:
     positions: int = 0  # positions its decoding pass computed, padding included (0: a long prefill ran too)
 
 
-class BatchObserver:
-    """Hooks for metrics; the default does nothing."""
+class BatchObserver(Protocol):
+    """Hooks for metrics (e.g. `specdec.server.metrics.ServiceMetrics`)."""
 
     def on_step(self, batch_size: int, compute_s: float) -> None: ...
 
     def on_start(self, queue_s: float) -> None: ...
 
     def on_dropped(self, reason: str) -> None: ...
+
+
+class _Unobserved:
+    """The observer of a batcher nobody watches."""
+
+    def on_step(self, batch_size: int, compute_s: float) -> None:
+        pass
+
+    def on_start(self, queue_s: float) -> None:
+        pass
+
+    def on_dropped(self, reason: str) -> None:
+        pass
 
 
 class Job:
@@ -138,11 +152,11 @@ class Batcher:
         self.caches = caches
         self.config = config
         self.profile = profile
-        self.observer = observer or BatchObserver()
+        self.observer: BatchObserver = observer or _Unobserved()
         self.executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="batch")
         self._pending: deque[Job] = deque()
         self._active: list[Job] = []
-        self._wakeup: asyncio.Event | None = None
+        self._wakeup = asyncio.Event()  # set when there is news for the scheduler
         self._task: asyncio.Task | None = None
         self._last_sessions: set[str] = set()  # the sessions of the previous step
         self._last_step_end = 0.0  # time.monotonic() when the previous step ended
@@ -172,8 +186,8 @@ class Batcher:
     async def run(self, job: Job) -> tuple[Any, StepInfo]:
         """Submit a one-step job and wait for its result; cancelling the caller cancels the job."""
         result = None
-        async for result in self.stream(job):
-            pass
+        async for item in self.stream(job):
+            result = item
         if result is None:  # a cancelled job ends with Cancelled, a failed one with its error
             raise RuntimeError(f"job for session {job.session_id!r} finished without a result")
         return result
@@ -190,7 +204,7 @@ class Batcher:
                 self._kick()
 
     async def call(self, fn: Callable, *args) -> Any:
-        """Run `fn(*args)` on the worker thread, between steps (rollback, release)."""
+        """Run `fn(*args)` on the worker thread, between steps (release, snapshot)."""
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
     def cancel_session(self, session_id: str, sent_unix_ns: int = 0) -> int:
@@ -225,8 +239,6 @@ class Batcher:
     # -- scheduling -----------------------------------------------------------------------------
 
     def _submit(self, job: Job) -> None:
-        if self._wakeup is None:
-            self._wakeup = asyncio.Event()
         finished_at = self._finished_at.pop(job.session_id, None)
         if finished_at is not None:
             sample = min(max(0.0, job.enqueued - finished_at), self.config.window_s)
@@ -237,8 +249,7 @@ class Batcher:
             self._task = asyncio.get_running_loop().create_task(self._loop(), name="batcher")
 
     def _kick(self) -> None:
-        if self._wakeup is not None:
-            self._wakeup.set()
+        self._wakeup.set()
 
     async def _loop(self) -> None:
         while True:

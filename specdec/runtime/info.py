@@ -7,7 +7,9 @@ from specdec.runtime.models import LoadedModel
 from specdec.v1 import common_pb2
 
 
-def model_info(loaded: LoadedModel, kind: str, profile: LatencyProfile = LatencyProfile()) -> common_pb2.ModelInfo:
+def model_info(loaded: LoadedModel, kind: str, profile: LatencyProfile = LatencyProfile(),
+               max_batch: int = 0) -> common_pb2.ModelInfo:
+    """What a service hosting `loaded` says about it; `max_batch`: most requests in one forward pass."""
     return common_pb2.ModelInfo(
         model=loaded.name,
         dtype=str(loaded.dtype).removeprefix("torch."),
@@ -17,4 +19,5 @@ def model_info(loaded: LoadedModel, kind: str, profile: LatencyProfile = Latency
         eos_token_ids=loaded.eos_token_ids,
         kind=kind,
         device=loaded.describe_device() + (f" ({profile.describe()})" if profile.enabled else ""),
+        max_batch=max_batch,
     )

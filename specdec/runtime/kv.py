@@ -28,15 +28,16 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 from specdec.errors import FailedPrecondition, InvalidArgument
-from specdec.runtime.snapshot import SnapshotPolicy, decode, encode
+from specdec.runtime.snapshot_codec import decode, encode
+from specdec.runtime.snapshot_store import SnapshotPolicy
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +77,20 @@ class _Row:
     keep: int  # history tokens the cache already covered
 
 
+def _keys_values(layer: DynamicLayer) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's keys and values `[B, H, T, D]`, which a layer that has seen tokens holds."""
+    if layer.keys is None or layer.values is None:
+        raise RuntimeError("the cache layer holds no keys and values")
+    return layer.keys, layer.values
+
+
+def _plain(layer: object) -> DynamicLayer:
+    """A cache layer that `SessionCaches._batchable` found to be a plain full-attention one."""
+    if not isinstance(layer, DynamicLayer):
+        raise TypeError(f"cannot batch a {type(layer).__name__}")
+    return layer
+
+
 class _BatchLayer(DynamicLayer):
     """One layer of a batched pass: the rows' cached keys/values, left-padded to `p`, plus the pass's own.
 
@@ -95,8 +110,9 @@ class _BatchLayer(DynamicLayer):
         self.values = value_states.new_zeros((b, heads, self.p + n, value_states.shape[-1]))
         for i, (layer, length) in enumerate(zip(self.rows, self.past)):
             if length:
-                self.keys[i, :, self.p - length : self.p] = layer.keys[0]
-                self.values[i, :, self.p - length : self.p] = layer.values[0]
+                keys, values = _keys_values(layer)  # [1, H, length, D] each
+                self.keys[i, :, self.p - length : self.p] = keys[0]
+                self.values[i, :, self.p - length : self.p] = values[0]
         self.keys[:, :, self.p :] = key_states
         self.values[:, :, self.p :] = value_states
         self.rows = []  # the sessions' tensors are no longer needed by this pass
@@ -120,14 +136,23 @@ def common_prefix_length(a: list[int], b: list[int]) -> int:
     return lo
 
 
+def _head_weight(model: PreTrainedModel) -> torch.Tensor:
+    """The weight of the model's LM head, whose rows are the logits."""
+    weight = getattr(model.get_output_embeddings(), "weight", None)
+    if not isinstance(weight, torch.Tensor):
+        raise ValueError(f"{type(model).__name__} has no output embeddings to score tokens with")
+    return weight
+
+
 class SessionCaches:
     """A bounded LRU of per-session KV caches for `model` (thread-safe; one forward at a time)."""
 
-    def __init__(self, model: torch.nn.Module, max_context: int, max_sessions: int = 64,
+    def __init__(self, model: PreTrainedModel, max_context: int, max_sessions: int = 64,
                  idle_ttl_s: float = 900.0, snapshots: SnapshotPolicy | None = None) -> None:
         self.model = model
-        self.device = model.get_output_embeddings().weight.device  # inputs go where the weights are
-        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        head = _head_weight(model)  # [V, hidden]
+        self.device = head.device  # inputs go where the weights are
+        self.vocab_size = head.shape[0]
         self.max_context = max_context
         self.max_sessions = max_sessions
         self.idle_ttl_s = idle_ttl_s
@@ -214,7 +239,7 @@ class SessionCaches:
         if top >= self.vocab_size:
             raise InvalidArgument(f"token id {top} is outside the vocabulary (size {self.vocab_size})")
         if entry is None:
-            entry = self._restore(request.session_id, needed) or _Entry(tokens=[], cache=DynamicCache(config=self.model.config))
+            entry = self._restore(request.session_id, needed) or _Entry(tokens=[], cache=self._new_cache())
             self._entries[request.session_id] = entry
             keep = common_prefix_length(entry.tokens, needed)
             feed = history[keep:] + new_tokens
@@ -244,6 +269,9 @@ class SessionCaches:
                 row.feed = row.feed[-tail:]
         return self._forward_padded([row.entry for row in rows], [row.feed for row in rows], tails)
 
+    def _new_cache(self) -> DynamicCache:
+        return DynamicCache(config=self.model.config)
+
     def _forward_one(self, entry: _Entry, feed: list[int], keep_logits: int) -> torch.Tensor:
         ids = torch.tensor([feed], dtype=torch.long, device=self.device)  # [1, S]
         out = self.model(input_ids=ids, cache=entry.cache, use_cache=True, logits_to_keep=keep_logits)
@@ -268,17 +296,19 @@ class SessionCaches:
         if self.device.type != "cpu":  # built on the host, moved in one transfer each
             ids, mask, positions = (t.to(self.device, non_blocking=True) for t in (ids, mask, positions))
         n_layers = len(entries[0].cache.layers)
-        batch_cache = DynamicCache(config=self.model.config)
-        batch_cache.layers = [_BatchLayer([entry.cache.layers[layer_idx] for entry in entries], past, p)
-                              for layer_idx in range(n_layers)]
+        batch_cache = self._new_cache()
+        layers = [_BatchLayer([_plain(entry.cache.layers[layer_idx]) for entry in entries], past, p)
+                  for layer_idx in range(n_layers)]
+        batch_cache.layers = list(layers)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=batch_cache,
                          use_cache=True, logits_to_keep=max(0, n - min(w - t for w, t in zip(width, tails))))
         kept = out.logits.shape[1]  # the last `kept` positions of every row
         logits = [out.logits[i, kept - n + width[i] - tails[i] : kept - n + width[i]].clone() for i in range(b)]
-        for layer_idx, layer in enumerate(batch_cache.layers):  # each session takes its own new keys
+        for layer_idx, layer in enumerate(layers):  # each session takes its own new keys
+            keys, values = _keys_values(layer)  # [B, H, P + N, D]
             for i, entry in enumerate(entries):
-                entry.cache.update(layer.keys[i : i + 1, :, p : p + width[i]],
-                                   layer.values[i : i + 1, :, p : p + width[i]], layer_idx)
+                entry.cache.update(keys[i : i + 1, :, p : p + width[i]], values[i : i + 1, :, p : p + width[i]],
+                                   layer_idx)
         return logits
 
     @staticmethod

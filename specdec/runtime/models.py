@@ -38,7 +38,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from specdec.defaults import DEFAULT_MODEL, cache_dir  # noqa: F401 (re-exported)
+from specdec.defaults import DEFAULT_MODEL, cache_dir
 
 MODEL_ALIASES: dict[str, str] = {"default": DEFAULT_MODEL, DEFAULT_MODEL: DEFAULT_MODEL}
 
@@ -212,8 +212,9 @@ def _convert_gguf(gguf_dir: Path, out: Path, progress: bool) -> None:
 def _check_tied(model: PreTrainedModel) -> None:
     if not getattr(model.config, "tie_word_embeddings", False):
         return
-    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
-    if head is None or not torch.equal(head.weight, embed.weight):
+    head = getattr(model.get_output_embeddings(), "weight", None)  # None: the model has no LM head
+    embed = model.get_input_embeddings().weight
+    if not isinstance(head, torch.Tensor) or not isinstance(embed, torch.Tensor) or not torch.equal(head, embed):
         raise ModelLoadError("tied embeddings were lost in conversion (lm_head != embed_tokens)")
 
 
@@ -272,8 +273,8 @@ def _wrap_load(spec: str, what: str, load: Callable[[], T]) -> T:
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
         raise ModelLoadError(
             f"could not load {what} {spec!r} ({type(exc).__name__}: {exc}). Hub ids load only from the "
-            f"local Hugging Face cache (set SPECDEC_ALLOW_DOWNLOAD=1 to download): pass {DEFAULT_MODEL!r} (or 'default') for the packaged model, or a local directory "
-            f"holding a transformers checkpoint"
+            f"local Hugging Face cache (set SPECDEC_ALLOW_DOWNLOAD=1 to download): pass {DEFAULT_MODEL!r} "
+            f"(or 'default') for the packaged model, or a local directory holding a transformers checkpoint"
         ) from exc
 
 
@@ -304,7 +305,8 @@ def load_model(spec: str, dtype: str = "float32", threads: int | None = None, pr
     hub = _hub_options()
     tokenizer = _wrap_load(spec, "tokenizer", lambda: AutoTokenizer.from_pretrained(path, **hub))
     model = _wrap_load(spec, "model", lambda: AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, **hub))
-    model = model.to(device=torch_device, dtype=torch_dtype).eval()
+    # transformers wraps `to` with functools.wraps, whose typing loses the bound `self`.
+    model = model.to(device=torch_device, dtype=torch_dtype).eval()  # type: ignore[call-arg]
     _check_tied(model)
 
     config = model.config

@@ -14,8 +14,9 @@ change what is proposed.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator, Protocol
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -23,7 +24,7 @@ import torch
 from specdec.core.ngram import propose_ngram
 from specdec.core.sampling import DRAFT_STREAM, SamplingParams, derive_generator, logits_to_probs, sample
 from specdec.runtime.batching import Job
-from specdec.runtime.kv import ScoreRequest, Scored, SessionCaches
+from specdec.runtime.kv import Scored, ScoreRequest, SessionCaches
 from specdec.runtime.latency import LatencyProfile
 
 
@@ -41,19 +42,17 @@ class Proposer(Protocol):
     def propose(self, session_id: str, history: list[int], k: int, params: SamplingParams,
                 seed: int) -> Iterator[DraftToken]: ...
 
-    def rollback(self, session_id: str, length: int) -> int: ...
-
     def release(self, session_id: str) -> bool: ...
 
-    def cached_sessions(self) -> int: ...
-
-    def cached_tokens(self) -> int: ...
 
 
-def draft_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> tuple[int, np.ndarray | None]:
+def draft_token(logits: torch.Tensor, params: SamplingParams,
+                generator: torch.Generator | None) -> tuple[int, np.ndarray | None]:
     """The next draft token from the last row of `logits [n, V]`, and its q row when sampling."""
     if params.greedy:
         return int(torch.argmax(logits[-1])), None
+    if generator is None:
+        raise ValueError("sampling draws from the session's generator: pass one")
     # The sampling maths runs on the host in float64, so a seed draws the same tokens on any device.
     q64 = logits_to_probs(logits[-1:].cpu(), params)[0]  # [V]
     return sample(q64, generator), q64.to(torch.float32).numpy()
@@ -105,17 +104,9 @@ class ModelProposer:
         """The same proposals as `propose`, as a job for the batcher."""
         return DraftJob(session_id, history, k, params, seed, deadline)
 
-    def rollback(self, session_id: str, length: int) -> int:
-        return self.caches.rollback(session_id, length)
-
     def release(self, session_id: str) -> bool:
         return self.caches.release(session_id)
 
-    def cached_sessions(self) -> int:
-        return len(self.caches)
-
-    def cached_tokens(self) -> int:
-        return self.caches.cached_tokens
 
 
 class NgramProposer:
@@ -135,14 +126,6 @@ class NgramProposer:
         for token in tokens:
             yield DraftToken(token, None, elapsed // max(len(tokens), 1))
 
-    def rollback(self, session_id: str, length: int) -> int:
-        return 0
-
     def release(self, session_id: str) -> bool:
         return False
 
-    def cached_sessions(self) -> int:
-        return 0
-
-    def cached_tokens(self) -> int:
-        return 0

@@ -136,7 +136,8 @@ def make_tiny_model(
     )
     with torch.random.fork_rng(devices=[]):  # seed locally; leave the caller's RNG alone
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config).to(torch.float32).eval()
+        # transformers wraps `to` with functools.wraps, whose typing loses the bound `self`.
+        model = LlamaForCausalLM(config).to(torch.float32).eval()  # type: ignore[arg-type]
         head = model.lm_head.weight  # [V, H]; final-norm output has unit RMS: logit std ≈ row std·sqrt(H)
         head.normal_(0.0, logit_scale / math.sqrt(hidden))  # peaked: eos (like any one token) is rare
     return _save(model, tokenizer, out)

@@ -2,14 +2,10 @@
 
 `Verifier.job` turns a request into a `VerifyJob` for the `Batcher`, which scores the blocks of
 many sessions in one forward pass; the acceptance rule then runs per session on that session's
-rows, with that session's own seeded generator, exactly as when the block is verified alone
-(`Verifier.verify`).
+rows, with that session's own seeded generator, exactly as when the block is verified alone.
 """
 
 from __future__ import annotations
-
-import time
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -18,15 +14,7 @@ from specdec.core.acceptance import Verdict, verify
 from specdec.core.sampling import TARGET_STREAM, SamplingParams, derive_generator
 from specdec.errors import InvalidArgument
 from specdec.runtime.batching import Job
-from specdec.runtime.kv import ScoreRequest, Scored, SessionCaches
-from specdec.runtime.latency import LatencyProfile
-
-
-@dataclass(frozen=True)
-class Verification:
-    verdict: Verdict
-    compute_ns: int
-    prefill_tokens: int
+from specdec.runtime.kv import Scored, ScoreRequest, SessionCaches
 
 
 def accept_block(logits: torch.Tensor, history_length: int, draft_tokens: list[int], draft_probs: np.ndarray | None,
@@ -65,10 +53,11 @@ class VerifyJob(Job):
 
 
 class Verifier:
-    def __init__(self, caches: SessionCaches, vocab_size: int, profile: LatencyProfile = LatencyProfile()) -> None:
+    """Checks verify requests against the model's vocabulary and makes their jobs."""
+
+    def __init__(self, caches: SessionCaches, vocab_size: int) -> None:
         self.caches = caches
         self.vocab_size = vocab_size
-        self.profile = profile
 
     def job(self, session_id: str, history: list[int], draft_tokens: list[int], draft_probs: np.ndarray | None,
             params: SamplingParams, seed: int, deadline: float | None = None) -> VerifyJob:
@@ -79,13 +68,3 @@ class Verifier:
                 f"draft_probs has shape {tuple(draft_probs.shape)}, expected ({k}, {self.vocab_size})"
             )
         return VerifyJob(session_id, history, draft_tokens, draft_probs, params, seed, deadline)
-
-    def verify(self, session_id: str, history: list[int], draft_tokens: list[int],
-               draft_probs: np.ndarray | None, params: SamplingParams, seed: int) -> Verification:
-        """Verify one block on its own (no batching): the reference the batched path must equal."""
-        start = time.perf_counter_ns()
-        job = self.job(session_id, history, draft_tokens, draft_probs, params, seed)
-        logits, prefilled = self.caches.score(session_id, history, draft_tokens)  # [k+1, V]
-        (verdict, _), _ = job.advance(Scored(logits, prefilled), self.caches)
-        self.profile.pad(start, len(draft_tokens) + 1)
-        return Verification(verdict, time.perf_counter_ns() - start, prefilled)

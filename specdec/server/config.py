@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 import typing
-from typing import Literal, Sequence, TypeVar
-
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Annotated, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -23,7 +23,8 @@ class ServiceConfig(BaseModel):
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Log level.")
     metrics_port: int | None = Field(
         None, ge=0, le=65535,
-        description="Port of the Prometheus endpoint (http://host:port/metrics); unset = off, 0 = a free port (logged).",
+        description="Port of the Prometheus endpoint (http://host:port/metrics); unset = off, 0 = a free port "
+                    "(logged).",
     )
     log_format: Literal["text", "json"] = Field(
         "text", description="Log lines as text (for people) or one JSON object each (for collectors); both carry "
@@ -31,7 +32,9 @@ class ServiceConfig(BaseModel):
     )
     tls_cert: str = Field("", description="PEM certificate (chain) this server presents; with --tls-key it serves TLS.")
     tls_key: str = Field("", description="PEM private key of --tls-cert.")
-    tls_ca: str = Field("", description="PEM CA bundle client certificates must chain to (with --tls-client-auth required).")
+    tls_ca: str = Field(
+        "", description="PEM CA bundle client certificates must chain to (with --tls-client-auth required)."
+    )
     tls_client_auth: Literal["none", "required"] = Field(
         "none", description="'required': mutual TLS, only clients with a certificate signed by --tls-ca get in "
         "(draft and target behind the orchestrator).",
@@ -82,19 +85,6 @@ class ServiceConfig(BaseModel):
             raise  # unreachable: parser.error exits
 
 
-class SnapshotServiceConfig(ServiceConfig):
-    """Base of the model services (draft, target): where and when they keep KV snapshots in Redis."""
-
-    snapshot_redis_url: str = Field(
-        "", description="Redis URL of the KV snapshot store (empty: no snapshots); may be the session store's Redis."
-    )
-    snapshot_min_tokens: int = Field(
-        256, ge=1, description="Snapshots are saved and restored only for contexts at least this long "
-        "(below it a re-prefill is about as cheap: see bench/snapshot.py)."
-    )
-    snapshot_ttl_s: int = Field(3600, ge=1, description="Seconds a snapshot is kept in Redis.")
-
-
 def _explain(exc: ValidationError) -> str:
     lines = []
     for err in exc.errors():
@@ -111,7 +101,8 @@ class DeviceOption(BaseModel):
     """The `--device` of a service that hosts a model (draft, target)."""
 
     device: str = Field(
-        "auto", description="Where the model runs: auto (the first CUDA GPU if any, else the CPU), cpu, cuda or cuda:N.",
+        "auto",
+        description="Where the model runs: auto (the first CUDA GPU if any, else the CPU), cpu, cuda or cuda:N.",
     )
 
     @field_validator("device")
@@ -121,3 +112,34 @@ class DeviceOption(BaseModel):
 
         resolve_device(device)  # a GPU asked for on a machine without one fails at start, not at load
         return device
+
+
+Dtype = Literal["float32", "bfloat16", "float16", "float64"]
+MaxBatch = Annotated[int, Field(ge=1, le=256)]
+BatchWindowMs = Annotated[float, Field(ge=0, le=1000)]
+
+
+class ModelServiceConfig(ServiceConfig, DeviceOption):
+    """Base of the services that host a model (draft, target): its KV caches and their snapshots in
+    Redis, batching and admission. The fields without a default here get theirs, and their help, from
+    each service; their types and bounds are checked here."""
+
+    snapshot_redis_url: str = Field(
+        "", description="Redis URL of the KV snapshot store (empty: no snapshots); may be the session store's Redis."
+    )
+    snapshot_min_tokens: int = Field(
+        256, ge=1, description="Snapshots are saved and restored only for contexts at least this long "
+        "(below it a re-prefill is about as cheap: see bench/snapshot.py)."
+    )
+    snapshot_ttl_s: int = Field(3600, ge=1, description="Seconds a snapshot is kept in Redis.")
+    model: str
+    dtype: Dtype
+    threads: int | None = Field(None, ge=1, description="torch intra-op threads (default: torch's choice).")
+    max_sessions: int = Field(256, ge=1, description="KV caches kept at most (least recently used evicted first).")
+    idle_ttl_s: float = Field(900.0, gt=0, description="Seconds an unused session cache is kept.")
+    max_batch: MaxBatch
+    batch_window_ms: BatchWindowMs
+    max_concurrent: int = Field(64, ge=1, description="Admission: requests served at once; more wait in the queue.")
+    max_queued: int = Field(
+        256, ge=0, description="Admission: requests that may wait; beyond, RESOURCE_EXHAUSTED with a retry hint."
+    )

@@ -9,7 +9,8 @@ from transformers import DynamicCache
 
 from specdec.errors import FailedPrecondition
 from specdec.runtime.models import load_model
-from specdec.runtime.snapshot import SnapshotIdentity, SnapshotStore, decode, encode
+from specdec.runtime.snapshot_codec import SnapshotIdentity, decode, encode
+from specdec.runtime.snapshot_store import RedisSnapshotStore
 from specdec.server.keys import snapshot_chunk_key, snapshot_meta_key
 
 
@@ -59,7 +60,7 @@ def test_cache_that_does_not_cover_the_tokens_is_refused(model):
 
 
 def test_store_chunks_replaces_and_deletes(model, redis_url):
-    store = SnapshotStore(redis_url, "target", ttl_s=120, chunk_bytes=1000)
+    store = RedisSnapshotStore(redis_url, "target", ttl_s=120, chunk_bytes=1000)
     r = redis.Redis.from_url(redis_url)
     long_history = list(range(5, 65))
     blob = encode(_prefill(model, long_history), long_history, _identity(model))
@@ -67,7 +68,8 @@ def test_store_chunks_replaces_and_deletes(model, redis_url):
     chunks = int(r.hget(snapshot_meta_key("s1", "target"), "chunks"))
     assert chunks == -(-len(blob) // 1000) > 1
     assert store.get("s1") == blob and store.tokens("s1") == len(long_history)
-    assert 0 < r.ttl(snapshot_meta_key("s1", "target")) <= 120 and 0 < r.ttl(snapshot_chunk_key("s1", "target", 0)) <= 120
+    assert 0 < r.ttl(snapshot_meta_key("s1", "target")) <= 120
+    assert 0 < r.ttl(snapshot_chunk_key("s1", "target", 0)) <= 120
     short = encode(_prefill(model, [5, 6]), [5, 6], _identity(model))
     store.put("s1", short, 2)  # a shorter snapshot leaves no stale chunks behind
     assert store.get("s1") == short

@@ -27,7 +27,8 @@ def full_logits(model, tokens: list[int]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("a,b,n", [([], [], 0), ([1, 2, 3], [1, 2, 3], 3), ([1, 2, 3], [1, 2], 2),
-                                   ([1, 2, 3], [1, 9, 3], 1), ([5], [6], 0), (list(range(100)), list(range(50)) + [0], 50)])
+                                   ([1, 2, 3], [1, 9, 3], 1), ([5], [6], 0),
+                                   (list(range(100)), list(range(50)) + [0], 50)])
 def test_common_prefix_length(a, b, n):
     assert common_prefix_length(a, b) == n
 

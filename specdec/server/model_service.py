@@ -1,0 +1,139 @@
+"""What the services that host a model (draft, target) share, written once.
+
+- `ModelServicer`: the RPCs both answer alike (Release, SaveSnapshot, GetInfo); each service's
+  servicer adds its own (Propose, Verify).
+- `session_caches`, `admission_and_metrics`, `batcher_for` and `serve_model_service`: from a
+  `ModelServiceConfig` to the KV caches (with their snapshot policy), admission, metrics, the
+  batcher, and a running server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import grpc
+
+from specdec.errors import InvalidArgument, grpc_errors
+from specdec.runtime.batching import BatchConfig, Batcher
+from specdec.runtime.kv import SessionCaches
+from specdec.runtime.latency import LatencyProfile
+from specdec.runtime.models import LoadedModel
+from specdec.runtime.snapshot_codec import SnapshotIdentity
+from specdec.runtime.snapshot_store import RedisSnapshotStore, SnapshotPolicy
+from specdec.server.admission import Admission
+from specdec.server.config import ModelServiceConfig
+from specdec.server.metrics import ServiceMetrics
+from specdec.server.serving import serve_servicer, start_metrics
+from specdec.server.tls import server_credentials_of
+from specdec.v1 import common_pb2
+
+
+class ModelServicer:
+    """Release, SaveSnapshot and GetInfo of a model service.
+
+    `batcher` runs the model and holds its per-session caches; None for a draft without a model
+    (prompt lookup), which holds nothing per session.
+    """
+
+    def __init__(self, info: common_pb2.ModelInfo, admission: Admission, batcher: Batcher | None) -> None:
+        self.info = info
+        self.admission = admission
+        self.batcher = batcher
+
+    @grpc_errors
+    async def Release(self, request: common_pb2.ReleaseRequest, context) -> common_pb2.ReleaseResponse:
+        if self.batcher is None:
+            return common_pb2.ReleaseResponse(released=False)
+        self.batcher.cancel_session(request.session_id, request.sent_unix_ns)  # its queued and running work stops
+        caches = self.batcher.caches
+        released = await self.batcher.call(caches.release, request.session_id)
+        if caches.snapshots is not None:  # everything held for the session goes, its snapshot too
+            await asyncio.to_thread(caches.snapshots.store.delete, request.session_id)
+        return common_pb2.ReleaseResponse(released=released)
+
+    @grpc_errors
+    async def SaveSnapshot(self, request: common_pb2.SaveSnapshotRequest, context) -> common_pb2.SaveSnapshotResponse:
+        if not request.session_id:
+            raise InvalidArgument("session_id is empty")
+        if self.batcher is None:  # prompt lookup keeps no KV cache: nothing to save
+            return common_pb2.SaveSnapshotResponse(tokens=0, bytes=0)
+        tokens, size = await save_snapshot(self.batcher, request.session_id)
+        return common_pb2.SaveSnapshotResponse(tokens=tokens, bytes=size)
+
+    @grpc_errors
+    async def GetInfo(self, request: common_pb2.GetInfoRequest, context) -> common_pb2.ModelInfo:
+        info = common_pb2.ModelInfo()
+        info.CopyFrom(self.info)
+        batcher = self.batcher
+        if batcher is None:
+            info.running_requests, info.waiting_requests = self.admission.running, self.admission.waiting
+            return info
+        caches = batcher.caches
+        info.cached_sessions, info.cached_tokens = len(caches), caches.cached_tokens
+        if caches.snapshots is not None:
+            info.snapshot_saves, info.snapshot_restores = caches.snapshots.saves, caches.snapshots.restores
+        info.running_requests = batcher.running
+        info.waiting_requests = self.admission.waiting + batcher.waiting
+        return info
+
+
+async def save_snapshot(batcher: Batcher, session_id: str) -> tuple[int, int]:
+    """Snapshot a session's cache: (tokens covered, bytes); (0, 0) when there is nothing worth saving.
+
+    Only the encode runs on the model's thread (between steps); the store's write runs beside it.
+    FailedPrecondition (from `SessionCaches.snapshot`) when the service keeps no snapshots.
+    """
+    caches = batcher.caches
+    tokens, blob = await batcher.call(caches.snapshot, session_id)
+    if tokens and caches.snapshots is not None:
+        await asyncio.to_thread(caches.snapshots.store.put, session_id, blob, tokens)
+        caches.snapshots.saves += 1
+    return tokens, len(blob)
+
+
+# -- wiring -------------------------------------------------------------------------------------
+
+
+def snapshot_policy(config: ModelServiceConfig, loaded: LoadedModel, role: str) -> SnapshotPolicy | None:
+    """The snapshot policy of a service's config (None when it has no --snapshot-redis-url)."""
+    if not config.snapshot_redis_url:
+        return None
+    dtype = str(loaded.dtype).removeprefix("torch.")  # "float32", as --dtype names it
+    identity = SnapshotIdentity(loaded.name, dtype, loaded.fingerprint, loaded.model.config.num_hidden_layers)
+    return SnapshotPolicy(RedisSnapshotStore(config.snapshot_redis_url, role, config.snapshot_ttl_s), identity,
+                          config.snapshot_min_tokens)
+
+
+def session_caches(config: ModelServiceConfig, loaded: LoadedModel, role: str) -> SessionCaches:
+    """The per-session KV caches of a loaded model, bounded and snapshotted as the config says."""
+    return SessionCaches(loaded.model, loaded.max_context, config.max_sessions, config.idle_ttl_s,
+                         snapshot_policy(config, loaded, role))
+
+
+def admission_and_metrics(config: ModelServiceConfig, role: str) -> tuple[Admission, ServiceMetrics]:
+    """A service's admission and metrics (`role`: "draft" or "target"); the gauges read the admission
+    until `batcher_for` gives them a batcher to read."""
+    metrics = ServiceMetrics(role)
+    admission = Admission(config.max_concurrent, config.max_queued, name=f"{role} service", observer=metrics)
+    metrics.track(running=lambda: admission.running, waiting=lambda: admission.waiting,
+                  kv_sessions=lambda: 0, kv_tokens=lambda: 0)
+    return admission, metrics
+
+
+def batcher_for(config: ModelServiceConfig, caches: SessionCaches, profile: LatencyProfile, admission: Admission,
+            metrics: ServiceMetrics) -> Batcher:
+    """The batcher that runs the model on `caches` (call inside the event loop), read by the gauges."""
+    batcher = Batcher(caches, BatchConfig(config.max_batch, config.batch_window_ms / 1e3), profile, metrics)
+    metrics.track(running=lambda: batcher.running, waiting=lambda: admission.waiting + batcher.waiting,
+                  kv_sessions=lambda: len(caches), kv_tokens=lambda: caches.cached_tokens)
+    return batcher
+
+
+async def serve_model_service(config: ModelServiceConfig, servicer: ModelServicer, metrics: ServiceMetrics,
+                              register: Callable[[grpc.aio.Server], None], service_name: str,
+                              description: str) -> None:
+    """Start the metrics endpoint (its port goes into GetInfo) and serve `servicer` until signalled."""
+    servicer.info.metrics_port = start_metrics(metrics.registry, config.host, config.metrics_port)
+    await serve_servicer(config.address, register, service_name, description,
+                         credentials=server_credentials_of(config))
