@@ -36,12 +36,12 @@ from pathlib import Path
 
 import torch
 
+from drafts.build import REPORT_FILE, check_device
+from drafts.data import TeacherData, cached_teacher_data, load_prompt_file
 from specdec.core.policy import expected_tokens
 from specdec.core.sampling import SamplingParams
 from specdec.data import bundled_prompts
 from specdec.defaults import DEFAULT_MODEL, cache_dir
-from drafts.build import REPORT_FILE, check_device
-from drafts.data import TeacherData, cached_teacher_data, load_prompt_file
 from specdec.runtime.kv import SessionCaches
 from specdec.runtime.models import LoadedModel, load_model
 from specdec.runtime.proposers import ModelProposer, NgramProposer, Proposer
@@ -474,7 +474,8 @@ def judge(candidates: list[dict], k: int, latency_goal: float = 0.25, acceptance
             "agreement": round(c["agreement"], 3), "acceptance_ok": c["agreement"] >= acceptance_goal,
             "speedup": speed, "best_untrained_speedup": bar, "speedup_ok": speed > bar,
         }
-        verdicts[c["name"]]["reached"] = all(verdicts[c["name"]][f"{x}_ok"] for x in ("latency", "acceptance", "speedup"))
+        verdict = verdicts[c["name"]]
+        verdict["reached"] = all(verdict[f"{x}_ok"] for x in ("latency", "acceptance", "speedup"))
     return {"criteria": {"latency_ratio_max": latency_goal, "agreement_min": acceptance_goal,
                          "speedup": "best of fixed k and auto, above every untrained candidate's best"},
             "drafts": verdicts, "reached_by": [n for n, v in verdicts.items() if v["reached"]]}

