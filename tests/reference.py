@@ -12,6 +12,12 @@ from specdec.runtime.models import load_model
 from specdec.runtime.verifier import Verifier
 
 
+def full_logits(model, tokens: list[int]) -> torch.Tensor:
+    """`[S, V]` logits of a plain forward pass over `tokens`, no cache."""
+    with torch.inference_mode():
+        return model(torch.tensor([tokens])).logits[0]
+
+
 class Reference:
     def __init__(self, model_dir: str, dtype: str = "float64") -> None:
         self.loaded = load_model(model_dir, dtype=dtype, progress=False)

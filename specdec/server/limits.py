@@ -17,7 +17,7 @@ import contextlib
 import inspect
 import re
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import AsyncIterator, Iterable, Iterator
 
 import grpc
 
@@ -76,24 +76,31 @@ class ConcurrencyLimit(grpc.aio.ServerInterceptor):
         self.limit = limit
         self.methods = set(methods)
 
+    @contextlib.asynccontextmanager
+    async def _held(self, context) -> AsyncIterator[None]:
+        """The caller's slot for the call's duration; a caller over its limit is refused with
+        RESOURCE_EXHAUSTED (the call then ends at `abort`, which raises)."""
+        identity = current_identity.get()
+        try:
+            self.limit.acquire(identity)
+        except ResourceExhausted as exc:
+            await context.abort(exc.code, str(exc))
+        try:
+            yield
+        finally:
+            self.limit.release(identity)
+
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
         if handler is None or handler_call_details.method not in self.methods or handler.request_streaming:
             return handler
-        limit = self.limit
+        held = self._held
         if handler.unary_unary is not None:
             inner = handler.unary_unary
 
             async def unary(request, context):
-                identity = current_identity.get()
-                try:
-                    limit.acquire(identity)
-                except ResourceExhausted as exc:
-                    await context.abort(exc.code, str(exc))
-                try:
+                async with held(context):
                     return await inner(request, context)
-                finally:
-                    limit.release(identity)
 
             return method_handler(handler, unary_unary=unary)
         inner_stream = handler.unary_stream
@@ -101,15 +108,8 @@ class ConcurrencyLimit(grpc.aio.ServerInterceptor):
             return handler
 
         async def stream(request, context):
-            identity = current_identity.get()
-            try:
-                limit.acquire(identity)
-            except ResourceExhausted as exc:
-                await context.abort(exc.code, str(exc))
-            try:
+            async with held(context):
                 async for item in inner_stream(request, context):
                     yield item
-            finally:
-                limit.release(identity)
 
         return method_handler(handler, unary_stream=stream)

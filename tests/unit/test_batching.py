@@ -15,28 +15,16 @@ from specdec.errors import Cancelled, DeadlineExceeded, InvalidArgument
 from specdec.runtime.batching import BatchConfig, Batcher
 from specdec.runtime.kv import PREFILL_ALONE_ABOVE, ScoreRequest, SessionCaches
 from specdec.runtime.latency import LatencyProfile
-from specdec.runtime.models import load_model
 from specdec.runtime.proposers import ModelProposer
-from specdec.runtime.tiny import make_tiny_model
 from specdec.runtime.verifier import Verifier
-from tests.reference import verify_alone
+from tests.reference import full_logits, verify_alone
 
 V = 100  # the tiny char tokenizer's vocabulary
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    loaded = load_model(str(make_tiny_model(tmp_path_factory.mktemp("batching") / "m", seed=0)), dtype="float64",
-                        progress=False)
-    yield loaded.model
-    torch.set_num_threads(threads)
-
-
-def full_logits(model, tokens: list[int]) -> torch.Tensor:
-    with torch.inference_mode():
-        return model(torch.tensor([tokens])).logits[0]  # [S, V]
+def model(tiny_model):
+    return tiny_model
 
 
 def tokens(rng: random.Random, n: int) -> list[int]:

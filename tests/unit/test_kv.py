@@ -7,23 +7,12 @@ import torch
 
 from specdec.errors import InvalidArgument
 from specdec.runtime.kv import SessionCaches, common_prefix_length
-from specdec.runtime.models import load_model
-from specdec.runtime.tiny import make_tiny_model
+from tests.reference import full_logits
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    loaded = load_model(str(make_tiny_model(tmp_path_factory.mktemp("kv") / "m", seed=0)), dtype="float64",
-                        progress=False)
-    yield loaded.model
-    torch.set_num_threads(threads)
-
-
-def full_logits(model, tokens: list[int]) -> torch.Tensor:
-    with torch.inference_mode():
-        return model(torch.tensor([tokens])).logits[0]  # [S, V]
+def model(tiny_model):
+    return tiny_model
 
 
 @pytest.mark.parametrize("a,b,n", [([], [], 0), ([1, 2, 3], [1, 2, 3], 3), ([1, 2, 3], [1, 2], 2),
