@@ -8,7 +8,7 @@
 
 Message size is a server option (`--max-message-bytes`, gRPC answers RESOURCE_EXHAUSTED);
 prompt tokens, new tokens and stop strings are checked with the request
-(`orchestrator.generation.Generator.parse`).
+(`orchestrator.requests.RequestParser`).
 """
 
 from __future__ import annotations

@@ -135,7 +135,7 @@ def test_recovers_when_acceptance_comes_back() -> None:
 
 
 @pytest.mark.parametrize("overlap", [False, True])
-def test_next_k_and_ahead_is_next_k_then_choose_k(overlap: bool) -> None:
+def test_step_is_next_k_then_choose_k(overlap: bool) -> None:
     """The orchestrator's one call per round (one goodput fit shared by both choices) equals the
     two calls it replaces, round by round, through probes, back-off after a draft failure and
     the hysteresis flag flipping both ways (the case where the fit cannot be shared)."""
