@@ -151,6 +151,23 @@ draft_props.update({
 draft = obj(draft_props, required=common_required + ["enabled", "proposer", "model", "dtype", "gpu"],
             desc="The draft service (small model or prompt lookup).")
 
+def service() -> dict:
+    """The Service of a public API (orchestrator, gateway)."""
+    return obj({
+        "type": {"enum": ["ClusterIP", "NodePort", "LoadBalancer"]},
+        "port": {"$ref": "#/definitions/port"},
+        "annotations": string_map,
+    }, required=["type", "port"])
+
+
+def autoscaling() -> dict:
+    """A CPU HorizontalPodAutoscaler (orchestrator, gateway)."""
+    return obj({
+        "enabled": B(), "minReplicas": I(minimum=1), "maxReplicas": I(minimum=1),
+        "targetCPUUtilizationPercentage": I(minimum=1, maximum=100),
+    }, required=["enabled", "minReplicas", "maxReplicas", "targetCPUUtilizationPercentage"])
+
+
 orch_props = {
     "replicas": I("Replicas (when not autoscaled).", minimum=0),
     "model": S("Tokenizer model; empty: target.model."),
@@ -160,20 +177,51 @@ orch_props = {
     "overlap": B("Draft the next block during the verify."),
     "sessionTtlS": I(minimum=1),
     "port": {"$ref": "#/definitions/port"},
-    "service": obj({
-        "type": {"enum": ["ClusterIP", "NodePort", "LoadBalancer"]},
-        "port": {"$ref": "#/definitions/port"},
-        "annotations": string_map,
-    }, required=["type", "port"]),
-    "autoscaling": obj({
-        "enabled": B(), "minReplicas": I(minimum=1), "maxReplicas": I(minimum=1),
-        "targetCPUUtilizationPercentage": I(minimum=1, maximum=100),
-    }, required=["enabled", "minReplicas", "maxReplicas", "targetCPUUtilizationPercentage"]),
+    "service": service(),
+    "autoscaling": autoscaling(),
     "preStopSleepSeconds": I("Seconds to keep serving after the stop request.", minimum=0),
     **scheduling(),
 }
 orchestrator = obj(orch_props, required=common_required + ["service", "autoscaling"],
                    desc="The orchestrator (public API, the loop, sessions in Redis).")
+
+gateway_props = {
+    "enabled": B("Run the OpenAI-compatible HTTP gateway."),
+    "replicas": I("Replicas (when not autoscaled).", minimum=0),
+    "port": {"$ref": "#/definitions/port"},
+    "modelName": S("Model id the API serves; empty: the target's."),
+    "requestTimeoutS": {"type": "number", "exclusiveMinimum": 0, "description": "Deadline of one generation."},
+    "healthTimeoutS": {"type": "number", "exclusiveMinimum": 0,
+                       "description": "Deadline of the status call behind /health (below the readiness timeout)."},
+    "auth": obj({
+        "existingSecret": S("Secret holding the accepted tokens; empty: the gateway checks none."),
+        "tokensKey": S("Key of the tokens file in that Secret.", minLength=1),
+    }, required=["existingSecret", "tokensKey"]),
+    "service": service(),
+    "ingress": obj({
+        "enabled": B("Create an Ingress."),
+        "className": S("IngressClass; empty: the cluster default."),
+        "annotations": string_map,
+        "hosts": {"type": "array", "items": obj({
+            "host": S("Host name; empty: any."),
+            "paths": {"type": "array", "minItems": 1, "items": obj({
+                "path": S(pattern="^/"),
+                "pathType": {"enum": ["Prefix", "Exact", "ImplementationSpecific"]},
+            }, required=["path", "pathType"])},
+        }, required=["paths"])},
+        "tls": {"type": "array", "items": {"type": "object"}},
+    }, required=["enabled", "hosts"]),
+    "autoscaling": autoscaling(),
+    "preStopSleepSeconds": I("Seconds to keep serving after the stop request.", minimum=0),
+    **scheduling(),
+}
+gateway = obj(gateway_props, required=common_required + ["enabled", "service", "autoscaling", "ingress", "auth",
+                                                         "requestTimeoutS", "healthTimeoutS"],
+              desc="The OpenAI-compatible HTTP API in front of the orchestrator.")
+gateway["allOf"] = [
+    {"if": {"properties": {"ingress": {"properties": {"enabled": {"const": True}}}}},
+     "then": {"properties": {"ingress": {"properties": {"hosts": {"minItems": 1}}}}}},
+]
 
 redis_url = "^rediss?://[^@/\\s]+(/[0-9]+)?$"
 redis = obj({
@@ -213,13 +261,18 @@ schema = {
     "title": "specdec chart values",
     "type": "object",
     "additionalProperties": False,
-    "required": ["image", "target", "draft", "orchestrator", "redis", "modelCache", "networkPolicy"],
+    "required": ["image", "target", "draft", "orchestrator", "gateway", "redis", "modelCache", "networkPolicy",
+                 "discovery"],
     "definitions": defs,
     "properties": {
         "global": {"type": "object", "description": "Helm's global values (unused)."},
         "nameOverride": S("Replaces the chart name in resource names."),
         "fullnameOverride": S("Replaces <release>-<chart> in resource names."),
         "clusterDomain": S("DNS domain of the cluster.", minLength=1),
+        "discovery": obj({
+            "kubernetes": B("The orchestrator finds draft and target replicas through the Kubernetes API "
+                            "(EndpointSlices) instead of DNS; renders its ServiceAccount, Role and RoleBinding."),
+        }, required=["kubernetes"]),
         "image": obj({
             "repository": S(minLength=1), "tag": S(),
             "pullPolicy": {"enum": ["Always", "IfNotPresent", "Never"]},
@@ -243,6 +296,7 @@ schema = {
         "target": target,
         "draft": draft,
         "orchestrator": orchestrator,
+        "gateway": gateway,
         "redis": redis,
         "metrics": obj({
             "enabled": B("Pass --metrics-port to every service and expose it."),
@@ -257,6 +311,8 @@ schema = {
             "enabled": B("Create NetworkPolicies."),
             "orchestratorFrom": {"type": "array", "items": {"type": "object"},
                                  "description": "Peers allowed to reach the orchestrator; empty: anyone."},
+            "gatewayFrom": {"type": "array", "items": {"type": "object"},
+                            "description": "Peers allowed to reach the gateway; empty: anyone."},
             "metricsFrom": {"type": "array", "items": {"type": "object"},
                             "description": "Peers allowed to scrape metrics; empty: anyone."},
         }, required=["enabled"]),

@@ -252,7 +252,7 @@ def test_only_the_orchestrator_reaches_draft_target_and_redis(render, value_set)
     protected = set()
     for policy in r.of_kind("NetworkPolicy").values():
         component = policy["metadata"]["labels"]["app.kubernetes.io/component"]
-        if component == "orchestrator":
+        if component in ("orchestrator", "gateway"):  # the public APIs (tests/deploy/test_gateway_chart.py)
             continue
         protected.add(component)
         assert policy["spec"]["policyTypes"] == ["Ingress"]
@@ -289,13 +289,19 @@ def test_network_policies_can_be_turned_off(render):
 @pytest.mark.parametrize("value_set", ALL_SETS)
 def test_pods_run_non_root_with_no_capabilities_and_read_only_root(render, value_set):
     r = render(value_set)
-    [account] = r.of_kind("ServiceAccount")
+    accounts = {a["metadata"]["labels"]["app.kubernetes.io/component"]: name
+                for name, a in r.of_kind("ServiceAccount").items()}
+    orchestrator = r.component("Deployment", "orchestrator")["metadata"]["name"]
+    discovery = bool(r.of_kind("Role"))
+    assert set(accounts) == ({"service-account", "orchestrator"} if discovery else {"service-account"})
     for owner, spec in r.pod_specs().items():
         assert spec["securityContext"]["runAsNonRoot"] is True, owner
         assert spec["securityContext"]["runAsUser"] > 0, owner
         assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}, owner
-        assert spec["automountServiceAccountToken"] is False, owner
-        assert spec["serviceAccountName"] == account, owner
+        # Only an orchestrator that reads EndpointSlices (discovery.kubernetes) gets an API token.
+        api_access = discovery and owner == orchestrator
+        assert spec["automountServiceAccountToken"] is api_access, owner
+        assert spec["serviceAccountName"] == accounts["orchestrator" if api_access else "service-account"], owner
         for c in spec["containers"]:
             sc = c["securityContext"]
             assert sc["runAsNonRoot"] is True, owner

@@ -51,11 +51,43 @@ app.kubernetes.io/managed-by: {{ .root.Release.Service }}
 {{- end }}
 {{- end }}
 
+{{/*
+The orchestrator's ServiceAccount. With discovery.kubernetes (and serviceAccount.create) it has
+its own, the only one bound to the EndpointSlice Role, so no other pod can read the API; else the
+chart's shared one.
+*/}}
+{{- define "specdec.orchestratorServiceAccountName" -}}
+{{- if and .Values.discovery.kubernetes .Values.serviceAccount.create }}
+{{- include "specdec.componentName" (dict "root" . "component" "orchestrator") }}
+{{- else }}
+{{- include "specdec.serviceAccountName" . }}
+{{- end }}
+{{- end }}
+
 {{/* ------------------------------------------------------------------ addresses */}}
 
 {{/* "dns:///<headless service>.<namespace>.svc.<domain>:<port>": one name, every ready replica. */}}
 {{- define "specdec.dnsAddress" -}}
 {{- printf "dns:///%s.%s.svc.%s:%d" (include "specdec.componentName" .) .root.Release.Namespace .root.Values.clusterDomain (int .port) }}
+{{- end }}
+
+{{/*
+The orchestrator's --target / --draft of one backend: (dict "root" $ "component" "target" "port" 50053).
+With discovery.kubernetes, "kubernetes:///<namespace>/<service>:<port>": the orchestrator watches
+the Service's EndpointSlices through the API (ready replicas, their nodes and zones, no DNS
+caching), and falls back to DNS when the API is unreachable. Otherwise the dns:/// name above.
+*/}}
+{{- define "specdec.backendAddress" -}}
+{{- if .root.Values.discovery.kubernetes }}
+{{- printf "kubernetes:///%s/%s:%d" .root.Release.Namespace (include "specdec.componentName" .) (int .port) }}
+{{- else }}
+{{- include "specdec.dnsAddress" . }}
+{{- end }}
+{{- end }}
+
+{{/* "<service>.<namespace>.svc.<domain>:<port>" of a ClusterIP Service: (dict "root" $ "component" "orchestrator" "port" 50051) */}}
+{{- define "specdec.serviceAddress" -}}
+{{- printf "%s.%s.svc.%s:%d" (include "specdec.componentName" .) .root.Release.Namespace .root.Values.clusterDomain (int .port) }}
 {{- end }}
 
 {{- define "specdec.redisSecretName" -}}
@@ -122,6 +154,23 @@ livenessProbe:
   {{- toYaml .probes.liveness | nindent 2 }}
 {{- end }}
 
+{{/* HTTP probes of the gateway: startup and liveness on the open port, readiness on GET /health. */}}
+{{- define "specdec.httpProbes" -}}
+startupProbe:
+  tcpSocket:
+    port: http
+  {{- toYaml .probes.startup | nindent 2 }}
+readinessProbe:
+  httpGet:
+    path: /health
+    port: http
+  {{- toYaml .probes.readiness | nindent 2 }}
+livenessProbe:
+  tcpSocket:
+    port: http
+  {{- toYaml .probes.liveness | nindent 2 }}
+{{- end }}
+
 {{/* requests/limits with the component's GPUs added: (the component's values) */}}
 {{- define "specdec.resources" -}}
 {{- $resources := deepCopy (default (dict) .resources) }}
@@ -157,14 +206,26 @@ livenessProbe:
 
 {{/*
 One Deployment of a specdec service. Arguments:
-  root: $;  component: "draft" | "target" | "orchestrator";  values: that component's values;
+  root: $;  component: "draft" | "target" | "orchestrator" | "gateway";  values: its values;
   module: the Python module to run;  args: its flags (list);  env: extra EnvVars (list);
-  port: its gRPC port;  lifecycle: a container lifecycle (map) or nil.
+  port: its serving port;  lifecycle: a container lifecycle (map) or nil.
+Optional (the gRPC services leave them out):
+  portName: name of the serving port (default "grpc");
+  probes: rendered startup/readiness/liveness probes (default: gRPC probes on `port`);
+  modelCache: mount the model cache and set its variables (default true);
+  metrics: pass --metrics-port when metrics are on (default true);
+  serviceAccountName: the pod's ServiceAccount (default the chart's);
+  automountToken: mount an API token in the pod (default false);
+  volumes, volumeMounts: extra volumes of the pod and mounts of its container (lists).
 */}}
 {{- define "specdec.deployment" -}}
 {{- $root := .root }}
 {{- $v := .values }}
 {{- $ctx := dict "root" $root "component" .component }}
+{{- $portName := default "grpc" .portName }}
+{{- $modelCache := ternary .modelCache true (hasKey . "modelCache") }}
+{{- $metrics := and $root.Values.metrics.enabled (ternary .metrics true (hasKey . "metrics")) }}
+{{- $probes := .probes | default (include "specdec.grpcProbes" (dict "port" .port "probes" $v.probes)) }}
 apiVersion: apps/v1
 kind: Deployment
 metadata:
@@ -196,8 +257,8 @@ spec:
         {{- toYaml . | nindent 8 }}
       {{- end }}
     spec:
-      serviceAccountName: {{ include "specdec.serviceAccountName" $root }}
-      automountServiceAccountToken: false
+      serviceAccountName: {{ .serviceAccountName | default (include "specdec.serviceAccountName" $root) }}
+      automountServiceAccountToken: {{ .automountToken | default false }}
       enableServiceLinks: false
       securityContext:
         {{- toYaml $root.Values.podSecurityContext | nindent 8 }}
@@ -231,7 +292,7 @@ spec:
           imagePullPolicy: {{ include "specdec.imagePullPolicy" (dict "root" $root "image" $v.image) }}
           command: ["python", "-m", {{ .module | quote }}]
           args:
-            {{- if $root.Values.metrics.enabled }}
+            {{- if $metrics }}
             - "--metrics-port"
             - {{ $root.Values.metrics.port | quote }}
             {{- end }}
@@ -239,25 +300,27 @@ spec:
             - {{ . | quote }}
             {{- end }}
           ports:
-            - name: grpc
+            - name: {{ $portName }}
               containerPort: {{ .port }}
               protocol: TCP
-            {{- if $root.Values.metrics.enabled }}
+            {{- if $metrics }}
             - name: metrics
               containerPort: {{ $root.Values.metrics.port }}
               protocol: TCP
             {{- end }}
           env:
+            {{- if $modelCache }}
             - name: SPECDEC_CACHE
               value: {{ $root.Values.modelCache.mountPath | quote }}
             - name: HF_HOME
               value: {{ printf "%s/huggingface" $root.Values.modelCache.mountPath | quote }}
+            {{- end }}
             # The root filesystem is read-only: anything a library writes under $HOME lands in /tmp.
             - name: HOME
               value: /tmp
             - name: TMPDIR
               value: /tmp
-            {{- if $root.Values.modelCache.allowDownload }}
+            {{- if and $modelCache $root.Values.modelCache.allowDownload }}
             - name: SPECDEC_ALLOW_DOWNLOAD
               value: "1"
             {{- end }}
@@ -267,7 +330,7 @@ spec:
             {{- with $v.env }}
             {{- toYaml . | nindent 12 }}
             {{- end }}
-          {{- include "specdec.grpcProbes" (dict "port" .port "probes" $v.probes) | nindent 10 }}
+          {{- $probes | nindent 10 }}
           {{- with .lifecycle }}
           lifecycle:
             {{- toYaml . | nindent 12 }}
@@ -277,11 +340,17 @@ spec:
           securityContext:
             {{- toYaml $root.Values.containerSecurityContext | nindent 12 }}
           volumeMounts:
+            {{- if $modelCache }}
             - name: model-cache
               mountPath: {{ $root.Values.modelCache.mountPath }}
+            {{- end }}
             - name: tmp
               mountPath: /tmp
+            {{- with .volumeMounts }}
+            {{- toYaml . | nindent 12 }}
+            {{- end }}
       volumes:
+        {{- if $modelCache }}
         - name: model-cache
           {{- if $root.Values.modelCache.persistence.enabled }}
           persistentVolumeClaim:
@@ -290,6 +359,10 @@ spec:
           emptyDir:
             sizeLimit: {{ $root.Values.modelCache.emptyDir.sizeLimit }}
           {{- end }}
+        {{- end }}
+        {{- with .volumes }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
         - name: tmp
           emptyDir:
             sizeLimit: {{ $root.Values.tmpSizeLimit }}
@@ -311,6 +384,35 @@ spec:
   selector:
     matchLabels:
       {{- include "specdec.selectorLabels" $ctx | nindent 6 }}
+{{- end }}
+{{- end }}
+
+{{/* A CPU HorizontalPodAutoscaler of one component, when its autoscaling is on: (dict "root" $ "component" "orchestrator" "values" .Values.orchestrator) */}}
+{{- define "specdec.hpa" -}}
+{{- $a := .values.autoscaling }}
+{{- if $a.enabled }}
+{{- $ctx := dict "root" .root "component" .component }}
+apiVersion: autoscaling/v2
+kind: HorizontalPodAutoscaler
+metadata:
+  name: {{ include "specdec.componentName" $ctx }}
+  namespace: {{ .root.Release.Namespace }}
+  labels:
+    {{- include "specdec.labels" $ctx | nindent 4 }}
+spec:
+  scaleTargetRef:
+    apiVersion: apps/v1
+    kind: Deployment
+    name: {{ include "specdec.componentName" $ctx }}
+  minReplicas: {{ $a.minReplicas }}
+  maxReplicas: {{ $a.maxReplicas }}
+  metrics:
+    - type: Resource
+      resource:
+        name: cpu
+        target:
+          type: Utilization
+          averageUtilization: {{ $a.targetCPUUtilizationPercentage }}
 {{- end }}
 {{- end }}
 
