@@ -1,8 +1,9 @@
 from __future__ import annotations
 
+import re
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator, model_validator
 
 from specdec.defaults import DEFAULT_MODEL
 from specdec.server.config import ServiceConfig
@@ -14,13 +15,17 @@ class OrchestratorConfig(ServiceConfig):
     port: int = Field(50051, ge=0, le=65535, description="Port of the public gRPC API (0 picks a free one).")
     target: str = Field(
         "127.0.0.1:50053",
-        description="Target replicas: HOST:PORT[,HOST:PORT...] or dns:///NAME:PORT (every address it resolves to).",
+        description="Target replicas: HOST:PORT[,HOST:PORT...], dns:///NAME:PORT (every address it resolves to) or "
+        "kubernetes:///[NAMESPACE/]SERVICE:PORT (the Service's EndpointSlices, watched; see docs/discovery.md).",
     )
     draft: str = Field(
         "127.0.0.1:50052",
         description="Draft replicas, written as for --target; empty runs plain decoding only.",
     )
-    replica_refresh_s: float = Field(5.0, gt=0, description="Seconds between re-resolving and probing the replicas.")
+    replica_refresh_s: float = Field(
+        5.0, gt=0, description="Seconds between re-resolving and probing the replicas (a kubernetes:/// change "
+        "applies at once)."
+    )
     backend_tls_ca: str = Field(
         "", description="PEM CA that draft and target certificates must chain to; set: TLS to them."
     )
@@ -32,6 +37,22 @@ class OrchestratorConfig(ServiceConfig):
     redis_url: str = Field(
         "redis://127.0.0.1:6390/0",
         description="Redis URL of the session store; rediss:// for TLS. Keep the password out of it (argv is visible).",
+    )
+    redis_cluster_nodes: str = Field(
+        "", description="Instead of --redis-url, a Redis Cluster: HOST:PORT[,HOST:PORT...] of some of its nodes "
+        "(the rest is discovered)."
+    )
+    redis_sentinels: str = Field(
+        "", description="Instead of --redis-url, Redis Sentinels: HOST:PORT[,HOST:PORT...]; they name the master of "
+        "--redis-sentinel-master and follow its failovers."
+    )
+    redis_sentinel_master: str = Field("", description="Name of the master the --redis-sentinels monitor.")
+    redis_tls: bool = Field(
+        False, description="TLS to the cluster nodes, or to the sentinels and their master (a single Redis: rediss://)."
+    )
+    redis_failover_s: float = Field(
+        30.0, gt=0, description="With --redis-cluster-nodes or --redis-sentinels: how long a session-store call "
+        "retries (backoff up to 1 s) while a replica is promoted; a single --redis-url is not retried."
     )
     redis_password_file: str = Field(
         "", description="File holding the Redis password; unset: $REDIS_PASSWORD when set, else none."
@@ -104,3 +125,39 @@ class OrchestratorConfig(ServiceConfig):
     max_queued: int = Field(
         256, ge=0, description="Admission: generations waiting for a slot; beyond this RESOURCE_EXHAUSTED at once."
     )
+
+    @field_validator("redis_cluster_nodes", "redis_sentinels")
+    @classmethod
+    def _host_ports(cls, value: str) -> str:
+        if value and not all(_HOST_PORT.fullmatch(a.strip()) for a in value.split(",")):
+            raise ValueError("expected HOST:PORT[,HOST:PORT...]")
+        return value
+
+    @model_validator(mode="after")
+    def _one_redis_mode(self):
+        """One Redis mode: --redis-url (the default), --redis-cluster-nodes or --redis-sentinels."""
+        modes = [flag for flag, on in (("--redis-url", "redis_url" in self.model_fields_set),
+                                       ("--redis-cluster-nodes", bool(self.redis_cluster_nodes)),
+                                       ("--redis-sentinels", bool(self.redis_sentinels))) if on]
+        if len(modes) > 1:
+            raise ValueError(f"{' and '.join(modes)} are different Redis modes: give only one")
+        if bool(self.redis_sentinels) != bool(self.redis_sentinel_master):
+            raise ValueError("--redis-sentinels and --redis-sentinel-master go together")
+        if self.redis_tls and self.redis_mode == "single":
+            raise ValueError("--redis-tls is for --redis-cluster-nodes or --redis-sentinels; a single Redis "
+                             "uses a rediss:// --redis-url")
+        return self
+
+    @property
+    def redis_mode(self) -> Literal["single", "cluster", "sentinel"]:
+        return "cluster" if self.redis_cluster_nodes else "sentinel" if self.redis_sentinels else "single"
+
+    @property
+    def redis_addresses(self) -> list[tuple[str, int]]:
+        """The cluster seeds or the sentinels, as (host, port)."""
+        listed = self.redis_cluster_nodes or self.redis_sentinels
+        pairs = [a.strip().rsplit(":", 1) for a in listed.split(",")] if listed else []
+        return [(host, int(port)) for host, port in pairs]
+
+
+_HOST_PORT = re.compile(r"[^\s:,]+:\d{1,5}")

@@ -1,16 +1,20 @@
 """Replica sets of the draft and target services: discovery, health, placement and failover.
 
-A backend is named by a comma-separated list of `host:port` addresses or by `dns:///name:port`,
-whose name resolves to one address per replica (a Kubernetes headless service). Each replica is
-its own channel, so the orchestrator sees, measures and places on individual replicas instead of
-letting a load balancer hide them.
+A backend is named by a comma-separated list of `host:port` addresses, by `dns:///name:port`,
+whose name resolves to one address per replica (a Kubernetes headless service), or by
+`kubernetes:///[namespace/]service:port`, whose EndpointSlices are watched (discovery.py). Each
+replica is its own channel, so the orchestrator sees, measures and places on individual replicas
+instead of letting a load balancer hide them.
 
 Placement: a session sticks to the replica that holds its KV cache while that replica is
 healthy; a new session (or one whose replica failed) goes to the healthy replica with the lowest
-expected cost, (requests in flight + 1) × (measured round trip + compute). A replica that fails a
-call is skipped for `retry_s` and the call is retried on another one; a replica that leaves the
-DNS answer is dropped. Every call carries the whole token history, so moving a session costs a
-re-prefill on the new replica and never changes its output.
+expected cost, (requests in flight + 1) × (measured round trip + compute), weighted by its
+distance when discovery knows it (same node, same zone, elsewhere: `LOCALITY_WEIGHT`). A replica
+that fails a call is skipped for `retry_s` and the call is retried on another one; a replica that
+discovery reports not ready gets no session, not even its own ones, which move on their next
+round; one that leaves the DNS answer or the EndpointSlices is dropped. Every call carries the
+whole token history, so moving a session costs a re-prefill on the new replica and never changes
+its output.
 """
 
 from __future__ import annotations
@@ -22,7 +26,6 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
-from urllib.parse import urlsplit
 
 import grpc
 
@@ -35,6 +38,17 @@ from orchestrator.backends import (
     TargetBackend,
     VerifyReply,
 )
+from orchestrator.discovery import (
+    LOCALITY_WEIGHT,
+    Endpoint,
+    Source,
+    locality,
+    own_zone,
+    parse_addresses,  # noqa: F401 - re-exported: where the spec forms used to live
+    resolve,  # noqa: F401 - re-exported
+    source_of,
+    usable,
+)
 from specdec.core.sampling import SamplingParams
 from specdec.errors import Unavailable
 from specdec.v1 import common_pb2
@@ -42,34 +56,6 @@ from specdec.v1 import common_pb2
 log = logging.getLogger("specdec.orchestrator")
 B = TypeVar("B", DraftBackend, TargetBackend)
 MAX_AFFINITY = 100_000  # sessions remembered per pool (oldest forgotten first)
-
-
-def parse_addresses(spec: str) -> tuple[list[str], str | None]:
-    """Static addresses, or the (host, port) of a `dns:///` name to resolve."""
-    spec = spec.strip()
-    if spec.startswith("dns:"):
-        target = urlsplit(spec).path.lstrip("/")  # dns:///name:port or dns://authority/name:port
-        host, sep, port = target.rpartition(":")
-        if not sep or not host or not port.isdigit():
-            raise ValueError(f"{spec!r}: write a DNS name as dns:///NAME:PORT")
-        return [], target
-    addresses = [a.strip() for a in spec.split(",") if a.strip()]
-    for a in addresses:
-        host, sep, port = a.rpartition(":")
-        if not sep or not host or not port.isdigit():
-            raise ValueError(f"{a!r}: write each replica as HOST:PORT")
-    return addresses, None
-
-
-async def resolve(name: str) -> list[str]:
-    """Every address a `host:port` name resolves to, as `ip:port` (IPv6 in brackets)."""
-    host, _, port = name.rpartition(":")
-    infos = await asyncio.get_running_loop().getaddrinfo(host, int(port), type=0, proto=6)
-    out = []
-    for *_, sockaddr in infos:
-        ip = sockaddr[0]
-        out.append(f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}")
-    return sorted(set(out))
 
 
 @dataclass
@@ -84,13 +70,16 @@ class Replica(Generic[B]):
     compute_s: float = 0.0  # EWMA of its compute per call
     calls: int = 0
     failures: int = 0
+    ready: bool = True  # discovery says it may be given sessions
+    node: str = ""  # where discovery says it runs ("" = unknown)
+    zone: str = ""
 
     @property
     def address(self) -> str:
         return self.backend.address
 
     def healthy(self, now: float) -> bool:
-        return bool(self.fingerprint) and now >= self.down_until
+        return self.ready and bool(self.fingerprint) and now >= self.down_until
 
     def cost(self) -> float:
         return (self.in_flight + 1) * (self.rtt_s + self.compute_s + 1e-4)
@@ -142,11 +131,14 @@ class ReplicaPool(Generic[B]):
 
     role = "replica"
 
-    def __init__(self, spec: str, make: Callable[[str], B], retry_s: float, refresh_s: float = 5.0) -> None:
+    def __init__(self, spec: str, make: Callable[[str], B], retry_s: float, refresh_s: float = 5.0,
+                 node: str = "", zone: str = "", source: Source | None = None) -> None:
         self.spec = spec
-        self.static, self.dns_name = parse_addresses(spec)
-        if not self.static and not self.dns_name:
-            raise ValueError(f"no {self.role} address given")
+        try:
+            self.source = source or source_of(spec)
+        except ValueError as exc:
+            raise ValueError(f"{self.role}: {exc}") from exc
+        self.node, self.zone = node, zone  # this orchestrator's, for locality (zone: else learnt from discovery)
         self.make = make
         self.retry_s = retry_s
         self.refresh_s = refresh_s
@@ -155,6 +147,7 @@ class ReplicaPool(Generic[B]):
         self._affinity: OrderedDict[str, str] = OrderedDict()
         self._without_store: set[str] = set()  # replicas that answered SaveSnapshot with "no store"
         self._task: asyncio.Task | None = None
+        self._retiring: set[asyncio.Task] = set()
 
     # -- membership ---------------------------------------------------------------------
 
@@ -172,13 +165,14 @@ class ReplicaPool(Generic[B]):
             await asyncio.sleep(0.5)
 
     def watch(self) -> None:
-        """Re-resolve and probe the replicas every `refresh_s` in the background."""
+        """Re-discover and probe the replicas every `refresh_s`, and at once when discovery reports a
+        change, in the background."""
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._watch())
 
     async def _watch(self) -> None:
         while True:
-            await asyncio.sleep(self.refresh_s)
+            await self.source.wait(self.refresh_s)
             try:
                 await self.refresh()
             except Exception:
@@ -186,22 +180,41 @@ class ReplicaPool(Generic[B]):
 
     async def refresh(self) -> None:
         """Add replicas that appeared, drop those that left, probe each one's health."""
-        addresses = list(self.static)
-        if self.dns_name:
-            try:
-                addresses = await resolve(self.dns_name)
-            except OSError as exc:
-                log.warning("cannot resolve %s (%s); keeping the replicas already known", self.dns_name, exc)
-                addresses = list(self.replicas)
-        for address in addresses:
-            if address not in self.replicas:
-                self.replicas[address] = Replica(self.make(address))
-                log.info("%s replica %s joined", self.role, address)
-        for address in [a for a in self.replicas if a not in addresses]:
-            replica = self.replicas.pop(address)
-            log.info("%s replica %s left", self.role, address)
-            await replica.backend.close()
+        try:
+            endpoints = await self.source.endpoints()
+        except OSError as exc:
+            log.warning("cannot discover the %s replicas of %s (%s); keeping those already known", self.role,
+                        self.spec, exc)
+        else:
+            self.update(endpoints)
         await asyncio.gather(*(self._probe(r) for r in list(self.replicas.values())))
+
+    def update(self, endpoints: list[Endpoint]) -> None:
+        """Make the replica set the endpoints discovery reports, with their readiness and locality."""
+        eligible = usable(endpoints)
+        for ep in endpoints:
+            replica = self.replicas.get(ep.address)
+            if replica is None:
+                replica = self.replicas[ep.address] = Replica(self.make(ep.address))
+                log.info("%s replica %s joined%s", self.role, ep.address, f" (node {ep.node})" if ep.node else "")
+            ready = ep.address in eligible
+            if ready != replica.ready:
+                log.info("%s replica %s is %s", self.role, ep.address, "ready" if ready else
+                         "not ready: its sessions move on their next round")
+            replica.ready, replica.node, replica.zone = ready, ep.node, ep.zone
+        self.zone = self.zone or own_zone(endpoints, self.node)
+        listed = {ep.address for ep in endpoints}
+        for address in [a for a in self.replicas if a not in listed]:
+            log.info("%s replica %s left", self.role, address)
+            task = asyncio.get_running_loop().create_task(self._retire(self.replicas.pop(address)))
+            self._retiring.add(task)
+            task.add_done_callback(self._retiring.discard)
+
+    async def _retire(self, replica: Replica[B], grace_s: float = 60.0) -> None:
+        """Close a replica that left; one with calls in flight gets `grace_s` to finish them."""
+        if replica.in_flight:
+            await asyncio.sleep(grace_s)
+        await replica.backend.close()
 
     async def _probe(self, replica: Replica[B]) -> None:
         start = time.perf_counter()
@@ -239,12 +252,17 @@ class ReplicaPool(Generic[B]):
         candidates = [r for a, r in self.replicas.items() if a not in exclude and r.healthy(now)]
         if not candidates:
             return None
-        best = min(candidates, key=Replica.cost)
+        best = min(candidates, key=self._placement_cost)
         self._affinity[session_id] = best.address
         self._affinity.move_to_end(session_id)
         while len(self._affinity) > MAX_AFFINITY:
             self._affinity.popitem(last=False)
         return best
+
+    def _placement_cost(self, replica: Replica[B]) -> tuple[float, int]:
+        """Expected cost weighted by distance; at equal cost the nearer replica."""
+        tier = locality(replica.node, replica.zone, self.node, self.zone)
+        return replica.cost() * LOCALITY_WEIGHT[tier], tier
 
     def failed(self, replica: Replica[B], error: str) -> None:
         replica.failures += 1
@@ -291,6 +309,7 @@ class ReplicaPool(Generic[B]):
     async def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
+        self.source.close()
         for replica in self.replicas.values():
             await replica.backend.close()
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from orchestrator.backends import DraftBackend, TargetBackend
 from orchestrator.config import OrchestratorConfig
+from orchestrator.discovery import locality_from_env
 from orchestrator.generation import Orchestrator
 from orchestrator.replicas import DraftPool, TargetPool
 from orchestrator.servicer import OrchestratorServicer
@@ -41,13 +42,24 @@ def redis_options(config: OrchestratorConfig) -> dict:
             raise StartupError(f"--redis-password-file {config.redis_password_file}: {exc.strerror or exc}") from exc
     elif os.environ.get("REDIS_PASSWORD"):
         options["password"] = os.environ["REDIS_PASSWORD"]
+    if config.redis_tls:
+        options["ssl"] = True
     for flag, key in (("redis_tls_ca", "ssl_ca_certs"), ("redis_tls_cert", "ssl_certfile"),
                       ("redis_tls_key", "ssl_keyfile")):
         if getattr(config, flag):
-            if not config.redis_url.startswith("rediss://"):
-                raise StartupError(f"--{flag.replace('_', '-')} needs a rediss:// --redis-url")
+            if not (config.redis_tls or config.redis_url.startswith("rediss://")):
+                raise StartupError(f"--{flag.replace('_', '-')} needs a rediss:// --redis-url (or --redis-tls)")
             options[key] = getattr(config, flag)
     return options
+
+
+def session_store(config: OrchestratorConfig) -> RedisSessionStore:
+    """The session store in the configured Redis mode: one Redis, a cluster, or behind sentinels."""
+    addresses = config.redis_addresses
+    return RedisSessionStore(
+        config.redis_url, config.session_ttl_s, cluster_nodes=addresses if config.redis_mode == "cluster" else (),
+        sentinels=addresses if config.redis_mode == "sentinel" else (), sentinel_master=config.redis_sentinel_master,
+        failover_s=config.redis_failover_s, **redis_options(config))
 
 
 def backend_tls(config: OrchestratorConfig) -> ClientTLS | None:
@@ -63,14 +75,15 @@ def backend_tls(config: OrchestratorConfig) -> ClientTLS | None:
 
 
 async def build_orchestrator(config: OrchestratorConfig) -> Orchestrator:
-    store = RedisSessionStore(config.redis_url, config.session_ttl_s, **redis_options(config))
+    store = session_store(config)
     await store.ping()
     tls = backend_tls(config)
     try:
+        node, zone = locality_from_env()  # where this orchestrator runs: nearer replicas are preferred
         target = TargetPool(config.target, lambda a: TargetBackend(a, config.target_timeout_s, tls),
-                            config.target_retry_s, config.replica_refresh_s)
+                            config.target_retry_s, config.replica_refresh_s, node, zone)
         draft = DraftPool(config.draft, lambda a: DraftBackend(a, config.draft_timeout_s, tls),
-                          config.draft_retry_s, config.replica_refresh_s) if config.draft else None
+                          config.draft_retry_s, config.replica_refresh_s, node, zone) if config.draft else None
     except ValueError as exc:
         raise StartupError(str(exc)) from exc
     try:

@@ -5,18 +5,38 @@ by session id, so a session's keys share a cluster slot: `specdec:v1:{<session>}
 `version`, `state` as JSON) and `specdec:v1:{<session>}:tokens` (a list of token ids). Every write
 is one Lua script, atomic and checked against the version the writer read (optimistic
 concurrency), and refreshes both TTLs. Nothing is pickled.
+
+The store runs on one Redis (`url`), on a Redis Cluster (`cluster_nodes`: the hash tag keeps each
+script on one slot) or on the master that Redis Sentinels name (`sentinels`, `sentinel_master`).
+On a cluster or behind sentinels a call that meets a failover (connection lost, CLUSTERDOWN, no
+master yet, a demoted master) is retried with a bounded backoff for `failover_s`; MOVED and ASK
+are followed by redis-py itself. A write whose reply was lost is recognised on its retry, so it
+is never applied twice nor reported as a conflict. What a failover may lose: docs/state.md.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import re
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Protocol
 
 import redis.asyncio as redis
-from redis.exceptions import RedisError
+from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.asyncio.sentinel import Sentinel
+from redis.exceptions import (
+    ClusterDownError,
+    ConnectionError,
+    ReadOnlyError,
+    RedisClusterException,
+    RedisError,
+    TimeoutError,
+    TryAgainError,
+)
 
 from specdec.errors import Aborted, Unavailable
 from specdec.server.keys import PRIOR_KEY, session_meta_key, session_tokens_key
@@ -33,6 +53,27 @@ redis.call('EXPIRE', KEYS[1], ARGV[3])
 if redis.call('EXISTS', KEYS[2]) == 1 then redis.call('EXPIRE', KEYS[2], ARGV[3]) end
 return version
 """
+
+# KEYS: meta, tokens. The record and the history it describes, read atomically in every mode.
+_READ = """
+return {redis.call('HGETALL', KEYS[1]), redis.call('LRANGE', KEYS[2], 0, -1)}
+"""
+
+# KEYS: meta, tokens. ARGV: n. What a write that may have landed left: version, state, history
+# length and its last n tokens.
+_WRITTEN = """
+local n = tonumber(ARGV[1])
+local tail = {}
+if n > 0 then tail = redis.call('LRANGE', KEYS[2], -n, -1) end
+return {redis.call('HGET', KEYS[1], 'version'), redis.call('HGET', KEYS[1], 'state'), redis.call('LLEN', KEYS[2]),
+        tail}
+"""
+
+log = logging.getLogger("specdec.orchestrator")
+
+# What a failover looks like from the client: retried for `failover_s` on a cluster or sentinels.
+_FAILOVER = (ConnectionError, TimeoutError, ClusterDownError, TryAgainError, ReadOnlyError, RedisClusterException)
+_BACKOFF_S = (0.05, 1.0)  # first and largest pause between retries
 
 
 PRIOR_TTL_S = 7 * 24 * 3600
@@ -130,26 +171,46 @@ class SessionStore(Protocol):
     async def close(self) -> None: ...
 
 
+Address = tuple[str, int]
+
+
 class RedisSessionStore:
     """The production `SessionStore`."""
 
-    def __init__(self, url: str, ttl_s: int, **connection: Any) -> None:
-        """`connection`: more redis-py options, e.g. password, ssl_ca_certs, ssl_certfile, ssl_keyfile."""
-        self.url = re.sub(r"//[^/@]*@", "//", url)  # as named in messages: no credentials
+    def __init__(self, url: str, ttl_s: int, *, cluster_nodes: Sequence[Address] = (),
+                 sentinels: Sequence[Address] = (), sentinel_master: str = "", failover_s: float = 0.0,
+                 **connection: Any) -> None:
+        """One mode: `url` (one Redis), `cluster_nodes` (seeds of a Redis Cluster) or `sentinels`
+        with `sentinel_master`. `failover_s`: how long a call retries through a failover (cluster
+        and sentinel modes). `connection`: more redis-py options, e.g. password, ssl (cluster and
+        sentinel modes; a single Redis takes TLS from rediss://), ssl_ca_certs, ssl_certfile."""
         self.ttl_s = ttl_s
-        self.redis = redis.Redis.from_url(url, **connection)
+        self.failover_s = failover_s if cluster_nodes or sentinels else 0.0
+        self._sentinel: Sentinel | None = None
+        if cluster_nodes:
+            self.where = "redis cluster at " + ",".join(f"{h}:{p}" for h, p in cluster_nodes)
+            self.redis = RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in cluster_nodes], **connection)
+        elif sentinels:
+            self.where = f"redis master {sentinel_master!r} of sentinels " + ",".join(f"{h}:{p}" for h, p in sentinels)
+            tls = {k: v for k, v in connection.items() if k.startswith("ssl")}  # sentinels: TLS, not the password
+            self._sentinel = Sentinel(list(sentinels), sentinel_kwargs=tls, **connection)
+            self.redis = self._sentinel.master_for(sentinel_master)
+        else:
+            self.where = "redis at " + re.sub(r"//[^/@]*@", "//", url)  # as named in messages: no credentials
+            self.redis = redis.Redis.from_url(url, **connection)
         self._append = self.redis.register_script(_APPEND)
+        self._read = self.redis.register_script(_READ)
+        self._written = self.redis.register_script(_WRITTEN)
 
     async def ping(self) -> None:
-        await self._call(self.redis.ping())
+        await self._call(self.redis.ping)
 
     async def load(self, session_id: str) -> SessionState | None:
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.hgetall(session_meta_key(session_id))
-        pipe.lrange(session_tokens_key(session_id), 0, -1)
-        meta, tokens = await self._call(pipe.execute())
-        if not meta:
+        keys = [session_meta_key(session_id), session_tokens_key(session_id)]
+        flat, tokens = await self._call(lambda: self._read(keys=keys))
+        if not flat:
             return None
+        meta = dict(zip(flat[::2], flat[1::2]))
         return SessionState.from_record(session_id, int(meta[b"version"]), [int(t) for t in tokens], meta[b"state"])
 
     async def save(self, state: SessionState, new_tokens: list[int]) -> None:
@@ -157,31 +218,49 @@ class RedisSessionStore:
 
         `state.tokens` must already include `new_tokens`; `state.version` is bumped on success.
         """
-        result = await self._call(self._append(
-            keys=[session_meta_key(state.session_id), session_tokens_key(state.session_id)],
-            args=[state.version, state.record(), self.ttl_s, *new_tokens],
-        ))
-        if result == -1:
+        keys = [session_meta_key(state.session_id), session_tokens_key(state.session_id)]
+        record = state.record()
+        result = await self._call(lambda: self._append(keys=keys, args=[state.version, record, self.ttl_s,
+                                                                         *new_tokens]))
+        if result == -1 and not await self._landed(keys, state, record, new_tokens):
             raise Aborted(f"session {state.session_id} was changed by another request; retry")
-        state.version = int(result)
+        state.version += 1
+
+    async def _landed(self, keys: list[str], state: SessionState, record: str, new_tokens: list[int]) -> bool:
+        """Whether this very write is what the store holds: a retried write (by redis-py or by
+        `_call`) whose first attempt was applied but whose reply was lost looks like a conflict."""
+        version, stored, length, tail = await self._call(lambda: self._written(keys=keys, args=[len(new_tokens)]))
+        return (version == str(state.version + 1).encode() and stored == record.encode()
+                and length == len(state.tokens) and [int(t) for t in tail] == new_tokens)
 
     async def load_prior(self) -> dict | None:
         """The global draft-length prior that new sessions start from (evictable; JSON)."""
-        raw = await self._call(self.redis.get(PRIOR_KEY))
+        raw = await self._call(lambda: self.redis.get(PRIOR_KEY))
         return json.loads(raw) if raw else None
 
     async def save_prior(self, prior: dict) -> None:
-        await self._call(self.redis.set(PRIOR_KEY, json.dumps(prior, separators=(",", ":")), ex=PRIOR_TTL_S))
+        raw = json.dumps(prior, separators=(",", ":"))
+        await self._call(lambda: self.redis.set(PRIOR_KEY, raw, ex=PRIOR_TTL_S))
 
     async def delete(self, session_id: str) -> bool:
-        removed = await self._call(self.redis.delete(session_meta_key(session_id), session_tokens_key(session_id)))
+        keys = [session_meta_key(session_id), session_tokens_key(session_id)]
+        removed = await self._call(lambda: self.redis.delete(*keys))
         return removed > 0
 
     async def close(self) -> None:
         await self.redis.aclose()
+        if self._sentinel is not None:
+            await self._sentinel.aclose()
 
-    async def _call(self, awaitable):
-        try:
-            return await awaitable
-        except RedisError as exc:
-            raise Unavailable(f"session store unavailable (redis at {self.url}): {exc}") from exc
+    async def _call(self, call):
+        """`call()`'s result; through a failover, retried with backoff for `failover_s`."""
+        deadline, pause = time.monotonic() + self.failover_s, _BACKOFF_S[0]
+        while True:
+            try:
+                return await call()
+            except (RedisError, RedisClusterException) as exc:
+                if not isinstance(exc, _FAILOVER) or time.monotonic() + pause > deadline:
+                    raise Unavailable(f"session store unavailable ({self.where}): {exc}") from exc
+                log.info("session store (%s): %s; retrying in %.2f s", self.where, exc, pause)
+                await asyncio.sleep(pause)
+                pause = min(2 * pause, _BACKOFF_S[1])

@@ -1,5 +1,5 @@
-"""The session stores: Redis against a real redis-server, and the in-memory one the unit tests
-use, held to the same semantics."""
+"""The session stores: Redis against a real redis-server and against a real Redis Cluster (three
+masters with replicas), and the in-memory one the unit tests use, held to the same semantics."""
 
 from __future__ import annotations
 
@@ -12,19 +12,39 @@ import redis
 from orchestrator.store import GenerationRecord, RedisSessionStore, SessionState
 from specdec.errors import Aborted, Unavailable
 from specdec.server.keys import session_meta_key, session_tokens_key
+from tests.redis_ha import LocalCluster
 from tests.unit.fakes import InMemorySessionStore
 
 
-@pytest_asyncio.fixture(params=["redis", "memory"], loop_scope="function")
+@pytest.fixture(scope="module")
+def redis_cluster(tmp_path_factory):
+    cluster = LocalCluster(tmp_path_factory.mktemp("redis-cluster"))
+    try:
+        yield cluster.start()
+    finally:
+        cluster.stop()
+
+
+def redis_store(request, kind: str, ttl_s: int) -> tuple[RedisSessionStore, redis.Redis | redis.RedisCluster]:
+    """A store on a single Redis or on the cluster, and a plain client to look behind it."""
+    if kind == "cluster":
+        nodes = request.getfixturevalue("redis_cluster").nodes
+        raw = redis.RedisCluster(startup_nodes=[redis.cluster.ClusterNode(h, p) for h, p in nodes])
+        return RedisSessionStore("", ttl_s, cluster_nodes=nodes, failover_s=5.0), raw
+    url = request.getfixturevalue("redis_url")
+    return RedisSessionStore(url, ttl_s), redis.Redis.from_url(url)
+
+
+@pytest_asyncio.fixture(params=["redis", "cluster", "memory"], loop_scope="function")
 async def store(request):
-    store = RedisSessionStore(request.getfixturevalue("redis_url"), ttl_s=60) if request.param == "redis" \
-        else InMemorySessionStore()
+    store = InMemorySessionStore() if request.param == "memory" else redis_store(request, request.param, 60)[0]
     yield store
     await store.close()
 
 
-async def test_save_load_round_trip_with_ttl_and_hash_tag(redis_url):
-    store = RedisSessionStore(redis_url, ttl_s=120)
+@pytest.mark.parametrize("kind", ["redis", "cluster"])
+async def test_save_load_round_trip_with_ttl_and_hash_tag(request, kind):
+    store, raw = redis_store(request, kind, 120)
     state = SessionState(session_id="rt", seed=42, sampling={"temperature": 0.5, "top_k": 0, "top_p": 0.9})
     state.tokens.extend([1, 2, 3])
     await store.save(state, [1, 2, 3])
@@ -34,13 +54,32 @@ async def test_save_load_round_trip_with_ttl_and_hash_tag(redis_url):
     assert state.version == 2
     loaded = await store.load("rt")
     assert loaded == state
-    raw = redis.Redis.from_url(redis_url)
     assert session_meta_key("rt") == "specdec:v1:{rt}:meta" and session_tokens_key("rt") == "specdec:v1:{rt}:tokens"
     assert 0 < raw.ttl(session_meta_key("rt")) <= 120 and 0 < raw.ttl(session_tokens_key("rt")) <= 120
     record = json.loads(raw.hget(session_meta_key("rt"), "state"))  # plain JSON, never pickle
     assert record["seed"] == 42 and "tokens" not in record
     assert await store.delete("rt") and await store.load("rt") is None
     await store.close()
+    raw.close()
+
+
+@pytest.mark.parametrize("kind", ["redis", "cluster"])
+async def test_a_retried_write_that_had_landed_is_not_a_conflict(request, kind):
+    """A write whose reply was lost (a failover, a timeout) is sent again: the store recognises its
+    own write instead of reporting a conflict, and applies it only once."""
+    store, raw = redis_store(request, kind, 60)
+    state = SessionState(session_id="again", seed=1, tokens=[1, 2])
+    await store.save(state, [1, 2])
+    state.version -= 1  # as if the reply of that write never came back
+    await store.save(state, [])
+    assert state.version == 1 and (await store.load("again")) == state
+    state.version -= 1
+    state.rounds = 7  # not the same write: a conflict
+    with pytest.raises(Aborted):
+        await store.save(state, [])
+    assert await store.delete("again")
+    await store.close()
+    raw.close()
 
 
 async def test_a_stale_writer_is_refused(store):
