@@ -75,32 +75,33 @@ def cmd_up(args: argparse.Namespace) -> int:
     pipeline = Pipeline(plan, tied_to_parent=not args.detach)
     for sig in STOP_SIGNALS:  # SIGINT already raises KeyboardInterrupt
         signal.signal(sig, _raise_stop)
-    started = time.monotonic()
-    try:
+    started, up, detached = time.monotonic(), False, False
+    try:  # one try from start-up on: a signal is handled wherever it lands
         pipeline.start(echo=print)  # stops what it started if it does not finish
-    except (KeyboardInterrupt, Stop) as exc:
-        print(f"stopped during start-up ({exc or 'SIGINT'}); every process it started is stopped", file=sys.stderr)
-        return 1
-    print(f"pipeline up in {time.monotonic() - started:.1f}s: orchestrator at "
-          f"{plan.host}:{plan.orchestrator_port}" + (f", OpenAI-compatible API at {plan.http_url()}"
-                                                     if plan.http_port else ""))
-    if args.detach:
-        pipeline.save()
-        print("stop it with: specdec down")
-        return 0
-    print("press Ctrl-C to stop")
-    try:
+        up = True
+        print(f"pipeline up in {time.monotonic() - started:.1f}s: orchestrator at "
+              f"{plan.host}:{plan.orchestrator_port}" + (f", OpenAI-compatible API at {plan.http_url()}"
+                                                         if plan.http_port else ""))
+        if args.detach:
+            pipeline.save()
+            detached = True
+            print("stop it with: specdec down")
+            return 0
+        print("press Ctrl-C to stop")
         while all(p.poll() is None for p in pipeline.procs.values()):
             time.sleep(0.5)
         dead = [n for n, p in pipeline.procs.items() if p.poll() is not None]
         print(f"process exited: {', '.join(dead)}; stopping the rest", file=sys.stderr)
         return 1
-    except (KeyboardInterrupt, Stop):
-        return 0
+    except (KeyboardInterrupt, Stop) as exc:
+        if not up:
+            print(f"stopped during start-up ({exc or 'SIGINT'})", file=sys.stderr)
+        return 0 if up else 1
     finally:
-        for sig in (*STOP_SIGNALS, signal.SIGINT):  # a second signal must not cut the shutdown short
-            signal.signal(sig, signal.SIG_IGN)
-        pipeline.stop()
+        if not detached:
+            for sig in (*STOP_SIGNALS, signal.SIGINT):  # a second signal must not cut the shutdown short
+                signal.signal(sig, signal.SIG_IGN)
+            pipeline.stop()
 
 
 def cmd_down(args: argparse.Namespace) -> int:

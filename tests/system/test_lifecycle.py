@@ -36,9 +36,10 @@ def _port_free(port: int) -> bool:
         return sock.connect_ex(("127.0.0.1", port)) != 0
 
 
-def _up(tiny_models, tmp_path) -> tuple[subprocess.Popen, dict[str, int], list[int]]:
+def _up(tiny_models, tmp_path, until: str = "pipeline up") -> tuple[subprocess.Popen, dict[str, int], list[int]]:
     """A foreground `specdec up` on the tiny models with every service (gateway included), once
-    it reports the pipeline up: the process, the pid of each service, and their ports."""
+    it prints a line starting with `until` (by default: the pipeline is up): the process, the pid
+    of each service started by then, and the ports of all."""
     ports = {name: free_port() for name in ("redis", "target", "draft", "orchestrator", "http")}
     cmd = [sys.executable, "-m", "specdec.cli", "up", "--target-model", str(tiny_models["target"]),
            "--target-dtype", "float64", "--target-threads", "1", "--draft-model", str(tiny_models["good_draft"]),
@@ -52,9 +53,9 @@ def _up(tiny_models, tmp_path) -> tuple[subprocess.Popen, dict[str, int], list[i
     for line in proc.stdout:
         if m := STARTED.match(line):
             pids[m.group(1)] = int(m.group(2))
-        if line.startswith("pipeline up") or time.monotonic() > deadline:
+        if line.startswith(until) or time.monotonic() > deadline:
             break
-    assert set(pids) == set(ports), f"not all services started: {pids}"
+    assert until != "pipeline up" or set(pids) == set(ports), f"not all services started: {pids}"
     return proc, pids, list(ports.values())
 
 
@@ -72,11 +73,26 @@ def _gone(pids: dict[str, int], ports: list[int], within_s: float) -> tuple[list
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
 def test_a_stop_signal_stops_every_process_and_frees_every_port(tiny_models, tmp_path, sig):
     proc, pids, ports = _up(tiny_models, tmp_path)
-    assert all(_alive(pid) for pid in pids.values())
-    proc.send_signal(sig)
-    assert proc.wait(timeout=60) == 0  # a requested stop is a clean exit
-    alive, taken = _gone(pids, ports, within_s=5)  # `specdec up` waited for them: nothing is left
-    assert not alive and not taken, (alive, taken)
+    try:
+        assert all(_alive(pid) for pid in pids.values())
+        proc.send_signal(sig)  # at once: the signal may land anywhere after start-up
+        assert proc.wait(timeout=60) == 0  # a requested stop is a clean exit
+        alive, taken = _gone(pids, ports, within_s=5)  # `specdec up` waited for them: nothing is left
+        assert not alive and not taken, (alive, taken)
+    finally:
+        _kill(proc, pids)
+
+
+def test_a_stop_signal_during_start_up_stops_what_was_started(tiny_models, tmp_path):
+    proc, pids, ports = _up(tiny_models, tmp_path, until="started draft")  # redis and target running too
+    try:
+        assert {"redis", "target", "draft"} <= set(pids)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 1  # the pipeline never came up
+        alive, taken = _gone(pids, ports, within_s=5)
+        assert not alive and not taken, (alive, taken)
+    finally:
+        _kill(proc, pids)
 
 
 def test_children_do_not_outlive_a_killed_specdec_up(tiny_models, tmp_path):
@@ -84,7 +100,15 @@ def test_children_do_not_outlive_a_killed_specdec_up(tiny_models, tmp_path):
     proc.kill()  # SIGKILL: no handler runs in `specdec up` itself
     proc.wait(timeout=10)
     alive, taken = _gone(pids, ports, within_s=30)  # each child gets SIGTERM and shuts down
-    for pid in pids.values():  # leave nothing behind even if the assertion below fails
+    _kill(proc, pids)  # leave nothing behind even if the assertion below fails
+    assert not alive and not taken, (alive, taken)
+
+
+def _kill(proc: subprocess.Popen, pids: dict[str, int]) -> None:
+    """SIGKILL whatever a failed check left running."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(10)
+    for pid in pids.values():
         if _alive(pid):
             os.kill(pid, signal.SIGKILL)
-    assert not alive and not taken, (alive, taken)
