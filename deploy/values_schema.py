@@ -224,10 +224,17 @@ gateway["allOf"] = [
 ]
 
 redis_url = "^rediss?://[^@/\\s]+(/[0-9]+)?$"
+host_ports = "^[^,:\\s]+:[0-9]+(,[^,:\\s]+:[0-9]+)*$"
 redis = obj({
     "enabled": B("Run Redis in the chart; false: use external.url."),
-    "external": obj({"url": S("URL of an external Redis without credentials.", pattern=f"({redis_url})|^$")},
-                    required=["url"]),
+    "external": obj({
+        "url": S("URL of an external Redis without credentials.", pattern=f"({redis_url})|^$"),
+        "clusterNodes": S("Some nodes of an external Redis Cluster: host:port[,host:port...].",
+                          pattern=f"({host_ports})|^$"),
+        "sentinels": S("Redis Sentinels: host:port[,host:port...].", pattern=f"({host_ports})|^$"),
+        "sentinelMaster": S("The master the sentinels monitor."),
+        "tls": B("TLS to the cluster nodes or the sentinels and their master."),
+    }, required=["url"]),
     "auth": obj({
         "enabled": B(),
         "password": S("URL-safe password; empty: generated (in-chart Redis).", pattern="^[A-Za-z0-9._~-]*$"),
@@ -249,7 +256,10 @@ redis = obj({
 }, required=["enabled", "external", "auth", "image", "port", "persistence"], desc="The session store.")
 redis["allOf"] = [
     {"if": {"properties": {"enabled": {"const": False}}},
-     "then": {"properties": {"external": {"properties": {"url": {"minLength": 1}}}}}},
+     "then": {"properties": {"external": {"anyOf": [
+         {"properties": {"url": {"minLength": 1}}},
+         {"properties": {"clusterNodes": {"minLength": 1}}},
+         {"properties": {"sentinels": {"minLength": 1}, "sentinelMaster": {"minLength": 1}}}]}}}},
     {"if": {"properties": {"enabled": {"const": False}, "auth": {"properties": {"enabled": {"const": True}}}}},
      "then": {"properties": {"auth": {"anyOf": [
          {"properties": {"existingSecret": {"minLength": 1}}},

@@ -6,7 +6,7 @@ import ast
 
 import pytest
 
-from tests.deploy.helpers import NAMESPACE, RELEASE, REPO, VALUE_SETS, container, flag
+from tests.deploy.helpers import NAMESPACE, RELEASE, REPO, VALUE_SETS, container, flag, render_chart
 
 SERVICES = {"draft": 50052, "target": 50053, "orchestrator": 50051}
 CONFIG_FILES = {
@@ -379,6 +379,38 @@ def test_external_redis_renders_no_redis_and_uses_the_existing_secret(render):
     assert flag(orchestrator["args"], "--redis-url") == "rediss://sessions.redis.example.com:6380/2"
     [password] = [e for e in orchestrator["env"] if e["name"] == "REDIS_PASSWORD"]
     assert password["valueFrom"]["secretKeyRef"] == {"name": "specdec-redis", "key": "password"}
+
+
+def test_external_redis_cluster_is_one_store_mode_over_tls(render):
+    r = render("external-redis-cluster")
+    assert r.component("StatefulSet", "redis") is None
+    args = container(r.component("Deployment", "orchestrator")["spec"]["template"]["spec"])["args"]
+    assert flag(args, "--redis-cluster-nodes").count(":6379") == 3
+    assert "--redis-tls" in args and "--redis-url" not in args and "--redis-sentinels" not in args
+    from orchestrator.config import OrchestratorConfig
+
+    config = OrchestratorConfig.from_args(args)  # the orchestrator accepts these flags as one mode
+    assert config.redis_tls and config.redis_cluster_nodes == flag(args, "--redis-cluster-nodes")
+
+
+def test_external_redis_sentinels_name_their_master(render):
+    sentinels = ("--set", "redis.external.clusterNodes=", "--set", "redis.external.tls=false",
+                 "--set", "redis.external.sentinels=s-0:26379\\,s-1:26379")
+    args = container(render("external-redis-cluster", *sentinels, "--set", "redis.external.sentinelMaster=sessions")
+                     .component("Deployment", "orchestrator")["spec"]["template"]["spec"])["args"]
+    assert flag(args, "--redis-sentinels") == "s-0:26379,s-1:26379"
+    assert flag(args, "--redis-sentinel-master") == "sessions"
+    assert "--redis-url" not in args and "--redis-cluster-nodes" not in args and "--redis-tls" not in args
+
+
+@pytest.mark.parametrize("extra, message", [
+    (("--set", "redis.external.url=redis://r:6379/0"), "set one of"),
+    (("--set", "redis.external.clusterNodes=", "--set", "redis.external.sentinels=s:26379"), "sentinelMaster"),
+    (("--set", "redis.enabled=true"), "need redis.enabled=false"),
+])
+def test_redis_modes_are_refused_when_ambiguous(helm, extra, message):
+    proc = render_chart(helm, "-f", str(VALUE_SETS["external-redis-cluster"]), *extra)
+    assert proc.returncode != 0 and message in proc.stderr
 
 
 def test_redis_without_auth_sends_no_password(render):

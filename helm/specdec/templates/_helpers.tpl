@@ -125,6 +125,32 @@ password from its $REDIS_PASSWORD, which the Secret fills, so it is in no value 
 {{- $url }}
 {{- end }}
 
+{{/*
+The orchestrator's Redis flags, as a JSON list: the in-chart Redis or an external one by URL
+(--redis-url), an external Redis Cluster (--redis-cluster-nodes) or Redis Sentinel
+(--redis-sentinels, --redis-sentinel-master); exactly one of them.
+*/}}
+{{- define "specdec.redisArgs" -}}
+{{- $ext := .Values.redis.external }}
+{{- $modes := 0 }}
+{{- range (list $ext.url $ext.clusterNodes $ext.sentinels) }}{{ if . }}{{ $modes = add1 $modes }}{{ end }}{{ end }}
+{{- if .Values.redis.enabled }}
+{{- if or $ext.clusterNodes $ext.sentinels }}
+{{- fail "redis.external.clusterNodes and redis.external.sentinels need redis.enabled=false" }}
+{{- end }}
+{{- list "--redis-url" (include "specdec.redisUrl" .) | toJson }}
+{{- else if gt $modes 1 }}
+{{- fail "set one of redis.external.url, redis.external.clusterNodes and redis.external.sentinels" }}
+{{- else if $ext.clusterNodes }}
+{{- concat (list "--redis-cluster-nodes" $ext.clusterNodes) (ternary (list "--redis-tls") list $ext.tls) | toJson }}
+{{- else if $ext.sentinels }}
+{{- $master := required "redis.external.sentinelMaster is required with redis.external.sentinels" $ext.sentinelMaster }}
+{{- concat (list "--redis-sentinels" $ext.sentinels "--redis-sentinel-master" $master) (ternary (list "--redis-tls") list $ext.tls) | toJson }}
+{{- else }}
+{{- list "--redis-url" (include "specdec.redisUrl" .) | toJson }}
+{{- end }}
+{{- end }}
+
 {{/* ------------------------------------------------------------------ pods */}}
 
 {{/* image reference of a component: (dict "root" $ "image" .Values.target.image) */}}
