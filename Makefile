@@ -54,5 +54,16 @@ BENCH_ARGS ?= --modes 0,4,auto --concurrency 1,2,4 --num-requests 6 --max-tokens
 bench: install
 	$(VENV)/bin/specdec loadtest --start-pipeline $(BENCH_ARGS) --out bench/results/loadtest
 
+## image: build the container image specdec:<version> (deploy/image.sh: Docker where its engine runs, else
+## podman; a Debian-made base where no registry answers; torch from local wheels or TORCH_INDEX_URL)
+.PHONY: image image-test
+image:
+	deploy/image.sh
+
+## image-test: run the Helm chart's CPU default from that image with podman (every workload, the chart's
+## `helm test`, an OpenAI request through the gateway, a target kill and restart); needs root
+image-test: install image
+	PYTHON=$(PY) deploy/image-test.sh
+
 clean:
 	rm -rf $(VENV) specdec/v1/*_pb2*.py*

@@ -19,7 +19,8 @@ import yaml
 from tests.deploy.helpers import CHART, REPO
 
 DOCKERFILE = REPO / "deploy" / "docker" / "Dockerfile"
-ENTRY_POINTS = {"draft": "draft_service", "target": "target_service", "orchestrator": "orchestrator"}
+ENTRY_POINTS = {"draft": "draft_service", "target": "target_service", "orchestrator": "orchestrator",
+                "gateway": "http_gateway"}
 
 
 def instructions() -> list[tuple[str, str]]:
@@ -94,9 +95,49 @@ def test_default_model_package_matches_the_makefile_pin():
 
 
 def test_stubs_are_generated_in_the_build():
+    # `pip install .` runs setup.py's build hook, which generates the stubs with grpcio-tools (a
+    # build requirement, so it never lands in the image); the build then imports them.
+    build = stages()["build"]
+    copied = {src.rstrip("/") for o, a in build if o == "COPY" for src in a.split()[:-1]}
+    assert {"setup.py", "MANIFEST.in", "pyproject.toml", "protos"} <= copied
+    assert "grpcio-tools" in (REPO / "pyproject.toml").read_text().split("[project]")[0]
+    runs = [a for o, a in build if o == "RUN"]
+    install = next(a for a in runs if re.search(r"pip install [^&]* \.( |$)", a))
+    assert "import specdec.v1.orchestrator_pb2_grpc" in install
+    assert "python -I" in install, "the check must not import the source tree in the working directory"
+
+
+def test_gateway_is_installed_and_checked():
+    build = stages()["build"]
+    copied = {src.rstrip("/") for o, a in build if o == "COPY" for src in a.split()[:-1]}
+    assert "http_gateway" in copied
+    assert any("http_gateway.app" in a for o, a in build if o == "RUN")
+
+
+def test_bytecode_is_compiled_by_hash_and_skips_only_the_py312_helper():
     runs = " ".join(a for o, a in stages()["build"] if o == "RUN")
-    assert "grpc_tools.protoc" in runs and "protos/specdec/v1/*.proto" in runs
-    assert "--grpc_python_out=." in runs
+    compile_step = runs[runs.index("compileall"):]
+    assert "--invalidation-mode unchecked-hash" in compile_step  # valid whatever the copied mtimes
+    excluded = re.findall(r"-x '([^']+)'", compile_step)
+    assert excluded == [r"/torch/testing/_internal/py312_intrinsics\.py$"]
+
+
+def test_no_test_or_build_tooling_in_the_runtime():
+    runs = " ".join(a for o, a in stages()["build"] if o == "RUN")
+    assert "pip uninstall -q -y pip" in runs
+    for path in ("torch/test", "torch/include"):
+        assert f'"${{SITE}}/{path}"' in runs
+    # The runtime stages take the environment only, never the sources or the build tools.
+    for stage in ("runtime", *ENTRY_POINTS, "specdec"):
+        copies = [a for o, a in stages()[stage] if o == "COPY"]
+        assert copies == ["--from=build /opt/specdec /opt/specdec"], copies
+
+
+def test_local_torch_wheels_can_stand_in_for_the_index():
+    args = dict(a.split("=", 1) for o, a in stages()["build"] if o == "ARG" and "=" in a)
+    assert args["TORCH_FIND_LINKS"] == '""'
+    runs = [a for o, a in stages()["build"] if o == "RUN" and "torch==${TORCH_VERSION}" in a]
+    assert runs[0].startswith('PIP_FIND_LINKS="${TORCH_FIND_LINKS}" pip install')
 
 
 def test_model_cache_is_a_volume_shared_with_the_chart():
