@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -17,6 +18,7 @@ from opentelemetry.trace import SpanKind
 from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from http_gateway import openapi
 from http_gateway.config import GatewayConfig
 from http_gateway.openai_api import (
     ApiError,
@@ -35,6 +37,8 @@ from specdec.server import logs
 from specdec.server.auth import UNAUTHENTICATED_MESSAGE, Tokens, bearer_token
 from specdec.server.tracing import tracer
 
+T = TypeVar("T")
+
 
 def _error_response(err: ApiError) -> JSONResponse:
     retry = retry_after_s(err.status)
@@ -44,8 +48,21 @@ def _error_response(err: ApiError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=headers or None)
 
 
+class _BodyTooLarge(Exception):
+    """Raised into the app by `RequestContext`'s receive once the body passes the limit (413 already sent)."""
+
+
+def _too_large(size: str, limit: int) -> ApiError:
+    return ApiError(413, f"the request body has {size} bytes; the limit is --max-body-bytes={limit}",
+                    code="request_too_large")
+
+
 class RequestContext:
-    """ASGI middleware: request id (X-Request-Id in and out), a SERVER span, and the body size limit."""
+    """ASGI middleware: request id (X-Request-Id in and out), a SERVER span, and the body size limit.
+
+    The limit holds for chunked bodies too: received bytes are counted, and the first chunk past
+    the limit answers 413 and stops the app reading (whatever the app then sends is dropped).
+    """
 
     def __init__(self, app, max_body_bytes: int) -> None:
         self.app = app
@@ -59,21 +76,62 @@ class RequestContext:
         rid = rid if rid and len(rid) <= 128 and rid.isprintable() else logs.new_request_id()
         logs.request_id.set(rid)
         logs.session_id.set("")
+        refused = False
+        received = 0
 
         async def send_with_id(message):
             if message["type"] == "http.response.start":
                 message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", rid.encode())]}
             await send(message)
 
+        async def send_unless_refused(message):
+            if not refused:
+                await send_with_id(message)
+
+        async def receive_within_limit():
+            nonlocal received, refused
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_body_bytes and not refused:
+                    refused = True
+                    err = _too_large(f"more than {self.max_body_bytes}", self.max_body_bytes)
+                    await _error_response(err)(scope, receive, send_with_id)
+                    raise _BodyTooLarge()
+            return message
+
         length = headers.get("content-length", "")
         if length.isdigit() and int(length) > self.max_body_bytes:
-            err = ApiError(413, f"the request body has {length} bytes; the limit is --max-body-bytes="
-                                f"{self.max_body_bytes}", code="request_too_large")
-            return await _error_response(err)(scope, receive, send_with_id)
+            return await _error_response(_too_large(length, self.max_body_bytes))(scope, receive, send_with_id)
         with tracer().start_as_current_span(f"{scope.get('method', 'HTTP')} {scope.get('path', '')}",
                                             context=propagate.extract(headers), kind=SpanKind.SERVER,
                                             attributes={"specdec.request_id": rid}):
-            await self.app(scope, receive, send_with_id)
+            try:
+                await self.app(scope, receive_within_limit, send_unless_refused)
+            except _BodyTooLarge:
+                pass
+
+
+async def _disconnected(request: Request) -> None:
+    """Return once the client hangs up (after the body, the next ASGI message is http.disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """`work`'s result; cancelled (so the orchestrator stops generating at once) when the client hangs up first."""
+    task = asyncio.ensure_future(work)
+    hangup = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, hangup}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for pending in (task, hangup):
+            pending.cancel()
+        await asyncio.gather(task, hangup, return_exceptions=True)
+    if task.cancelled():  # nobody is left to read an answer; this status only reaches the access log
+        raise ApiError(499, "the client closed the connection before the answer was ready",
+                       code="client_closed_request")
+    return task.result()
 
 
 class Gateway:
@@ -122,10 +180,11 @@ class Gateway:
                            "(GET /v1/models)", param="model", code="model_not_found")
         return served
 
-    async def respond(self, reply: Reply, kwargs: dict[str, Any], stream: bool, include_usage: bool):
+    async def respond(self, request: Request, reply: Reply, kwargs: dict[str, Any], stream: bool,
+                      include_usage: bool):
         if not stream:
             try:
-                out = await self.client.generate(**kwargs)
+                out = await unless_disconnected(request, self.client.generate(**kwargs))
             except (SpecdecError, ValueError, TypeError) as exc:
                 raise api_error(exc) from None
             return reply.whole(out.text, out.finish_reason, out.stats, out.session_id)
@@ -188,7 +247,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def on_invalid_body(request: Request, exc: RequestValidationError):
-        return _error_response(validation_error(exc.errors()))
+        model = ChatRequest if request.url.path.endswith("/chat/completions") else CompletionRequest
+        return _error_response(validation_error(exc.errors(), model))
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException):
@@ -196,7 +256,14 @@ def create_app(config: GatewayConfig) -> FastAPI:
         return _error_response(ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
                                         code=code))
 
-    @app.get("/health")
+    def document() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = openapi.drop_validation_errors(FastAPI.openapi(app))
+        return app.openapi_schema
+
+    app.openapi = document
+
+    @app.get("/health", responses=openapi.HEALTH_RESPONSES)
     async def health():
         """200 while the orchestrator answers and its target is healthy (a missing draft only slows it)."""
         try:
@@ -210,30 +277,30 @@ def create_app(config: GatewayConfig) -> FastAPI:
                 "orchestrator": status["address"], "backends": backends}
         return JSONResponse(body, status_code=200 if ok else 503)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses={200: {"model": openapi.ModelList}, **openapi.MODEL_RESPONSES})
     async def models(request: Request):
         model = await gateway.model(gateway.authorize(request))
         return {"object": "list", "data": [{"id": model, "object": "model", "created": 0, "owned_by": "specdec"}]}
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get("/v1/models/{model_id:path}", responses={200: {"model": openapi.Model}, **openapi.MODEL_RESPONSES})
     async def model(model_id: str, request: Request):
         served = await gateway.check_model(model_id, gateway.authorize(request))
         return {"id": served, "object": "model", "created": 0, "owned_by": "specdec"}
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=openapi.generation_responses(openapi.Completion))
     async def completions(body: CompletionRequest, request: Request):
         token = gateway.authorize(request)
         model = await gateway.check_model(body.model, token)
         kwargs = dict(completion_kwargs(body, config.default_temperature), token=token or "")
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await gateway.respond(Reply("completion", model), kwargs, bool(body.stream), include_usage)
+        return await gateway.respond(request, Reply("completion", model), kwargs, bool(body.stream), include_usage)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=openapi.generation_responses(openapi.ChatCompletion))
     async def chat_completions(body: ChatRequest, request: Request):
         token = gateway.authorize(request)
         model = await gateway.check_model(body.model, token)
         kwargs = dict(chat_kwargs(body, config.default_temperature), token=token or "")
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await gateway.respond(Reply("chat", model), kwargs, bool(body.stream), include_usage)
+        return await gateway.respond(request, Reply("chat", model), kwargs, bool(body.stream), include_usage)
 
     return app

@@ -7,7 +7,9 @@ Supported: `model`, `prompt` (one string) or `messages` (text content), `max_tok
 `n` = 1, `stream`, `stream_options.include_usage`. Extensions (send them in the body, e.g. with the
 openai client's `extra_body`): `top_k`, `draft_length` ("auto" or k), `session_id` (continue a
 specdec session). Features the pipeline does not have (log probabilities, penalties, tools, more
-than one choice) are refused with a 400 naming the parameter, never silently ignored.
+than one choice) are refused with a 400 naming the parameter, never silently ignored; so is an
+unknown field (the message names the nearest known one). Fields that describe the caller (`user`,
+`metadata`, `store`, `service_tier`, ...) are accepted and ignored.
 
 Responses carry `usage` with a `speculation` object (acceptance_rate, mean_accepted_length,
 draft_tokens, accepted_tokens, rounds, ...) and a top-level `specdec` object with the session id.
@@ -15,6 +17,7 @@ draft_tokens, accepted_tokens, rounds, ...) and a top-level `specdec` object wit
 
 from __future__ import annotations
 
+import difflib
 import re
 import time
 import uuid
@@ -49,9 +52,10 @@ class StreamOptions(BaseModel):
 
 
 class _Request(BaseModel):
-    """Fields both endpoints share. Unknown fields are ignored, as OpenAI's own server does."""
+    """Fields both endpoints share. An unknown field is refused (400 naming the nearest known one):
+    a misspelled `max_token` must not silently fall back to a default."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     model: str
     max_tokens: int | None = None
@@ -69,6 +73,11 @@ class _Request(BaseModel):
     top_k: int | None = None
     draft_length: int | Literal["auto"] | None = None
     session_id: str | None = None
+    # accepted and ignored by design: they describe the caller, not the generation
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
 
 
 class CompletionRequest(_Request):
@@ -99,6 +108,14 @@ class ChatRequest(_Request):
     logprobs: bool | None = False
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
+    # accepted and ignored, as they always were; the API surface work decides what they do
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
 
 
 def _refuse(param: str, why: str) -> ApiError:
@@ -295,9 +312,24 @@ def retry_after_s(status: int) -> int | None:
     return 1 if status in (429, 503) else None
 
 
-def validation_error(errors: list[dict[str, Any]]) -> ApiError:
-    """A 400 for a body that does not parse (FastAPI would answer 422 in its own format)."""
+def _nearest(field: str, known: list[str]) -> str:
+    close = difflib.get_close_matches(field, known, n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def validation_error(errors: list[dict[str, Any]], model: type[BaseModel] | None = None) -> ApiError:
+    """A 400 for a body that does not parse (FastAPI would answer 422 in its own format).
+
+    `model` is the request model, for the known field names an unknown field is compared with.
+    """
     first = errors[0] if errors else {"loc": (), "msg": "invalid body"}
+    if first.get("type") == "json_invalid":  # loc is ("body", character offset): not a field
+        where = first.get("loc", ("body", "?"))[-1]
+        why = (first.get("ctx") or {}).get("error", "invalid JSON")
+        return ApiError(400, f"the body is not valid JSON: {why} at character {where}", code="invalid_json")
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     param = ".".join(loc) or None
+    if first.get("type") == "extra_forbidden" and len(loc) == 1:
+        hint = _nearest(loc[0], sorted(model.model_fields)) if model else ""
+        return ApiError(400, f"unknown parameter {loc[0]!r}{hint}", param=param, code="unknown_parameter")
     return ApiError(400, f"{param or 'body'}: {first.get('msg', 'invalid')}", param=param, code="invalid_value")

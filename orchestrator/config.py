@@ -78,7 +78,9 @@ class OrchestratorConfig(ServiceConfig):
     )
     policy_explore_every: int = Field(16, ge=2, description="'auto' tries a neighbouring k every this many rounds.")
     policy_ewma: float = Field(0.2, gt=0, le=1, description="Weight of a new measurement in the controller's averages.")
-    default_max_new_tokens: int = Field(128, ge=1, description="max_new_tokens when a request leaves it unset.")
+    default_max_new_tokens: int | None = Field(
+        None, ge=1, description="max_new_tokens when a request leaves it unset; unset: --max-new-tokens-limit "
+        "(the generation also ends when the model's context is full, as OpenAI's API does).")
     max_new_tokens_limit: int = Field(4096, ge=1, description="Largest max_new_tokens a request may ask for.")
     max_stop_strings: int = Field(16, ge=0, description="Most stop strings per request.")
     max_stop_length: int = Field(256, ge=1, description="Longest stop string, in characters.")

@@ -85,7 +85,9 @@ class RequestParser:
 
     def _max_new_tokens(self, request: pb.GenerateRequest) -> int:
         cfg = self.config
-        max_new = request.max_new_tokens if request.HasField("max_new_tokens") else cfg.default_max_new_tokens
+        if not request.HasField("max_new_tokens"):  # as many as allowed; the loop stops when the context is full
+            return min(cfg.default_max_new_tokens or cfg.max_new_tokens_limit, cfg.max_new_tokens_limit)
+        max_new = request.max_new_tokens
         if not 1 <= max_new <= cfg.max_new_tokens_limit:
             raise InvalidArgument(f"max_new_tokens must be between 1 and {cfg.max_new_tokens_limit}, got {max_new} "
                                   "(the limit is --max-new-tokens-limit)")

@@ -16,6 +16,19 @@ from specdec.channel import CHANNEL_OPTIONS, merge_options
 
 log = logging.getLogger(__name__)
 
+
+class HealthServicer(health.aio.HealthServicer):
+    """The standard health servicer, plus `List` (every service's status), which grpcio-health-checking
+    declares in its proto but does not implement (1.85: Check and Watch only).
+
+    Reflection stays v1alpha only: grpcio-reflection ships no `grpc_reflection.v1` servicer.
+    """
+
+    async def List(self, request: health_pb2.HealthListRequest, context) -> health_pb2.HealthListResponse:
+        # _server_status is the parent's table (set() and enter_graceful_shutdown() write it).
+        statuses = {name: health_pb2.HealthCheckResponse(status=status) for name, status in self._server_status.items()}
+        return health_pb2.HealthListResponse(statuses=statuses)
+
 def create_server(
     address: str,
     register: Iterable[Callable[[grpc.aio.Server], None]],
@@ -34,7 +47,7 @@ def create_server(
     server = grpc.aio.server(options=merge_options(CHANNEL_OPTIONS, options), interceptors=list(interceptors))
     for add in register:
         add(server)
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = list(service_names)
     reflection.enable_server_reflection(

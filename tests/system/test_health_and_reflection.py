@@ -1,4 +1,5 @@
-"""Every service answers the standard gRPC health check and lists its services by reflection."""
+"""Every service answers the standard gRPC health check (Check and List) and lists its services by
+reflection (v1alpha: grpcio-reflection ships no v1 servicer)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,9 @@ def test_health_and_reflection(tiny_pipeline, name):
         for service in ("", EXPECTED[name]):
             reply = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        listed = health.List(health_pb2.HealthListRequest(), timeout=5).statuses
+        assert {s: r.status for s, r in listed.items()} == {"": health_pb2.HealthCheckResponse.SERVING,
+                                                            EXPECTED[name]: health_pb2.HealthCheckResponse.SERVING}
         reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
         request = reflection_pb2.ServerReflectionRequest(list_services="")
         reply = next(iter(reflection.ServerReflectionInfo(iter([request]), timeout=5)))

@@ -150,3 +150,36 @@ def test_the_grpc_codes_we_map_are_the_sdk_codes():
                 errors.Unavailable, errors.DeadlineExceeded, errors.FailedPrecondition):
         assert cls.code in HTTP_ERRORS
     assert grpc.StatusCode.INTERNAL not in HTTP_ERRORS  # the 500 fallback
+
+
+def test_invalid_json_names_where_but_no_param():
+    # What FastAPI reports for `{"model": }`: the location is a character offset, not a field.
+    err = validation_error([{"type": "json_invalid", "loc": ("body", 10), "msg": "JSON decode error",
+                             "ctx": {"error": "Expecting value"}}])
+    assert err.status == 400 and err.param is None and err.code == "invalid_json"
+    assert err.message == "the body is not valid JSON: Expecting value at character 10"
+
+
+@pytest.mark.parametrize("model,field,hint", [
+    (ChatRequest, "max_token", "'max_tokens'"),
+    (CompletionRequest, "promt", "'prompt'"),
+    (ChatRequest, "zzzzzz", None),
+])
+def test_an_unknown_field_is_refused_naming_the_nearest(model, field, hint):
+    body = {"model": "m", "prompt": "x", "messages": [{"role": "user", "content": "x"}], field: 5}
+    body.pop("prompt" if model is ChatRequest else "messages")
+    with pytest.raises(ValidationError) as info:
+        model(**body)
+    err = validation_error(info.value.errors(), model)
+    assert err.status == 400 and err.param == field and err.code == "unknown_parameter"
+    assert (hint in err.message) if hint else "did you mean" not in err.message
+
+
+def test_fields_openai_clients_send_are_accepted():
+    chat = ChatRequest(model="m", messages=[{"role": "user", "content": "x", "name": "ann"}], user="u",
+                       metadata={"k": "v"}, store=False, service_tier="auto", stream_options={"include_usage": True},
+                       tool_choice="none", parallel_tool_calls=False, response_format={"type": "text"},
+                       prompt_cache_key="k", safety_identifier="s")
+    assert chat_kwargs(chat)["messages"] == [{"role": "user", "content": "x"}]
+    completion = CompletionRequest(model="m", prompt="x", user="u", metadata={"k": "v"})
+    assert completion_kwargs(completion)["prompt"] == "x"
