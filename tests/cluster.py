@@ -87,14 +87,21 @@ class Cluster:
                 wait_healthy(self.addresses[name], 300, proc)
 
     def stop(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in self.procs.values():
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_processes(self.procs.values())
+
+
+def stop_processes(procs) -> None:
+    """SIGTERM every process still running, then SIGKILL what has not exited 10 s later."""
+    procs = list(procs)
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
 
 
 def model_info(address: str, stub_class=target_pb2_grpc.TargetServiceStub) -> common_pb2.ModelInfo:

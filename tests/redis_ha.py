@@ -15,6 +15,7 @@ import pytest
 import redis
 
 from specdec.launcher import free_port
+from tests.cluster import stop_processes
 
 HOST = "127.0.0.1"
 NODE_TIMEOUT_MS = 1000  # a replica takes over a dead master after about two of these
@@ -91,15 +92,7 @@ class RedisProcesses:
         return [port for port, proc in self.procs.items() if proc.poll() is None]
 
     def stop(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in self.procs.values():
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+        stop_processes(self.procs.values())
 
 
 class LocalCluster(RedisProcesses):

@@ -21,7 +21,7 @@ from openai import OpenAI
 
 from specdec import Client
 from specdec.launcher import free_port, wait_http_healthy
-from tests.conftest import orchestrator_address, start_tiny_pipeline
+from tests.conftest import orchestrator_address
 
 PROMPT = "It was a dark and stormy night"
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
@@ -48,34 +48,16 @@ def sse(url: str, body: dict, timeout: float = 120):
 
 
 @pytest.fixture(scope="module")
-def pipeline(tiny_models, tmp_path_factory):
-    pipeline = start_tiny_pipeline(tmp_path_factory.mktemp("logs-http"), tiny_models, "poor_draft",
-                                   http_port=free_port())
-    yield pipeline
-    pipeline.stop()
-
-
-@pytest.fixture(scope="module")
-def api(pipeline) -> OpenAI:
-    return OpenAI(base_url=pipeline.plan.http_url(), api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def sdk(pipeline):
-    with Client(orchestrator_address(pipeline)) as client:
+def sdk(http_pipeline):
+    with Client(orchestrator_address(http_pipeline)) as client:
         yield client
 
 
-@pytest.fixture(scope="module")
-def model(api) -> str:
-    return api.models.list().data[0].id
-
-
-def test_models_and_health(api, pipeline, tiny_models):
+def test_models_and_health(api, http_pipeline, tiny_models):
     models = api.models.list().data
     assert [m.id for m in models] == [tiny_models["target"].name]  # the target's model, as it reports it
     assert api.models.retrieve(models[0].id).id == models[0].id
-    _, _, health = http("GET", pipeline.plan.http_url().removesuffix("/v1") + "/health")
+    _, _, health = http("GET", http_pipeline.plan.http_url().removesuffix("/v1") + "/health")
     assert health["status"] == "ok" and {b["role"] for b in health["backends"]} == {"target", "draft"}
 
 
@@ -120,9 +102,9 @@ def test_chat_greedy_equals_the_sdk_streamed_and_not(api, sdk, model):
     assert all(e.usage is None for e in events)  # no usage event unless asked for
 
 
-def test_raw_sse_ends_with_done(pipeline, model):
+def test_raw_sse_ends_with_done(http_pipeline, model):
     body = {"model": model, "messages": CHAT, "max_tokens": 5, "temperature": 0, "stream": True}
-    with sse(pipeline.plan.http_url() + "/chat/completions", body) as (reply, lines):
+    with sse(http_pipeline.plan.http_url() + "/chat/completions", body) as (reply, lines):
         assert reply.status == 200 and reply.headers["content-type"].startswith("text/event-stream")
         data = [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
     assert data[-1] == "[DONE]" and all(json.loads(d)["object"] == "chat.completion.chunk" for d in data[:-1])
@@ -185,8 +167,8 @@ def test_errors_are_openai_error_objects(api, model, kwargs, status, param, code
     assert set(error) == {"message", "type", "param", "code"}
 
 
-def test_malformed_bodies_and_routes(pipeline, model):
-    url = pipeline.plan.http_url()
+def test_malformed_bodies_and_routes(http_pipeline, model):
+    url = http_pipeline.plan.http_url()
     status, _, reply = http("POST", url + "/chat/completions", {"model": model, "messages": []})
     assert status == 400 and reply["error"]["param"] == "messages"
     status, _, reply = http("POST", url + "/chat/completions",
@@ -198,12 +180,12 @@ def test_malformed_bodies_and_routes(pipeline, model):
     assert status == 404 and reply["error"]["code"] == "not_found"
 
 
-def test_busy_session_is_a_conflict_and_hanging_up_cancels(api, pipeline, model):
+def test_busy_session_is_a_conflict_and_hanging_up_cancels(api, http_pipeline, model):
     """A request on a session that is still generating gets 409; closing a stream stops its generation."""
     body = {"model": model, "prompt": "Once upon a time", "max_tokens": 400, "temperature": 0, "stream": True}
-    with Client(orchestrator_address(pipeline)) as sdk:
+    with Client(orchestrator_address(http_pipeline)) as sdk:
         tokens_before = sdk.status()["generated_tokens"]
-        with sse(pipeline.plan.http_url() + "/completions", body) as (_, lines):
+        with sse(http_pipeline.plan.http_url() + "/completions", body) as (_, lines):
             first = json.loads(next(line for line in lines if line.startswith("data: ")).removeprefix("data: "))
             session = first["specdec"]["session_id"]
             with pytest.raises(openai.ConflictError) as info:

@@ -14,7 +14,7 @@ import time
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
-from openai import BadRequestError, OpenAI
+from openai import BadRequestError
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import (
@@ -24,32 +24,11 @@ from schemathesis.specs.openapi.checks import (
 )
 
 from specdec import Client
-from specdec.launcher import free_port
-from tests.conftest import orchestrator_address, start_tiny_pipeline
-
-MAX_BODY = 64 * 1024
+from tests.conftest import orchestrator_address
 
 
-@pytest.fixture(scope="module")
-def pipeline(tiny_models, tmp_path_factory):
-    pipeline = start_tiny_pipeline(tmp_path_factory.mktemp("logs-http-robust"), tiny_models, "poor_draft",
-                                   http_port=free_port())
-    yield pipeline
-    pipeline.stop()
-
-
-@pytest.fixture(scope="module")
-def api(pipeline) -> OpenAI:
-    return OpenAI(base_url=pipeline.plan.http_url(), api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def model(api) -> str:
-    return api.models.list().data[0].id
-
-
-def _connect(pipeline) -> socket.socket:
-    host, port = pipeline.plan.http_url().removeprefix("http://").removesuffix("/v1").rsplit(":", 1)
+def _connect(http_pipeline) -> socket.socket:
+    host, port = http_pipeline.plan.http_url().removeprefix("http://").removesuffix("/v1").rsplit(":", 1)
     return socket.create_connection((host, int(port)), timeout=30)
 
 
@@ -90,11 +69,11 @@ def _wait_for(predicate, timeout_s: float) -> bool:
     return predicate()
 
 
-def test_a_non_streaming_request_is_cancelled_when_its_client_hangs_up(pipeline, model):
+def test_a_non_streaming_request_is_cancelled_when_its_client_hangs_up(http_pipeline, model):
     body = json.dumps({"model": model, "prompt": "Once upon a time", "max_tokens": 400, "temperature": 0}).encode()
-    with Client(orchestrator_address(pipeline)) as sdk:
+    with Client(orchestrator_address(http_pipeline)) as sdk:
         before = sdk.status()["generated_tokens"]
-        with _connect(pipeline) as sock:
+        with _connect(http_pipeline) as sock:
             sock.sendall(_head("/completions", f"Content-Length: {len(body)}\r\n\r\n") + body)
             assert _wait_for(lambda: sdk.status()["active_generations"] == 1, 30), "the generation never started"
             time.sleep(0.5)  # well into it
@@ -103,11 +82,11 @@ def test_a_non_streaming_request_is_cancelled_when_its_client_hangs_up(pipeline,
         assert sdk.status()["generated_tokens"] - before < 400
 
 
-def test_a_chunked_body_over_the_limit_is_413_before_it_is_all_sent(pipeline, model):
+def test_a_chunked_body_over_the_limit_is_413_before_it_is_all_sent(http_pipeline, model):
     limit = 4 * 1024 * 1024  # the gateway's default --max-body-bytes
     chunk = b"x" * 65536
-    rss_before = _rss_bytes(pipeline.procs["http"].pid)
-    with _connect(pipeline) as sock:
+    rss_before = _rss_bytes(http_pipeline.procs["http"].pid)
+    with _connect(http_pipeline) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 65536)
         sock.sendall(_head("/completions", "Transfer-Encoding: chunked\r\n\r\n"))
         opening = b'{"model": "m", "prompt": "'
@@ -123,16 +102,16 @@ def test_a_chunked_body_over_the_limit_is_413_before_it_is_all_sent(pipeline, mo
         status, head, reply = _response(sock)
     assert sent < 50 * limit, "the answer came only once the whole body was sent"
     # What was sent past the limit sat in socket buffers or was discarded, never in the gateway's memory.
-    assert _rss_bytes(pipeline.procs["http"].pid) - rss_before < 2 * limit
+    assert _rss_bytes(http_pipeline.procs["http"].pid) - rss_before < 2 * limit
     assert status == 413 and b"retry-after" not in head.lower()
     error = reply["error"]
     assert error["type"] == "invalid_request_error" and error["code"] == "request_too_large"
     assert "--max-body-bytes" in error["message"] and str(limit) in error["message"]
 
 
-def test_invalid_json_names_no_param(pipeline):
+def test_invalid_json_names_no_param(http_pipeline):
     body = b'{"model": "m", "prompt": "hi", "max_tokens": }'
-    with _connect(pipeline) as sock:
+    with _connect(http_pipeline) as sock:
         sock.sendall(_head("/completions", f"Content-Length: {len(body)}\r\n\r\n") + body)
         status, _, reply = _response(sock)
     assert status == 400
@@ -172,8 +151,8 @@ def test_chat_without_max_tokens_runs_to_the_end_or_the_context(api, model):
         assert reply.choices[0].finish_reason == "stop"
 
 
-def test_the_openapi_document_lists_the_real_statuses(pipeline):
-    with _connect(pipeline) as sock:
+def test_the_openapi_document_lists_the_real_statuses(http_pipeline):
+    with _connect(http_pipeline) as sock:
         sock.sendall(b"GET /openapi.json HTTP/1.1\r\nHost: test\r\n\r\n")
         status, _, document = _response(sock)
     assert status == 200
@@ -184,11 +163,11 @@ def test_the_openapi_document_lists_the_real_statuses(pipeline):
     assert chat["400"]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorObject")
 
 
-def test_responses_conform_to_the_openapi_document(pipeline):
+def test_responses_conform_to_the_openapi_document(http_pipeline):
     """Generated requests (most of them invalid) get the statuses, content types and bodies the
     document declares, and never a 5xx (the pipeline is up). Schemathesis's pytest plugin is not
     used: hypothesis drives each operation's strategy here, a bounded number of examples each."""
-    schema = schemathesis.openapi.from_url(pipeline.plan.http_url().removesuffix("/v1") + "/openapi.json")
+    schema = schemathesis.openapi.from_url(http_pipeline.plan.http_url().removesuffix("/v1") + "/openapi.json")
     checks = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
     operations = [result.ok() for result in schema.get_all_operations()]
     assert len(operations) == 5
