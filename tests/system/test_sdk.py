@@ -11,6 +11,7 @@ import asyncio
 import os
 import signal
 import subprocess
+import time
 
 import pytest
 
@@ -84,9 +85,21 @@ def test_deadline(tiny_pipeline, long_prompt):
             list(client_default.stream(prompt, max_new_tokens=80, temperature=0, draft_length=0))
 
 
+def _quiet_status(client: Client, within_s: float = 30.0) -> dict:
+    """GetStatus once no generation is running: one that an earlier test's client gave up on
+    (a passed deadline) ends on the server a round later, and would be counted in between."""
+    deadline = time.monotonic() + within_s
+    status = client.status()
+    while status["active_generations"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+        status = client.status()
+    assert status["active_generations"] == 0, "a generation of an earlier test is still running"
+    return status
+
+
 def test_status_counts_what_it_served(tiny_pipeline):
     with Client(orchestrator_address(tiny_pipeline)) as client:
-        before = client.status()
+        before = _quiet_status(client)
         out = client.generate("Hello", max_new_tokens=12, temperature=0, draft_length=3)
         after = client.status()
     assert after["version"] and after["uptime_s"] >= before["uptime_s"]
