@@ -148,6 +148,9 @@ class OrchestratorConfig(ServiceConfig):
         if self.redis_tls and self.redis_mode == "single":
             raise ValueError("--redis-tls is for --redis-cluster-nodes or --redis-sentinels; a single Redis "
                              "uses a rediss:// --redis-url")
+        if "redis_failover_s" in self.model_fields_set and self.redis_mode == "single":
+            raise ValueError("--redis-failover-s is for --redis-cluster-nodes or --redis-sentinels: a single Redis "
+                             "has no replica to wait for, and its calls are not retried")
         return self
 
     @property

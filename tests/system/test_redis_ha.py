@@ -44,6 +44,7 @@ SLOW = ("--emulate-verify-ms", "40")  # a labelled simulation: the stream lasts 
     (dict(redis_sentinel_master="m"), "--redis-sentinels and --redis-sentinel-master go together"),
     (dict(redis_cluster_nodes="h:1,nohost"), "HOST:PORT"),
     (dict(redis_tls=True), "a single Redis uses a rediss:// --redis-url"),
+    (dict(redis_failover_s=5.0), "--redis-failover-s is for --redis-cluster-nodes or --redis-sentinels"),
 ])
 def test_one_redis_mode_at_a_time(flags, message):
     with pytest.raises(ValidationError, match=message):
