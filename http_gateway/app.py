@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from http_gateway import openapi
 from http_gateway.config import GatewayConfig
+from http_gateway.metrics import GatewayMetrics, MetricsMiddleware
 from http_gateway.openai_api import (
     ApiError,
     ChatRequest,
@@ -223,7 +224,8 @@ class Gateway:
             await chunks.aclose()
 
 
-def create_app(config: GatewayConfig) -> FastAPI:
+def create_app(config: GatewayConfig, metrics: GatewayMetrics | None = None) -> FastAPI:
+    """The gateway's ASGI app; `metrics` (served by the caller on --metrics-port) observes every request."""
     gateway = Gateway(config)
 
     @asynccontextmanager
@@ -240,6 +242,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     app = FastAPI(title="specdec OpenAI-compatible API", lifespan=lifespan)
     app.state.gateway = gateway
     app.add_middleware(RequestContext, max_body_bytes=config.max_body_bytes)
+    app.add_middleware(MetricsMiddleware, metrics=metrics if metrics is not None else GatewayMetrics())  # outermost
 
     @app.exception_handler(ApiError)
     async def on_api_error(request: Request, exc: ApiError):

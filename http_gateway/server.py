@@ -11,7 +11,8 @@ import uvicorn
 
 from http_gateway.app import create_app
 from http_gateway.config import GatewayConfig
-from specdec.server.serving import configure_logging
+from http_gateway.metrics import GatewayMetrics
+from specdec.server.serving import configure_logging, start_metrics
 from specdec.server.tracing import setup as setup_tracing
 
 log = logging.getLogger("specdec.http")
@@ -22,7 +23,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     configure_logging(config.log_level, config.log_format, "http_gateway")
     try:
         setup_tracing("http_gateway", config.otel_endpoint, config.otel_file)
-        app = create_app(config)
+        metrics = GatewayMetrics()
+        app = create_app(config, metrics)
+        start_metrics(metrics.registry, config.host, config.metrics_port)
     except (RuntimeError, ValueError, OSError) as exc:
         log.error("cannot start: %s", exc)
         sys.exit(2)

@@ -9,12 +9,15 @@ from __future__ import annotations
 import json
 import select
 import socket
+import subprocess
+import sys
 import time
+import urllib.request
 
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
-from openai import BadRequestError
+from openai import BadRequestError, OpenAI
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import (
@@ -24,6 +27,7 @@ from schemathesis.specs.openapi.checks import (
 )
 
 from specdec import Client
+from specdec.launcher import free_port, wait_http_healthy
 from tests.conftest import orchestrator_address
 
 
@@ -184,3 +188,27 @@ def test_responses_conform_to_the_openapi_document(http_pipeline):
 
         conforms()
     assert len(statuses) >= 5 * 5 and {200, 400, 404} <= set(statuses), sorted(statuses)
+
+
+def test_a_gateway_with_a_metrics_port_counts_its_requests(http_pipeline, tmp_path):
+    port, metrics_port = free_port(), free_port()
+    with open(tmp_path / "gateway.log", "wb") as log:  # the child keeps its own descriptor
+        proc = subprocess.Popen([sys.executable, "-m", "http_gateway", "--port", str(port), "--metrics-port",
+                                 str(metrics_port), "--orchestrator", orchestrator_address(http_pipeline)],
+                                stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_http_healthy(f"http://127.0.0.1:{port}/health", 60, proc)
+        api = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
+        model = api.models.list().data[0].id
+        api.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+        with pytest.raises(BadRequestError):
+            api.chat.completions.create(model=model, messages=[], max_tokens=3)
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as reply:
+            text = reply.read().decode()
+        assert 'specdec_http_requests_total{route="/v1/chat/completions",status="200"} 1.0' in text
+        assert 'specdec_http_requests_total{route="/v1/chat/completions",status="400"} 1.0' in text
+        assert 'specdec_http_requests_total{route="/v1/models",status="200"} 1.0' in text
+        assert 'specdec_http_request_duration_seconds_count{route="/v1/chat/completions"} 2.0' in text
+    finally:
+        proc.terminate()
+        proc.wait(20)
