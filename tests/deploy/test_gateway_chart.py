@@ -44,7 +44,7 @@ def test_gateway_runs_the_http_gateway_against_the_orchestrator_service(render, 
     orchestrator = r.component("Service", "orchestrator")
     assert ORCHESTRATOR_ADDRESS.startswith(orchestrator["metadata"]["name"] + f".{NAMESPACE}.")
     assert orchestrator["spec"]["ports"][0]["port"] == 50051
-    # The gateway never gets the metrics flag: it serves no /metrics of its own.
+    # Metrics are off by default (metrics.enabled): no metrics flag, port or scrape rule.
     assert "--metrics-port" not in args
 
 

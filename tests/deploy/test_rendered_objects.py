@@ -499,7 +499,8 @@ def test_metrics_are_off_by_default(render):
 
 def test_metrics_port_service_monitor_and_scrape_rule(render):
     r = render("default", *METRICS_ON)
-    for component in SERVICES:
+    scraped = (*SERVICES, "gateway")  # the gateway serves its HTTP request metrics too
+    for component in scraped:
         c = container(r.component("Deployment", component)["spec"]["template"]["spec"])
         assert flag(c["args"], "--metrics-port") == "9400"
         assert {"name": "metrics", "containerPort": 9400, "protocol": "TCP"} in c["ports"]
@@ -514,7 +515,7 @@ def test_metrics_port_service_monitor_and_scrape_rule(render):
     selected = {name for name, service in r.of_kind("Service").items()
                 if selector_matches(selector["matchLabels"], service["metadata"]["labels"])
                 and service["metadata"]["labels"][expression["key"]] in expression["values"]}
-    assert selected == {f"{RELEASE}-specdec-{c}" for c in SERVICES}
+    assert selected == {f"{RELEASE}-specdec-{c}" for c in scraped}
     assert monitor["spec"]["endpoints"][0]["port"] == "metrics"
     # Redis has no metrics port, and its policy stays orchestrator-only.
     assert len(r.component("NetworkPolicy", "redis")["spec"]["ingress"]) == 1
