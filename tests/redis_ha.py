@@ -143,11 +143,16 @@ class LocalCluster(RedisProcesses):
             return True
         wait_for("the cluster to be ok", healthy, timeout_s)
 
-    def master_for(self, key: str) -> int:
-        """The port of the master serving `key`'s slot."""
+    def master_for(self, key: str, timeout_s: float = 30.0) -> int:
+        """The port of the live master serving `key`'s slot. Right after a failover the node asked may not
+        have heard of the promotion yet (gossip takes a moment): wait until it names a live master."""
         slot = self.client(self.alive()[0]).execute_command("CLUSTER", "KEYSLOT", key)
-        return next(n["port"] for n in self.cluster_nodes() if "master" in n["flags"] and "fail" not in n["flags"]
-                    and any(lo <= slot <= hi for lo, hi in n["slots"]))
+
+        def serving() -> int:
+            return next((n["port"] for n in self.cluster_nodes() if "master" in n["flags"]
+                         and not {"fail", "fail?"} & set(n["flags"]) and n["port"] in self.alive()
+                         and any(lo <= slot <= hi for lo, hi in n["slots"])), 0)
+        return wait_for(f"a live master for slot {slot}", serving, timeout_s)
 
 
 class LocalSentinel(RedisProcesses):
