@@ -6,8 +6,8 @@ Supported: `model`, `prompt` (one string) or `messages` (text content), `max_tok
 (`max_completion_tokens` for chat), `temperature`, `top_p`, `seed`, `stop` (string or list),
 `n` = 1, `stream`, `stream_options.include_usage`. Extensions (send them in the body, e.g. with the
 openai client's `extra_body`): `top_k`, `draft_length` ("auto" or k), `session_id` (continue a
-specdec session). Features the pipeline does not have (log probabilities, penalties, tools, more
-than one choice) are refused with a 400 naming the parameter, never silently ignored; so is an
+specdec session). Features the pipeline does not have (log probabilities, penalties, tools, structured
+output, more than one choice) are refused with a 400 naming the parameter, never silently ignored; so is an
 unknown field (the message names the nearest known one). Fields that describe the caller (`user`,
 `metadata`, `store`, `service_tier`, ...) are accepted and ignored.
 
@@ -108,12 +108,12 @@ class ChatRequest(_Request):
     logprobs: bool | None = False
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
-    # accepted and ignored, as they always were; the API surface work decides what they do
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
+    # accepted by design: a cache-routing hint and a caller identifier; neither changes the generation
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
 
@@ -178,8 +178,16 @@ def chat_kwargs(req: ChatRequest, default_temperature: float = 1.0) -> dict[str,
     """Keyword arguments of `specdec.client.build_request` for a /v1/chat/completions request."""
     if req.logprobs or req.top_logprobs:
         raise _refuse("logprobs", "not supported")
-    if req.tools:
-        raise _refuse("tools", "tool calling is not supported")
+    if req.tools or req.functions:
+        raise _refuse("tools" if req.tools else "functions", "tool calling is not supported")
+    if req.function_call is not None:
+        raise _refuse("function_call", "tool calling is not supported")
+    if req.tool_choice not in (None, "none", "auto"):  # without tools, "none" and "auto" both mean no calls
+        raise _refuse("tool_choice", "tool calling is not supported; send no tool_choice (or \"none\")")
+    kind = (req.response_format or {}).get("type", "text")
+    if kind != "text":
+        raise _refuse("response_format", f"type {kind!r} is not supported: only \"text\"; "
+                      "structured output is not enforced, so it is refused rather than ignored")
     messages = []
     for i, m in enumerate(req.messages):
         role = "system" if m.role == "developer" else m.role  # OpenAI's newer name for system

@@ -73,6 +73,19 @@ def test_chat_request_to_generate_request():
     (lambda: chat_kwargs(ChatRequest(model="m", messages=[{"role": "user", "content": "x"}], logprobs=True)),
      "logprobs"),
     (lambda: chat_kwargs(ChatRequest(model="m", messages=[{"role": "user", "content": "x"}], tools=[{}])), "tools"),
+    (lambda: chat_kwargs(ChatRequest(model="m", messages=[{"role": "user", "content": "x"}], functions=[{}])),
+     "functions"),
+    (lambda: chat_kwargs(ChatRequest(model="m", messages=[{"role": "user", "content": "x"}],
+                                     function_call="auto")), "function_call"),
+    (lambda: chat_kwargs(ChatRequest(model="m", messages=[{"role": "user", "content": "x"}],
+                                     tool_choice="required")), "tool_choice"),
+    (lambda: chat_kwargs(ChatRequest(model="m", messages=[{"role": "user", "content": "x"}],
+                                     tool_choice={"type": "function", "function": {"name": "f"}})), "tool_choice"),
+    (lambda: chat_kwargs(ChatRequest(model="m", messages=[{"role": "user", "content": "x"}],
+                                     response_format={"type": "json_object"})), "response_format"),
+    (lambda: chat_kwargs(ChatRequest(model="m", messages=[{"role": "user", "content": "x"}],
+                                     response_format={"type": "json_schema", "json_schema": {"name": "a"}})),
+     "response_format"),
 ])
 def test_unsupported_or_invalid_requests_are_400_naming_the_parameter(build, param):
     with pytest.raises(ApiError) as info:
