@@ -22,7 +22,7 @@ class DraftServicer(ModelServicer, draft_pb2_grpc.DraftServiceServicer):
     @grpc_errors
     async def Propose(self, request: draft_pb2.ProposeRequest, context):
         arrived = time.monotonic()
-        params = sampling_from_pb(request.sampling)
+        params = sampling_from_pb(request.sampling, self.info.vocab_size)
         history = list(request.history)
         self.drafter.check(history, request.num_tokens, request.tokenizer_fingerprint)
         deadline = deadline_of(context)

@@ -42,6 +42,7 @@ class VerifyReply:
     batch_size: int = 1  # sessions in the same pass
     batch_positions: int = 0  # positions that pass scored (0: not reported)
     prefill_tokens: int = 0  # history tokens the target (re-)prefilled before verifying
+    logprobs: list = field(default_factory=list)  # common_pb2.TokenLogprobs per emitted token, when asked
 
     def emitted(self, draft_tokens: list[int]) -> list[int]:
         """The round's tokens: the accepted draft prefix, then the target's own token."""
@@ -145,12 +146,13 @@ class TargetBackend(_ModelBackend):
         super().__init__(address, timeout_s, target_pb2_grpc.TargetServiceStub, tls)
 
     async def verify(self, session_id: str, history: list[int], proposal: DraftReply, params: SamplingParams,
-                     seed: int, timeout: float | None = None) -> VerifyReply:
+                     seed: int, timeout: float | None = None, top_logprobs: int | None = None) -> VerifyReply:
+        """`top_logprobs`: None for no log-probabilities, else how many alternatives with each."""
         start = time.perf_counter_ns()
         request = target_pb2.VerifyRequest(
             session_id=session_id, history=history, draft_tokens=proposal.tokens,
             draft_probs=b"".join(proposal.probs), sampling=sampling_to_pb(params), seed=seed,
-            sent_unix_ns=time.time_ns(),
+            sent_unix_ns=time.time_ns(), logprobs=top_logprobs is not None, top_logprobs=top_logprobs or 0,
         )
         try:
             reply = await self.stub.Verify(request, timeout=self._timeout(timeout))
@@ -164,4 +166,4 @@ class TargetBackend(_ModelBackend):
             raise error from exc
         return VerifyReply(reply.num_accepted, reply.token_id, reply.bonus,
                        time.perf_counter_ns() - start, reply.compute_ns, reply.queue_ns, max(1, reply.batch_size),
-                       reply.batch_positions, reply.prefill_tokens)
+                       reply.batch_positions, reply.prefill_tokens, list(reply.logprobs))

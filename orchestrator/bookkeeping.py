@@ -40,13 +40,17 @@ def draft_lengths(wanted: int, upcoming: int, remaining: int, first: bool, draft
     return k, max(0, min(upcoming, remaining - k - 2))
 
 
-def apply_stops(emitted: list[int], remaining: int, text: TextStream, eos_ids: set[int]) -> tuple[list[int], int]:
-    """The round's tokens up to the first stop (EOS, a stop string, the budget), and the finish."""
+def apply_stops(emitted: list[int], remaining: int, text: TextStream, eos_ids: set[int],
+                stop_ids: set[int] = frozenset()) -> tuple[list[int], int]:
+    """The round's tokens up to the first stop (EOS, a stop token or string, the budget), and the
+    finish. `eos_ids` is empty when the request ignores end-of-sequence."""
     kept: list[int] = []
     for token in emitted[:remaining]:
         kept.append(token)
         if token in eos_ids:
             return kept, pb.FINISH_REASON_EOS
+        if token in stop_ids:
+            return kept, pb.FINISH_REASON_STOP
         text.push(token)
         if text.stopped:
             return kept, pb.FINISH_REASON_STOP

@@ -55,7 +55,7 @@ class Orchestrator:
         self.fingerprint = target_info.tokenizer_fingerprint
         self.max_context = target_info.max_context
         self.eos_ids = set(target_info.eos_token_ids)
-        self.requests = RequestParser(config, tokenizer, self.max_context, self.eos_ids)
+        self.requests = RequestParser(config, tokenizer, self.max_context, self.eos_ids, target_info.vocab_size)
         self.sessions = Sessions(store, config.session_lease_s, self.max_context, self.eos_ids)
         self.policy_config = PolicyConfig(k_max=config.max_draft_length, ewma=config.policy_ewma,
                                           explore_every=config.policy_explore_every, overlap=config.overlap)
@@ -121,7 +121,9 @@ class Orchestrator:
         drafting = self.draft is not None
         lengths = await DraftLength.of(state, drafting, self.store, self.policy_config)
         speculator = Speculator(state.session_id, SamplingParams(**state.sampling), state.seed, self.draft,
-                                self.target, self.fingerprint, overlap=self.config.overlap, deadline=deadline)
+                                self.target, self.fingerprint, overlap=self.config.overlap, deadline=deadline,
+                                top_logprobs=gen.top_logprobs)
+        ends, stop_ids = (set() if gen.ignore_eos else self.eos_ids), set(gen.stop_token_ids)
         first, round_end = True, None
         try:
             while not gen.finish:
@@ -132,7 +134,7 @@ class Orchestrator:
                 loop_s = round_start - round_end if round_end is not None else 0.0
                 round_end = time.perf_counter()
                 lengths.observe(state, rnd.stats, loop_s)
-                kept, finish = apply_stops(rnd.emitted, remaining, text, self.eos_ids)
+                kept, finish = apply_stops(rnd.emitted, remaining, text, ends, stop_ids)
                 record_round(state, rnd.stats, kept, finish, self.config.session_lease_s, time.perf_counter() - start)
                 await self.store.save(state, kept)
                 yield await self._round_chunk(state, rnd, kept, sent, text, timer, lengths)
@@ -163,7 +165,7 @@ class Orchestrator:
         """A round's chunk; the last one also ends the generation (prior, snapshots, stats)."""
         gen, sent = state.generation, offset + len(kept)
         chunk = pb.GenerateChunk(session_id=state.session_id, token_ids=kept, round=rnd.stats,
-                                 finish_reason=gen.finish, offset=offset)
+                                 finish_reason=gen.finish, offset=offset, logprobs=rnd.logprobs[:len(kept)])
         self.metrics.observe_round(rnd.stats)
         timer.observe_chunk(len(kept))
         if not gen.finish:

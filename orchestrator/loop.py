@@ -31,6 +31,7 @@ from specdec.v1 import orchestrator_pb2
 class Round:
     emitted: list[int]  # accepted draft tokens + the target's token
     stats: orchestrator_pb2.RoundStats
+    logprobs: list = field(default_factory=list)  # common_pb2.TokenLogprobs per emitted token, when asked
 
 
 @dataclass
@@ -51,7 +52,7 @@ class Speculator:
 
     def __init__(self, session_id: str, params: SamplingParams, seed: int, draft: Drafts | None,
                  target: Targets, fingerprint: str, overlap: bool = False,
-                 deadline: float | None = None) -> None:
+                 deadline: float | None = None, top_logprobs: int | None = None) -> None:
         self.session_id = session_id
         self.params = params
         self.seed = seed
@@ -60,6 +61,7 @@ class Speculator:
         self.fingerprint = fingerprint
         self.overlap = overlap
         self.deadline = deadline  # time.monotonic() of the request's deadline, carried by every call
+        self.top_logprobs = top_logprobs  # None: no log-probabilities
         self._ahead: _Ahead | None = None
 
     def _remaining(self) -> float | None:
@@ -90,7 +92,7 @@ class Speculator:
         else:
             self.close()
         verify = asyncio.ensure_future(self.target.verify(self.session_id, history, proposal, self.params, self.seed,
-                                                          timeout=self._remaining()))
+                                                          timeout=self._remaining(), top_logprobs=self.top_logprobs))
         if self.overlap and k_next > 0 and self.draft is not None and self.draft.available:
             self._start_ahead(history, proposal.tokens, k_next)
         try:
@@ -106,7 +108,7 @@ class Speculator:
             verify_batch_positions=reply.batch_positions, draft_prefill_tokens=proposal.prefill_tokens,
             verify_prefill_tokens=reply.prefill_tokens, drafted=proposal.drafted,
         )
-        return Round(reply.emitted(proposal.tokens), stats)
+        return Round(reply.emitted(proposal.tokens), stats, reply.logprobs)
 
     def _start_ahead(self, history: list[int], block: list[int], k_next: int) -> None:
         self.close()

@@ -111,7 +111,7 @@ class Targets(Pool, Protocol):
     """The target replicas as the loop sees them (TargetPool; a fake in unit tests)."""
 
     async def verify(self, session_id: str, history: list[int], proposal: DraftReply, params: SamplingParams,
-                     seed: int, timeout: float | None = None) -> VerifyReply: ...
+                     seed: int, timeout: float | None = None, top_logprobs: int | None = None) -> VerifyReply: ...
 
 
 class Drafts(Pool, Protocol):
@@ -320,7 +320,7 @@ class TargetPool(ReplicaPool[TargetBackend]):
     role = "target"
 
     async def verify(self, session_id: str, history: list[int], proposal: DraftReply, params: SamplingParams,
-                     seed: int, timeout: float | None = None) -> VerifyReply:
+                     seed: int, timeout: float | None = None, top_logprobs: int | None = None) -> VerifyReply:
         tried: set[str] = set()
         resent = False
         while True:
@@ -332,7 +332,8 @@ class TargetPool(ReplicaPool[TargetBackend]):
             tried.add(replica.address)
             replica.in_flight += 1
             try:
-                reply = await replica.backend.verify(session_id, history, proposal, params, seed, timeout)
+                reply = await replica.backend.verify(session_id, history, proposal, params, seed, timeout,
+                                                     top_logprobs)
             except Released as exc:
                 # An earlier request's cleanup released the session after this call was sent: sent
                 # again (now after the release) it runs, re-prefilling the history.

@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 
 from orchestrator.chat import first_turn, next_turn
 from orchestrator.config import OrchestratorConfig
+from specdec.core.logprobs import MAX_TOP_LOGPROBS
 from specdec.core.sampling import SamplingParams
 from specdec.errors import FailedPrecondition, InvalidArgument
 from specdec.server.limits import check_session_id
@@ -31,6 +32,10 @@ class GenerationSpec:
     # end-of-sequence token, and when it does not (the end-of-turn marker is then added first).
     chat_after_eos: list[int] | None = None
     principal: str = ""  # who sends it (specdec.server.auth.principal_of): only they may continue its session
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+    logprobs: bool = False
+    top_logprobs: int = 0
 
 
 def parse_resume(request: pb.GenerateRequest) -> GenerationSpec:
@@ -44,7 +49,10 @@ def parse_resume(request: pb.GenerateRequest) -> GenerationSpec:
                           draft_length=0, session_id=request.session_id, resume_from=request.resume_from)
 
 
-def parse_sampling(request: pb.GenerateRequest) -> SamplingParams:
+def parse_sampling(request: pb.GenerateRequest, end_ids: set[int] = frozenset(),
+                   vocab_size: int | None = None) -> SamplingParams:
+    """The request's sampling parameters and logits processors; `end_ids` are the tokens `min_tokens`
+    holds back (end of sequence and the request's stop token ids)."""
     temperature = request.temperature if request.HasField("temperature") else 0.0
     top_p = request.top_p if request.HasField("top_p") else 1.0
     top_k = request.top_k if request.HasField("top_k") else 0
@@ -54,17 +62,35 @@ def parse_sampling(request: pb.GenerateRequest) -> SamplingParams:
         raise InvalidArgument(f"top_p must lie in (0, 1] (1 disables it), got {top_p}")
     if top_k < 0:
         raise InvalidArgument(f"top_k must be >= 0 (0 disables it), got {top_k}")
-    return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    def opt(name: str, default: float) -> float:
+        return getattr(request, name) if request.HasField(name) else default
+    min_tokens = request.min_tokens if request.HasField("min_tokens") else 0
+    params = SamplingParams(
+        temperature=temperature, top_k=top_k, top_p=top_p, min_p=opt("min_p", 0.0),
+        presence_penalty=opt("presence_penalty", 0.0), frequency_penalty=opt("frequency_penalty", 0.0),
+        repetition_penalty=opt("repetition_penalty", 1.0), logit_bias=tuple(request.logit_bias.items()),
+        min_tokens=min_tokens, end_token_ids=tuple(end_ids) if min_tokens else (),
+    )
+    try:
+        params.validate()
+    except ValueError as exc:
+        raise InvalidArgument(str(exc)) from exc
+    if vocab_size is not None and params.logit_bias and max(t for t, _ in params.logit_bias) >= vocab_size:
+        raise InvalidArgument(f"logit_bias names token {max(t for t, _ in params.logit_bias)}, outside the "
+                              f"vocabulary (ids below {vocab_size})")
+    return params
 
 
 class RequestParser:
     """Checks requests against the configured limits and the target's tokenizer and context."""
 
-    def __init__(self, config: OrchestratorConfig, tokenizer, max_context: int, eos_ids: set[int]) -> None:
+    def __init__(self, config: OrchestratorConfig, tokenizer, max_context: int, eos_ids: set[int],
+                 vocab_size: int | None = None) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.max_context = max_context
         self.eos_ids = eos_ids
+        self.vocab_size = vocab_size
 
     def parse(self, request: pb.GenerateRequest, principal: str = "") -> GenerationSpec:
         if request.session_id:
@@ -72,16 +98,29 @@ class RequestParser:
         if request.HasField("resume_from"):
             return replace(parse_resume(request), principal=principal)
         max_new = self._max_new_tokens(request)
-        params = parse_sampling(request)
+        stop_ids = self._token_ids("stop_token_ids", request.stop_token_ids)
+        params = parse_sampling(request, self.eos_ids | set(stop_ids), self.vocab_size)
         k = self._draft_length(request)
         stop = self._stop(request)
         input_ids, chat_after_eos = self._input(request)
+        top = request.top_logprobs if request.HasField("top_logprobs") else 0
+        if top > MAX_TOP_LOGPROBS or (top and not request.logprobs):
+            raise InvalidArgument(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS} and needs logprobs, "
+                                  f"got {top}")
         return GenerationSpec(
             input_ids=input_ids, max_new_tokens=max_new, params=params,
             seed=request.seed if request.HasField("seed") else None,
             stop=stop, draft_length=k, session_id=request.session_id, chat_after_eos=chat_after_eos,
-            principal=principal,
+            principal=principal, ignore_eos=request.ignore_eos, stop_token_ids=tuple(stop_ids),
+            logprobs=request.logprobs, top_logprobs=top,
         )
+
+    def _token_ids(self, name: str, ids) -> list[int]:
+        ids = [int(t) for t in ids]
+        if self.vocab_size is not None and ids and max(ids) >= self.vocab_size:
+            raise InvalidArgument(f"{name} holds token {max(ids)}, outside the vocabulary (ids below "
+                                  f"{self.vocab_size})")
+        return ids
 
     def _max_new_tokens(self, request: pb.GenerateRequest) -> int:
         cfg = self.config
@@ -125,6 +164,8 @@ class RequestParser:
                 raise InvalidArgument("prompt is empty: send the text to continue, or use messages")
             encoded = self.tokenizer(request.prompt, add_special_tokens=not continuing)
             input_ids = self._check_length(encoded["input_ids"])
+        elif which == "token_ids":
+            input_ids = self._check_length(self._token_ids("token_ids", request.token_ids.ids))
         elif which == "messages":
             messages = self._messages(request)
             if continuing:
@@ -134,7 +175,7 @@ class RequestParser:
                 input_ids = first_turn(self.tokenizer, messages)
             self._check_length(input_ids)
         else:
-            raise InvalidArgument("set either prompt or messages")
+            raise InvalidArgument("set one of prompt, messages or token_ids")
         limit = self.config.max_prompt_tokens
         if limit is not None and len(input_ids) > limit:
             raise InvalidArgument(f"the input has {len(input_ids)} tokens; the limit is --max-prompt-tokens={limit}")

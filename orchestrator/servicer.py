@@ -32,6 +32,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         async for chunk in self.counters.observe(self.orchestrator.generate(spec, deadline_of(context), context)):
             reply.session_id = chunk.session_id
             reply.token_ids.extend(chunk.token_ids)
+            reply.logprobs.extend(chunk.logprobs)
             reply.text += chunk.text
             reply.finish_reason = chunk.finish_reason
             if chunk.HasField("stats"):

@@ -12,6 +12,7 @@ import logging
 import secrets
 import time
 import uuid
+from dataclasses import asdict, replace
 
 from orchestrator.requests import GenerationSpec
 from orchestrator.store import GenerationRecord, SessionState, SessionStore
@@ -37,12 +38,13 @@ class Sessions:
             state = SessionState(session_id=uuid.uuid4().hex, seed=seed, principal=spec.principal)
             input_ids = spec.input_ids
         state.tokens.extend(input_ids)
-        state.sampling = {"temperature": spec.params.temperature, "top_k": spec.params.top_k,
-                          "top_p": spec.params.top_p}
+        # The penalties count the output from here on (a continued session's earlier turns are context).
+        state.sampling = asdict(replace(spec.params, output_start=len(state.tokens)))
         state.draft_length = spec.draft_length
         state.generation = GenerationRecord(
             id=uuid.uuid4().hex, start=len(state.tokens), prompt_tokens=len(state.tokens),
-            max_new_tokens=spec.max_new_tokens, stop=list(spec.stop),
+            max_new_tokens=spec.max_new_tokens, stop=list(spec.stop), stop_token_ids=list(spec.stop_token_ids),
+            ignore_eos=spec.ignore_eos, top_logprobs=spec.top_logprobs if spec.logprobs else None,
             lease_until=time.time() + self.lease_s, owner=uuid.uuid4().hex,
         )
         await self.store.save(state, input_ids)

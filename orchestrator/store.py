@@ -93,6 +93,9 @@ class GenerationRecord:
     prompt_tokens: int
     max_new_tokens: int
     stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)  # end it (finish STOP), kept in the output
+    ignore_eos: bool = False  # end-of-sequence does not end it
+    top_logprobs: int | None = None  # None: no log-probabilities; else alternatives per token
     finish: int = 0
     lease_until: float = 0.0
     owner: str = ""  # the request holding the lease (a resume becomes the new owner)

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__all__ = ["AsyncClient", "AsyncStream", "Chunk", "Client", "Generation", "SpecdecError", "Stream"]
+__all__ = ["AsyncClient", "AsyncStream", "Chunk", "Client", "Generation", "Logprob", "SpecdecError", "Stream"]
 
 if TYPE_CHECKING:
-    from specdec.client import AsyncClient, AsyncStream, Chunk, Client, Generation, Stream
+    from specdec.client import AsyncClient, AsyncStream, Chunk, Client, Generation, Logprob, Stream
     from specdec.errors import SpecdecError
 
 

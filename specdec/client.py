@@ -48,7 +48,7 @@ from google.protobuf.json_format import MessageToDict
 
 from specdec.channel import CHANNEL_OPTIONS
 from specdec.errors import Internal, SpecdecError, from_rpc_error
-from specdec.v1 import orchestrator_pb2 as pb, orchestrator_pb2_grpc
+from specdec.v1 import common_pb2, orchestrator_pb2 as pb, orchestrator_pb2_grpc
 
 SERVICE = "specdec.v1.Orchestrator"
 DEFAULT_ADDRESS = "127.0.0.1:50051"
@@ -129,6 +129,21 @@ def _as_dict(msg) -> dict[str, Any]:
 
 
 @dataclass
+class Logprob:
+    """A generated token's log-probability under the target, its rank at its position, and the most
+    likely (token id, log-probability) alternatives there, most likely first."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+def logprob_from_pb(msg: common_pb2.TokenLogprobs) -> Logprob:
+    return Logprob(msg.token_id, msg.logprob, msg.rank, list(zip(msg.top_token_ids, msg.top_logprobs)))
+
+
+@dataclass
 class Chunk:
     """One streamed round: new tokens, the text they add and the round's statistics."""
 
@@ -139,6 +154,7 @@ class Chunk:
     finish_reason: str | None = None  # "length", "eos" or "stop" on the last chunk
     stats: dict[str, Any] | None = None  # GenerationStats of the whole generation, on the last chunk
     offset: int = 0  # position of the first token within the generation
+    logprobs: list[Logprob] = field(default_factory=list)  # one per token of token_ids, when asked
 
 
 @dataclass
@@ -151,27 +167,40 @@ class Generation:
     finish_reason: str | None
     stats: dict[str, Any] = field(default_factory=dict)
     resumes: int = 0  # how often the stream was resumed after a broken connection
+    logprobs: list[Logprob] = field(default_factory=list)  # one per token of token_ids, when asked
 
 
-def build_request(prompt: str | None = None, *, messages: Sequence[dict[str, str]] | None = None,
+def build_request(prompt: str | Sequence[int] | None = None, *, messages: Sequence[dict[str, str]] | None = None,
                   max_new_tokens: int | None = None, temperature: float | None = None,
                   top_p: float | None = None, top_k: int | None = None, seed: int | None = None,
                   stop: str | Sequence[str] | None = (), draft_length: int | str | None = None,
-                  session_id: str = "") -> pb.GenerateRequest:
-    """A `GenerateRequest`; unset (None) values take the server's defaults."""
+                  session_id: str = "", min_p: float | None = None, presence_penalty: float | None = None,
+                  frequency_penalty: float | None = None, repetition_penalty: float | None = None,
+                  logit_bias: dict[int, float] | None = None, min_tokens: int | None = None,
+                  ignore_eos: bool = False, stop_token_ids: Sequence[int] = (), logprobs: bool = False,
+                  top_logprobs: int | None = None) -> pb.GenerateRequest:
+    """A `GenerateRequest`; unset (None) values take the server's defaults. `prompt` is text, or token
+    ids used as they are."""
     if (prompt is None) == (messages is None):
         raise ValueError("pass exactly one of prompt or messages")
     if isinstance(draft_length, str):
         draft_length = -1 if draft_length == "auto" else int(draft_length)  # -1 selects the controller
     if isinstance(stop, str):
         stop = [stop]
-    req = pb.GenerateRequest(stop=list(stop or ()), session_id=session_id or "")
-    if prompt is not None:
+    req = pb.GenerateRequest(stop=list(stop or ()), session_id=session_id or "", ignore_eos=ignore_eos,
+                             stop_token_ids=list(stop_token_ids), logprobs=logprobs,
+                             logit_bias={int(t): float(b) for t, b in (logit_bias or {}).items()})
+    if isinstance(prompt, str):
         req.prompt = prompt
+    elif prompt is not None:
+        req.token_ids.ids.extend(int(t) for t in prompt)
     else:
         req.messages.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages)
     for name, value in (("max_new_tokens", max_new_tokens), ("temperature", temperature), ("top_p", top_p),
-                        ("top_k", top_k), ("seed", seed), ("draft_length", draft_length)):
+                        ("top_k", top_k), ("seed", seed), ("draft_length", draft_length), ("min_p", min_p),
+                        ("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty),
+                        ("repetition_penalty", repetition_penalty), ("min_tokens", min_tokens),
+                        ("top_logprobs", top_logprobs)):
         if value is not None:
             setattr(req, name, value)
     return req
@@ -180,7 +209,7 @@ def build_request(prompt: str | None = None, *, messages: Sequence[dict[str, str
 def chunk_from_pb(msg: pb.GenerateChunk) -> Chunk:
     return Chunk(msg.session_id, list(msg.token_ids), msg.text, _as_dict(msg.round),
                  FINISH_REASONS[msg.finish_reason], _as_dict(msg.stats) if msg.HasField("stats") else None,
-                 msg.offset)
+                 msg.offset, [logprob_from_pb(entry) for entry in msg.logprobs])
 
 
 def is_header(msg: pb.GenerateChunk) -> bool:
@@ -201,6 +230,7 @@ class Collector:
         self.session_id = ""
         self.text: list[str] = []
         self.tokens: list[int] = []
+        self.logprobs: list[Logprob] = []
         self.finish_reason: str | None = None
         self.stats: dict[str, Any] = {}
 
@@ -208,13 +238,15 @@ class Collector:
         self.session_id = chunk.session_id or self.session_id
         self.text.append(chunk.text)
         self.tokens.extend(chunk.token_ids)
+        self.logprobs.extend(chunk.logprobs)
         if chunk.finish_reason is not None:
             self.finish_reason = chunk.finish_reason
         if chunk.stats is not None:
             self.stats = chunk.stats
 
     def result(self, resumes: int) -> Generation:
-        return Generation(self.session_id, "".join(self.text), self.tokens, self.finish_reason, self.stats, resumes)
+        return Generation(self.session_id, "".join(self.text), self.tokens, self.finish_reason, self.stats, resumes,
+                          self.logprobs)
 
 
 # -- the logic both clients share ---------------------------------------------------------------

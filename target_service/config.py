@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from specdec.defaults import DEFAULT_MODEL
@@ -20,6 +22,12 @@ class TargetConfig(ModelServiceConfig):
         description="Longest wait for the sessions of the previous forward pass to send their next request (the "
                     "pass starts at once when they are back or max-batch requests wait; the wait adapts to their "
                     "measured turnaround and to the pass time, up to this).",
+    )
+    logprobs_mode: Literal["raw", "processed"] = Field(
+        "raw",
+        description="Which distribution returned log-probabilities describe: raw (the model's own softmax, as a plain "
+                    "forward pass gives it) or processed (after penalties, biases, grammar, temperature, min-p, top-k "
+                    "and top-p: the distribution the token was drawn from).",
     )
     emulate_verify_ms: float = Field(0.0, ge=0, description="BENCHMARK SIMULATION: pad each verify to this many ms ...")
     emulate_verify_per_token_ms: float = Field(

@@ -26,7 +26,8 @@ def build_servicer(config: TargetConfig) -> tuple[TargetServicer, ServiceMetrics
     admission, metrics = admission_and_metrics(config, "target")
     batcher = batcher_for(config, caches, profile, admission, metrics)
     info = model_info(loaded, "model", profile, config.max_batch)
-    return TargetServicer(Verifier(caches, loaded.vocab_size), info, batcher, admission), metrics
+    return TargetServicer(Verifier(caches, loaded.vocab_size), info, batcher, admission,
+                          config.logprobs_mode), metrics
 
 
 async def serve(config: TargetConfig) -> None:

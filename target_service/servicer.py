@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import time
 
-from specdec.errors import grpc_errors
+from specdec.core.logprobs import MAX_TOP_LOGPROBS
+from specdec.errors import InvalidArgument, grpc_errors
 from specdec.runtime.batching import Batcher
-from specdec.runtime.verifier import Verifier
+from specdec.runtime.verifier import LogprobRequest, Verifier
 from specdec.server.admission import Admission, deadline_of
 from specdec.server.model_service import ModelServicer
-from specdec.server.wire import probs_from_bytes, sampling_from_pb
+from specdec.server.wire import logprobs_to_pb, probs_from_bytes, sampling_from_pb
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
 
 
@@ -17,26 +18,33 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
     """Verify; Release, SaveSnapshot and GetInfo: `ModelServicer`."""
 
     def __init__(self, verifier: Verifier, info: common_pb2.ModelInfo, batcher: Batcher,
-                 admission: Admission) -> None:
+                 admission: Admission, logprobs_mode: str = "raw") -> None:
         super().__init__(info, admission, batcher)
         self.verifier = verifier
         self.batcher: Batcher = batcher
+        self.logprobs_mode = logprobs_mode
 
     @grpc_errors
     async def Verify(self, request: target_pb2.VerifyRequest, context):
         arrived = time.monotonic()
-        params = sampling_from_pb(request.sampling)
+        params = sampling_from_pb(request.sampling, self.info.vocab_size)
+        if request.top_logprobs > MAX_TOP_LOGPROBS or (request.top_logprobs and not request.logprobs):
+            raise InvalidArgument(f"top_logprobs must be 0..{MAX_TOP_LOGPROBS} and needs logprobs set, "
+                                  f"got {request.top_logprobs}")
+        logprobs = LogprobRequest(request.top_logprobs, self.logprobs_mode) if request.logprobs else None
         draft_tokens = list(request.draft_tokens)
         q = probs_from_bytes(request.draft_probs, len(draft_tokens), self.info.vocab_size)
         deadline = deadline_of(context)
         async with self.admission.slot(deadline, context):
             job = self.verifier.job(request.session_id, list(request.history), draft_tokens, q, params,
-                                    request.seed, deadline)
+                                    request.seed, deadline, logprobs)
             job.enqueued = arrived  # the queue wait includes the admission queue
             job.sent_unix_ns = request.sent_unix_ns
-            (verdict, prefilled), step = await self.batcher.run(job)
+            verified, step = await self.batcher.run(job)
+        verdict = verified.verdict
         return target_pb2.VerifyResponse(
             num_accepted=verdict.num_accepted, token_id=verdict.token, bonus=verdict.bonus,
-            compute_ns=step.compute_ns, prefill_tokens=prefilled, batch_size=step.batch_size,
+            compute_ns=step.compute_ns, prefill_tokens=verified.prefilled, batch_size=step.batch_size,
             queue_ns=step.queue_ns, batch_positions=step.positions,
+            logprobs=[logprobs_to_pb(entry) for entry in verified.logprobs],
         )

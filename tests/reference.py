@@ -58,5 +58,5 @@ def verify_alone(verifier: Verifier, session_id: str, history: list[int], draft_
     """Verify one block on its own (no batcher): the reference the batched path must equal."""
     job = verifier.job(session_id, history, draft_tokens, draft_probs, params, seed)
     logits, prefilled = verifier.caches.score(session_id, history, draft_tokens)  # [k+1, V]
-    (verdict, _), _ = job.advance(Scored(logits, prefilled), verifier.caches)
-    return verdict
+    verified, _ = job.advance(Scored(logits, prefilled), verifier.caches)
+    return verified.verdict

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from specdec.core.ngram import propose_ngram
+from specdec.core.processors import process_block
 from specdec.core.sampling import DRAFT_STREAM, SamplingParams, derive_generator, logits_to_probs, sample
 from specdec.runtime.batching import Job
 from specdec.runtime.kv import Scored, ScoreRequest, SessionCaches
@@ -46,15 +47,17 @@ class Proposer(Protocol):
 
 
 
-def draft_token(logits: torch.Tensor, params: SamplingParams,
+def draft_token(logits: torch.Tensor, context: list[int], params: SamplingParams,
                 generator: torch.Generator | None) -> tuple[int, np.ndarray | None]:
-    """The next draft token from the last row of `logits [n, V]`, and its q row when sampling."""
+    """The next draft token after `context` from the last row of `logits [n, V]`, and its q row when
+    sampling. The logits processors see `context` exactly as the target's row for this position will."""
+    last = process_block(logits[-1:], context, [], params)  # [1, V]
     if params.greedy:
-        return int(torch.argmax(logits[-1])), None
+        return int(torch.argmax(last[0])), None
     if generator is None:
         raise ValueError("sampling draws from the session's generator: pass one")
     # The sampling maths runs on the host in float64, so a seed draws the same tokens on any device.
-    q64 = logits_to_probs(logits[-1:].cpu(), params)[0]  # [V]
+    q64 = logits_to_probs(last.cpu(), params)[0]  # [V]
     return sample(q64, generator), q64.to(torch.float32).numpy()
 
 
@@ -73,7 +76,7 @@ class DraftJob(Job):
         return ScoreRequest(self.session_id, self.context, [])
 
     def advance(self, scored: Scored, caches: SessionCaches) -> tuple[DraftToken, bool]:
-        token, q = draft_token(scored.logits, self.params, self.generator)
+        token, q = draft_token(scored.logits, self.context, self.params, self.generator)
         self.context.append(token)
         return DraftToken(token, q, 0, scored.prefilled), len(self.context) >= self.target_length
 
@@ -94,7 +97,7 @@ class ModelProposer:
         for _ in range(k):
             start = time.perf_counter_ns()
             logits, prefilled = self.caches.score(session_id, context, [])  # [1, V]
-            token, q = draft_token(logits, params, generator)
+            token, q = draft_token(logits, context, params, generator)
             context.append(token)
             self.profile.pad(start, 1)
             yield DraftToken(token, q, time.perf_counter_ns() - start, prefilled)

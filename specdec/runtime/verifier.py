@@ -7,10 +7,14 @@ rows, with that session's own seeded generator, exactly as when the block is ver
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import numpy as np
 import torch
 
 from specdec.core.acceptance import Verdict, verify
+from specdec.core.logprobs import TokenLogprob, log_distribution, token_logprobs
+from specdec.core.processors import process_block
 from specdec.core.sampling import TARGET_STREAM, SamplingParams, derive_generator
 from specdec.errors import InvalidArgument
 from specdec.runtime.batching import Job
@@ -19,7 +23,8 @@ from specdec.runtime.kv import Scored, ScoreRequest, SessionCaches
 
 def accept_block(logits: torch.Tensor, history_length: int, draft_tokens: list[int], draft_probs: np.ndarray | None,
                  params: SamplingParams, seed: int) -> Verdict:
-    """The acceptance rule on a block's target logits `[k+1, V]`, with the session's generator."""
+    """The acceptance rule on a block's target logits `[k+1, V]` (already processed: see
+    `process_block`), with the session's generator."""
     if params.greedy:  # the argmax runs where the logits are; only k + 1 ids come back
         return verify(logits, draft_tokens, None, params, None)
     # The sampling maths runs on the host in float64, so a seed draws the same tokens on any device.
@@ -29,27 +34,57 @@ def accept_block(logits: torch.Tensor, history_length: int, draft_tokens: list[i
     return verify(logits, draft_tokens, q, params, generator)
 
 
+@dataclass(frozen=True)
+class LogprobRequest:
+    """What a verify call wants back besides its verdict: the emitted tokens' log-probabilities."""
+
+    top: int = 0  # alternatives per position (0..20)
+    mode: str = "raw"  # "raw" (the model's softmax) or "processed" (what the token was drawn from)
+
+
+@dataclass(frozen=True)
+class Verified:
+    verdict: Verdict
+    prefilled: int
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
 class VerifyJob(Job):
     """One block to verify: a single batched step, then the acceptance rule and the rollback."""
 
     def __init__(self, session_id: str, history: list[int], draft_tokens: list[int], draft_probs: np.ndarray | None,
-                 params: SamplingParams, seed: int, deadline: float | None = None) -> None:
+                 params: SamplingParams, seed: int, deadline: float | None = None,
+                 logprobs: LogprobRequest | None = None) -> None:
         super().__init__(session_id, deadline)
         self.history = history
         self.draft_tokens = draft_tokens
         self.draft_probs = draft_probs
         self.params = params
         self.seed = seed
+        self.logprobs = logprobs
 
     def request(self) -> ScoreRequest:
         return ScoreRequest(self.session_id, self.history, self.draft_tokens)
 
-    def advance(self, scored: Scored, caches: SessionCaches) -> tuple[tuple[Verdict, int], bool]:
-        verdict = accept_block(scored.logits, len(self.history), self.draft_tokens, self.draft_probs, self.params,
+    def advance(self, scored: Scored, caches: SessionCaches) -> tuple[Verified, bool]:
+        # Row i sees the history and the draft tokens before it, as the target alone would.
+        logits = process_block(scored.logits, self.history, self.draft_tokens, self.params)  # [k+1, V]
+        verdict = accept_block(logits, len(self.history), self.draft_tokens, self.draft_probs, self.params,
                                self.seed)
         # Keep only the accepted prefix; the emitted token is fed at the start of the next round.
         caches.rollback(self.session_id, len(self.history) + verdict.num_accepted)
-        return (verdict, scored.prefilled), True
+        return Verified(verdict, scored.prefilled, self._logprobs(scored.logits, logits, verdict)), True
+
+    def _logprobs(self, raw: torch.Tensor, processed: torch.Tensor, verdict: Verdict) -> list[TokenLogprob]:
+        """The emitted tokens' log-probabilities, from the rows of this pass that scored them."""
+        if self.logprobs is None:
+            return []
+        rows = verdict.num_accepted + 1
+        if self.logprobs.mode == "raw":
+            table = log_distribution(raw[:rows], None)
+        else:
+            table = log_distribution(processed[:rows], self.params)
+        return token_logprobs(table, verdict.emitted(self.draft_tokens), self.logprobs.top)
 
 
 class Verifier:
@@ -60,11 +95,15 @@ class Verifier:
         self.vocab_size = vocab_size
 
     def job(self, session_id: str, history: list[int], draft_tokens: list[int], draft_probs: np.ndarray | None,
-            params: SamplingParams, seed: int, deadline: float | None = None) -> VerifyJob:
+            params: SamplingParams, seed: int, deadline: float | None = None,
+            logprobs: LogprobRequest | None = None) -> VerifyJob:
         """A checked job for the batcher. draft_probs: `[k, V]` float32 q rows, or None."""
+        if params.output_start > len(history):
+            raise InvalidArgument(f"sampling.output_start={params.output_start} lies beyond the history "
+                                  f"({len(history)} tokens)")
         k = len(draft_tokens)
         if draft_probs is not None and draft_probs.shape != (k, self.vocab_size):
             raise InvalidArgument(
                 f"draft_probs has shape {tuple(draft_probs.shape)}, expected ({k}, {self.vocab_size})"
             )
-        return VerifyJob(session_id, history, draft_tokens, draft_probs, params, seed, deadline)
+        return VerifyJob(session_id, history, draft_tokens, draft_probs, params, seed, deadline, logprobs)

@@ -4,23 +4,40 @@ from __future__ import annotations
 
 import numpy as np
 
+from specdec.core.logprobs import TokenLogprob
 from specdec.core.sampling import SamplingParams
 from specdec.errors import InvalidArgument
 from specdec.v1 import common_pb2
 
 
-def sampling_from_pb(msg: common_pb2.SamplingParams) -> SamplingParams:
-    """Validated SamplingParams; top_p 0 (unset) means 1."""
-    params = SamplingParams(temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p or 1.0)
+def sampling_from_pb(msg: common_pb2.SamplingParams, vocab_size: int | None = None) -> SamplingParams:
+    """Validated SamplingParams; top_p and repetition_penalty 0 (unset) mean 1. With `vocab_size`,
+    token ids in logit_bias and end_token_ids must lie below it."""
+    params = SamplingParams(
+        temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p or 1.0, min_p=msg.min_p,
+        presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
+        repetition_penalty=msg.repetition_penalty or 1.0, logit_bias=tuple(msg.logit_bias.items()),
+        min_tokens=msg.min_tokens, end_token_ids=tuple(msg.end_token_ids), output_start=msg.output_start,
+    )
     try:
         params.validate()
     except ValueError as exc:
         raise InvalidArgument(str(exc)) from exc
+    if vocab_size is not None:
+        ids = [t for t, _ in params.logit_bias] + list(params.end_token_ids)
+        if ids and max(ids) >= vocab_size:
+            raise InvalidArgument(f"token id {max(ids)} in logit_bias or end_token_ids is outside the "
+                                  f"vocabulary (ids below {vocab_size})")
     return params
 
 
 def sampling_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
-    return common_pb2.SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
+    return common_pb2.SamplingParams(
+        temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, min_p=params.min_p,
+        presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty, logit_bias=dict(params.logit_bias),
+        min_tokens=params.min_tokens, end_token_ids=list(params.end_token_ids), output_start=params.output_start,
+    )
 
 
 def probs_to_bytes(rows: np.ndarray) -> bytes:
@@ -38,3 +55,8 @@ def probs_from_bytes(data: bytes, rows: int, vocab_size: int) -> np.ndarray | No
             f"draft_probs holds {len(data)} bytes, expected {expected} ({rows} rows x {vocab_size} float32)"
         )
     return np.frombuffer(data, dtype="<f4").reshape(rows, vocab_size)
+
+
+def logprobs_to_pb(entry: TokenLogprob) -> common_pb2.TokenLogprobs:
+    return common_pb2.TokenLogprobs(token_id=entry.token, logprob=entry.logprob, rank=entry.rank,
+                                    top_token_ids=[t for t, _ in entry.top], top_logprobs=[v for _, v in entry.top])

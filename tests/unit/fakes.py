@@ -102,7 +102,8 @@ class FakeTarget(_FakePool):
         self.gate = gate
         self.error: Exception | None = None  # raised by every verify when set
 
-    async def verify(self, session_id, history, proposal, params, seed, timeout=None) -> VerifyReply:
+    async def verify(self, session_id, history, proposal, params, seed, timeout=None,
+                     top_logprobs=None) -> VerifyReply:
         assert history == self.reference[:len(history)], "the loop sent a history the target did not write"
         self.calls.append((len(history), list(proposal.tokens)))
         if self.gate is not None:

@@ -115,7 +115,8 @@ async def test_concurrent_verification_equals_one_at_a_time(model, params):
     async def run(sid: str):
         history, verdicts = list(sessions[sid]), []
         for drafts in rounds[sid]:
-            (verdict, _), step = await batcher.run(verifier.job(sid, history, drafts, None, params, seed=7))
+            verified, step = await batcher.run(verifier.job(sid, history, drafts, None, params, seed=7))
+            verdict = verified.verdict
             sizes.append(step.batch_size)
             verdicts.append(verdict)
             history = history + drafts[: verdict.num_accepted] + [verdict.token]
@@ -293,7 +294,7 @@ def test_a_step_reports_the_positions_its_pass_scored(model):
             verifier.job("new", [5, 6, 7], [9], None, SamplingParams(), 0)]  # feeds 5, 6 (prefill), 7, 9
     outcomes = batcher._step(jobs)
     assert [step.positions for *_, step in outcomes] == [8, 8]  # 2 rows of 4
-    assert [result[1] for _, result, *_ in outcomes] == [0, 2]  # the prefills the verdicts report
+    assert [result.prefilled for _, result, *_ in outcomes] == [0, 2]  # the prefills the verdicts report
     long = [verifier.job("long", list(range(5, 45)), [7], None, SamplingParams(), 0),  # 39 prefilled
             verifier.job("warm", [5, 6, 7, 8, 9, 7], [1, 2, 3], None, SamplingParams(), 0)]  # 4
     assert [step.positions for *_, step in batcher._step(long)] == [0, 0]  # a prefill's cost is not a decode's
@@ -319,7 +320,8 @@ async def test_closed_loop_clients_share_passes_and_a_lone_client_never_waits(mo
         await asyncio.sleep(offset)
         history, steps = [5, 6], []
         for _ in range(rounds):
-            (verdict, _), step = await batcher.run(verifier.job(sid, history, [], None, greedy, 0))
+            verified, step = await batcher.run(verifier.job(sid, history, [], None, greedy, 0))
+            verdict = verified.verdict
             steps.append(step)
             history = history + [verdict.token]
             await asyncio.sleep(0.005)  # the orchestrator's turnaround

@@ -40,7 +40,7 @@ def test_a_resume_carries_only_the_session_and_the_count_held():
     (dict(stop=[""]), "each stop string must have 1 to"),
     (dict(prompt=""), "prompt is empty"),
     (dict(prompt="x" * 64), "the model's context holds 64"),
-    (dict(prompt=None), "set either prompt or messages"),
+    (dict(prompt=None), "set one of prompt, messages or token_ids"),
 ])
 def test_each_bad_field_is_named(fields, message):
     fields = {"prompt": "hi", **fields}

@@ -22,7 +22,7 @@ class FakeTarget:
         self.fail = fail
         self.calls: list[str] = []
 
-    async def verify(self, session_id, history, proposal, params, seed, timeout=None):
+    async def verify(self, session_id, history, proposal, params, seed, timeout=None, top_logprobs=None):
         self.calls.append(session_id)
         if self.fail:
             raise Unavailable(f"{self.address} is down")

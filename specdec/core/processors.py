@@ -1,0 +1,70 @@
+"""Logits processors that depend on the tokens before a position: pure functions, no I/O.
+
+Penalties, biases and `min_tokens` are part of the distribution a client asks for, so under
+speculation both sides apply them to every position of a block exactly as the target alone
+would have at that position: row `i` of a block sees the history and the block's tokens before
+`i`. The draft processes each `q` row over its own proposal so far; the target processes each
+`p` row over the history plus the draft tokens before it; a row is only used when every token
+before it was accepted, so the two always agree on the context (docs/maths.md, "Processors").
+
+Order, per row: `min_tokens` (the end tokens get -inf), `logit_bias` (added), the repetition
+penalty (over prompt and output, CTRL / transformers' `RepetitionPenaltyLogitsProcessor`), then
+the frequency and presence penalties (over the output only, as OpenAI defines them). Then
+`specdec.core.sampling.logits_to_probs` applies temperature, min-p, top-k and top-p.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Sequence
+
+import torch
+
+from specdec.core.sampling import SamplingParams
+
+
+def process_block(logits: torch.Tensor, history: Sequence[int], block: Sequence[int],
+                  params: SamplingParams) -> torch.Tensor:
+    """Logits `[N, V]` for the positions after `history + block[:i]`, i = 0..N-1, processed.
+
+    `history` is everything before the block (prompt, earlier turns and output);
+    `params.output_start` says where in it the output begins. `block` needs at least N - 1
+    tokens. Returns a new tensor (the input is not changed); unchanged when no processor is on.
+    """
+    assert logits.ndim == 2, f"logits must be [N, V], got {tuple(logits.shape)}"
+    n, v = logits.shape
+    assert len(block) >= n - 1, f"{n} rows need {n - 1} block tokens, got {len(block)}"
+    if not params.processed:
+        return logits
+    x = logits.clone()
+    output = Counter(int(t) for t in history[params.output_start:])  # token -> times in the output
+    seen = set(int(t) for t in history) if params.repetition_penalty != 1.0 else set()
+    produced = max(len(history) - params.output_start, 0)
+    dev = x.device
+    bias_ids = torch.tensor([t for t, _ in params.logit_bias if t < v], dtype=torch.long, device=dev)
+    bias = torch.tensor([b for t, b in params.logit_bias if t < v], dtype=x.dtype, device=dev)
+    ends = torch.tensor([t for t in params.end_token_ids if t < v], dtype=torch.long, device=dev)
+    for i in range(n):
+        if i > 0:  # the block's token before this row joins the context
+            token = int(block[i - 1])
+            output[token] += 1
+            produced += 1
+            if params.repetition_penalty != 1.0:
+                seen.add(token)
+        row = x[i]  # [V], a view: the updates below write into x
+        if params.min_tokens and produced < params.min_tokens and len(ends):
+            row[ends] = -math.inf
+        if len(bias_ids):
+            row[bias_ids] += bias
+        if seen:
+            ids = torch.tensor([t for t in sorted(seen) if t < v], dtype=torch.long, device=dev)
+            values = row[ids]
+            r = params.repetition_penalty
+            row[ids] = torch.where(values > 0, values / r, values * r)
+        if output and (params.frequency_penalty or params.presence_penalty):
+            pairs = [(t, c) for t, c in output.items() if t < v]
+            ids = torch.tensor([t for t, _ in pairs], dtype=torch.long, device=dev)
+            counts = torch.tensor([c for _, c in pairs], dtype=x.dtype, device=dev)
+            row[ids] -= params.frequency_penalty * counts + params.presence_penalty
+    return x
