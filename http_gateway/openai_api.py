@@ -26,9 +26,10 @@ from typing import Any, Literal
 import grpc
 from pydantic import BaseModel, ConfigDict, Field
 
-from specdec.client import Chunk
+from specdec.client import Chunk, Logprob
 
 MAX_SEED = 2**64 - 1
+MAX_TOP_LOGPROBS = 20  # as the orchestrator allows (specdec.core.logprobs)
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
@@ -69,8 +70,14 @@ class _Request(BaseModel):
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
     logit_bias: dict[str, float] | None = None
-    # specdec extensions
+    # extensions, as vLLM names them
     top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = False
+    stop_token_ids: list[int] | None = None
+    # specdec extensions
     draft_length: int | Literal["auto"] | None = None
     session_id: str | None = None
     # accepted and ignored by design: they describe the caller, not the generation
@@ -122,14 +129,20 @@ def _refuse(param: str, why: str) -> ApiError:
     return ApiError(400, f"{param}: {why}", param=param, code="unsupported_parameter")
 
 
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI sends the token ids of `logit_bias` as JSON object keys (strings)."""
+    if not bias:
+        return None
+    try:
+        return {int(token): float(value) for token, value in bias.items()}
+    except ValueError:
+        raise ApiError(400, "logit_bias keys must be token ids (integers as strings)", param="logit_bias",
+                       code="invalid_value") from None
+
+
 def _common_kwargs(req: _Request, max_tokens: int | None, default_temperature: float) -> dict[str, Any]:
     if req.n not in (None, 1):
         raise _refuse("n", f"only n=1 is supported (one choice per request), got {req.n}")
-    if req.presence_penalty or req.frequency_penalty:
-        raise _refuse("presence_penalty" if req.presence_penalty else "frequency_penalty",
-                      "penalties would change the target distribution; speculative decoding keeps it exact")
-    if req.logit_bias:
-        raise _refuse("logit_bias", "not supported")
     if req.seed is not None and not 0 <= req.seed <= MAX_SEED:
         raise ApiError(400, f"seed must be between 0 and {MAX_SEED}, got {req.seed}", param="seed",
                        code="invalid_value")
@@ -138,27 +151,36 @@ def _common_kwargs(req: _Request, max_tokens: int | None, default_temperature: f
         max_new_tokens=max_tokens,
         temperature=req.temperature if req.temperature is not None else default_temperature,
         top_p=req.top_p, top_k=req.top_k, seed=req.seed, stop=stop, draft_length=req.draft_length,
-        session_id=req.session_id or "",
+        session_id=req.session_id or "", presence_penalty=req.presence_penalty or None,
+        frequency_penalty=req.frequency_penalty or None, logit_bias=_logit_bias(req.logit_bias), min_p=req.min_p,
+        repetition_penalty=req.repetition_penalty, min_tokens=req.min_tokens, ignore_eos=bool(req.ignore_eos),
+        stop_token_ids=list(req.stop_token_ids or ()),
     )
 
 
 def completion_kwargs(req: CompletionRequest, default_temperature: float = 1.0) -> dict[str, Any]:
     """Keyword arguments of `specdec.client.build_request` for a /v1/completions request."""
     prompt = req.prompt
-    if isinstance(prompt, list):
-        if len(prompt) != 1 or not isinstance(prompt[0], str):
-            raise _refuse("prompt", "send one prompt string (batches and token-id prompts are not supported)")
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):  # a batch: texts or id lists
+        if len(prompt) != 1:
+            raise _refuse("prompt", "send one prompt per request (batches of prompts are not supported)")
         prompt = prompt[0]
+    if isinstance(prompt, list) and not prompt:
+        raise ApiError(400, "prompt is empty", param="prompt", code="invalid_value")
     if req.echo:
         raise _refuse("echo", "not supported")
     if req.best_of not in (None, 1):
         raise _refuse("best_of", "only best_of=1 is supported")
     if req.suffix:
         raise _refuse("suffix", "not supported")
-    if req.logprobs:
-        raise _refuse("logprobs", "not supported")
+    logprobs = {}
+    if req.logprobs is not None:
+        if not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
+            raise ApiError(400, f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {req.logprobs}",
+                           param="logprobs", code="invalid_value")
+        logprobs = dict(logprobs=True, top_logprobs=req.logprobs)
     max_tokens = req.max_tokens if req.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
-    return dict(prompt=prompt, **_common_kwargs(req, max_tokens, default_temperature))
+    return dict(prompt=prompt, **_common_kwargs(req, max_tokens, default_temperature), **logprobs)
 
 
 def _text_of(i: int, message: Message) -> str:
@@ -176,8 +198,12 @@ def _text_of(i: int, message: Message) -> str:
 
 def chat_kwargs(req: ChatRequest, default_temperature: float = 1.0) -> dict[str, Any]:
     """Keyword arguments of `specdec.client.build_request` for a /v1/chat/completions request."""
-    if req.logprobs or req.top_logprobs:
-        raise _refuse("logprobs", "not supported")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
+    if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise ApiError(400, f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {req.top_logprobs}",
+                       param="top_logprobs", code="invalid_value")
+    logprobs = dict(logprobs=True, top_logprobs=req.top_logprobs or 0) if req.logprobs else {}
     if req.tools or req.functions:
         raise _refuse("tools" if req.tools else "functions", "tool calling is not supported")
     if req.function_call is not None:
@@ -196,7 +222,7 @@ def chat_kwargs(req: ChatRequest, default_temperature: float = 1.0) -> dict[str,
                            param=f"messages[{i}].role", code="invalid_value")
         messages.append({"role": role, "content": _text_of(i, m)})
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    return dict(messages=messages, **_common_kwargs(req, max_tokens, default_temperature))
+    return dict(messages=messages, **_common_kwargs(req, max_tokens, default_temperature), **logprobs)
 
 
 # -- responses ----------------------------------------------------------------------------------
@@ -223,27 +249,62 @@ def usage(stats: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _top(entry: Logprob) -> list[dict[str, Any]]:
+    return [{"token": text, "logprob": value, "bytes": list(text.encode())} for _, text, value in entry.top]
+
+
+def chat_logprobs(entries: list[Logprob]) -> dict[str, Any]:
+    """Chat's `logprobs`: each token with its log-probability, bytes and top alternatives."""
+    return {"content": [{"token": e.token, "logprob": e.logprob, "bytes": list(e.token.encode()),
+                         "top_logprobs": _top(e)} for e in entries], "refusal": None}
+
+
+def completion_logprobs(entries: list[Logprob], text_offset: int) -> dict[str, Any]:
+    """The legacy completions `logprobs`: parallel lists, the top alternatives as {token: logprob}
+    (the sampled token always among them, as OpenAI does), each token's offset in the text."""
+    offsets, at = [], text_offset
+    for e in entries:
+        offsets.append(at)
+        at += len(e.token)
+    return {"tokens": [e.token for e in entries], "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{**{text: value for _, text, value in e.top}, e.token: e.logprob} for e in entries],
+            "text_offset": offsets}
+
+
 class Reply:
     """Builds the JSON objects of one response (its id and creation time fixed up front)."""
 
-    def __init__(self, kind: Literal["completion", "chat"], model: str) -> None:
+    def __init__(self, kind: Literal["completion", "chat"], model: str, logprobs: bool = False) -> None:
         self.kind = kind
         self.model = model
+        self.logprobs = logprobs
         self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
+        self._offset = 0  # of the next token's text (completions' text_offset)
+
+    def _logprobs(self, entries: list[Logprob]) -> dict[str, Any] | None:
+        if not self.logprobs:
+            return None
+        if self.kind == "chat":
+            return chat_logprobs(entries)
+        out = completion_logprobs(entries, self._offset)
+        self._offset += sum(len(e.token) for e in entries)
+        return out
 
     def _envelope(self, obj: str, session_id: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "specdec": {"session_id": session_id}}
 
-    def whole(self, text: str, finish_reason: str | None, stats: dict[str, Any], session_id: str) -> dict[str, Any]:
+    def whole(self, text: str, finish_reason: str | None, stats: dict[str, Any], session_id: str,
+              logprobs: list[Logprob] = ()) -> dict[str, Any]:
         """The non-streaming answer."""
         if self.kind == "chat":
             choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "finish_reason": FINISH[finish_reason], "logprobs": None}
+                      "finish_reason": FINISH[finish_reason], "logprobs": self._logprobs(list(logprobs))}
             out = self._envelope("chat.completion", session_id)
         else:
-            choice = {"index": 0, "text": text, "finish_reason": FINISH[finish_reason], "logprobs": None}
+            choice = {"index": 0, "text": text, "finish_reason": FINISH[finish_reason],
+                      "logprobs": self._logprobs(list(logprobs))}
             out = self._envelope("text_completion", session_id)
         return {**out, "choices": [choice], "usage": usage(stats)}
 
@@ -257,10 +318,11 @@ class Reply:
         finish = FINISH[chunk.finish_reason]
         if self.kind == "chat":
             choice = {"index": 0, "delta": {"content": chunk.text} if chunk.text else {}, "finish_reason": finish,
-                      "logprobs": None}
+                      "logprobs": self._logprobs(chunk.logprobs)}
             out = self._envelope("chat.completion.chunk", chunk.session_id)
         else:
-            choice = {"index": 0, "text": chunk.text, "finish_reason": finish, "logprobs": None}
+            choice = {"index": 0, "text": chunk.text, "finish_reason": finish,
+                      "logprobs": self._logprobs(chunk.logprobs)}
             out = self._envelope("text_completion", chunk.session_id)
         return {**out, "choices": [choice]}
 

@@ -51,11 +51,26 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+    refusal: None
+
+
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     finish_reason: Literal["stop", "length"] | None
-    logprobs: None
+    logprobs: ChatLogprobs | None
 
 
 class ChatCompletion(BaseModel):
@@ -68,11 +83,18 @@ class ChatCompletion(BaseModel):
     specdec: Specdec
 
 
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     finish_reason: Literal["stop", "length"] | None
-    logprobs: None
+    logprobs: CompletionLogprobs | None
 
 
 class Completion(BaseModel):

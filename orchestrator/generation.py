@@ -165,7 +165,8 @@ class Orchestrator:
         """A round's chunk; the last one also ends the generation (prior, snapshots, stats)."""
         gen, sent = state.generation, offset + len(kept)
         chunk = pb.GenerateChunk(session_id=state.session_id, token_ids=kept, round=rnd.stats,
-                                 finish_reason=gen.finish, offset=offset, logprobs=rnd.logprobs[:len(kept)])
+                                 finish_reason=gen.finish, offset=offset,
+                                 logprobs=[self._named(entry) for entry in rnd.logprobs[:len(kept)]])
         self.metrics.observe_round(rnd.stats)
         timer.observe_chunk(len(kept))
         if not gen.finish:
@@ -178,6 +179,13 @@ class Orchestrator:
         chunk.stats.CopyFrom(generation_stats(gen, sent, state.seed))
         timer.observe_finish(finish_label(gen.finish), chunk.stats.prompt_tokens, sent)
         return chunk
+
+    def _named(self, entry: common_pb2.TokenLogprobs) -> common_pb2.TokenLogprobs:
+        """A log-probability entry with the text of its tokens (each decoded alone)."""
+        decode = self.tokenizer.decode
+        entry.token = decode([entry.token_id])
+        entry.top_tokens[:] = [decode([t]) for t in entry.top_token_ids]
+        return entry
 
     # -- sessions and caches ----------------------------------------------------------------
 

@@ -134,13 +134,15 @@ class Logprob:
     likely (token id, log-probability) alternatives there, most likely first."""
 
     token_id: int
+    token: str  # its text, decoded alone
     logprob: float
     rank: int
-    top: list[tuple[int, float]] = field(default_factory=list)
+    top: list[tuple[int, str, float]] = field(default_factory=list)  # (token id, text, logprob)
 
 
 def logprob_from_pb(msg: common_pb2.TokenLogprobs) -> Logprob:
-    return Logprob(msg.token_id, msg.logprob, msg.rank, list(zip(msg.top_token_ids, msg.top_logprobs)))
+    return Logprob(msg.token_id, msg.token, msg.logprob, msg.rank,
+                   list(zip(msg.top_token_ids, msg.top_tokens, msg.top_logprobs)))
 
 
 @dataclass

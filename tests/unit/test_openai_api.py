@@ -19,7 +19,7 @@ from http_gateway.openai_api import (
     validation_error,
 )
 from specdec import errors
-from specdec.client import Chunk, build_request
+from specdec.client import Chunk, Logprob, build_request
 
 STATS = {"prompt_tokens": 7, "completion_tokens": 5, "rounds": 3, "draft_tokens": 8, "accepted_tokens": 2,
          "acceptance_rate": 0.25, "mean_accepted_length": 1.67, "draft_fallbacks": 0,
@@ -59,19 +59,20 @@ def test_chat_request_to_generate_request():
 @pytest.mark.parametrize("build,param", [
     (lambda: completion_kwargs(CompletionRequest(model="m", prompt="x", n=2)), "n"),
     (lambda: completion_kwargs(CompletionRequest(model="m", prompt=["a", "b"])), "prompt"),
-    (lambda: completion_kwargs(CompletionRequest(model="m", prompt=[1, 2])), "prompt"),
-    (lambda: completion_kwargs(CompletionRequest(model="m", prompt="x", echo=True)), "echo"),
-    (lambda: completion_kwargs(CompletionRequest(model="m", prompt="x", logprobs=2)), "logprobs"),
+    (lambda: completion_kwargs(CompletionRequest(model="m", prompt=[[1, 2], [3]])), "prompt"),
+    (lambda: completion_kwargs(CompletionRequest(model="m", prompt=[])), "prompt"),
+    (lambda: completion_kwargs(CompletionRequest(model="m", prompt="x", logprobs=21)), "logprobs"),
     (lambda: completion_kwargs(CompletionRequest(model="m", prompt="x", best_of=3)), "best_of"),
-    (lambda: completion_kwargs(CompletionRequest(model="m", prompt="x", presence_penalty=1)), "presence_penalty"),
-    (lambda: completion_kwargs(CompletionRequest(model="m", prompt="x", logit_bias={"5": 1})), "logit_bias"),
+    (lambda: completion_kwargs(CompletionRequest(model="m", prompt="x", logit_bias={"a": 1})), "logit_bias"),
     (lambda: completion_kwargs(CompletionRequest(model="m", prompt="x", seed=-5)), "seed"),
     (lambda: completion_kwargs(CompletionRequest(model="m", prompt="x", seed=2**64)), "seed"),
     (lambda: chat_kwargs(ChatRequest(model="m", messages=[{"role": "tool", "content": "x"}])), "messages[0].role"),
     (lambda: chat_kwargs(ChatRequest(model="m", messages=[{"role": "user", "content": [{"type": "image_url"}]}])),
      "messages[0].content"),
-    (lambda: chat_kwargs(ChatRequest(model="m", messages=[{"role": "user", "content": "x"}], logprobs=True)),
-     "logprobs"),
+    (lambda: chat_kwargs(ChatRequest(model="m", messages=[{"role": "user", "content": "x"}], top_logprobs=2)),
+     "top_logprobs"),
+    (lambda: chat_kwargs(ChatRequest(model="m", messages=[{"role": "user", "content": "x"}], logprobs=True,
+                                     top_logprobs=21)), "top_logprobs"),
     (lambda: chat_kwargs(ChatRequest(model="m", messages=[{"role": "user", "content": "x"}], tools=[{}])), "tools"),
     (lambda: chat_kwargs(ChatRequest(model="m", messages=[{"role": "user", "content": "x"}], functions=[{}])),
      "functions"),
@@ -196,3 +197,33 @@ def test_fields_openai_clients_send_are_accepted():
     assert chat_kwargs(chat)["messages"] == [{"role": "user", "content": "x"}]
     completion = CompletionRequest(model="m", prompt="x", user="u", metadata={"k": "v"})
     assert completion_kwargs(completion)["prompt"] == "x"
+
+
+def test_processors_logprobs_and_token_prompts_reach_the_request():
+    kwargs = completion_kwargs(CompletionRequest(
+        model="m", prompt=[[5, 6, 7]], logprobs=0, presence_penalty=0.5, frequency_penalty=-1, logit_bias={"9": -100},
+        min_p=0.1, repetition_penalty=1.2, min_tokens=3, ignore_eos=True, stop_token_ids=[4]))
+    msg = build_request(**kwargs)
+    assert list(msg.token_ids.ids) == [5, 6, 7] and msg.logprobs and msg.top_logprobs == 0
+    assert (msg.presence_penalty, msg.frequency_penalty, dict(msg.logit_bias)) == (0.5, -1.0, {9: -100.0})
+    assert abs(msg.min_p - 0.1) < 1e-7 and abs(msg.repetition_penalty - 1.2) < 1e-6 and msg.min_tokens == 3
+    assert msg.ignore_eos and list(msg.stop_token_ids) == [4]
+    chat = chat_kwargs(ChatRequest(model="m", messages=[{"role": "user", "content": "x"}], logprobs=True,
+                                   top_logprobs=3))
+    assert build_request(**chat).top_logprobs == 3
+    plain = build_request(**chat_kwargs(ChatRequest(model="m", messages=[{"role": "user", "content": "x"}])))
+    assert not plain.logprobs and not plain.HasField("presence_penalty") and not plain.HasField("min_tokens")
+
+
+def test_logprobs_in_openais_shapes():
+    entries = [Logprob(7, " a", -0.25, 1, [(7, " a", -0.25), (8, "b", -2.0)]), Logprob(9, "bc", -3.0, 4, [])]
+    chat = Reply("chat", "m", logprobs=True).whole(" abc", "eos", {}, "s", entries)["choices"][0]["logprobs"]
+    assert chat["content"][0] == {"token": " a", "logprob": -0.25, "bytes": [32, 97], "top_logprobs": [
+        {"token": " a", "logprob": -0.25, "bytes": [32, 97]}, {"token": "b", "logprob": -2.0, "bytes": [98]}]}
+    reply = Reply("completion", "m", logprobs=True)
+    first = reply.delta(Chunk("s", [7], " a", {}, logprobs=entries[:1]))["choices"][0]["logprobs"]
+    second = reply.delta(Chunk("s", [9], "bc", {}, logprobs=entries[1:]))["choices"][0]["logprobs"]
+    assert first == {"tokens": [" a"], "token_logprobs": [-0.25], "top_logprobs": [{" a": -0.25, "b": -2.0}],
+                     "text_offset": [0]}
+    assert second["text_offset"] == [2] and second["top_logprobs"] == [{"bc": -3.0}]
+    assert Reply("chat", "m").whole("x", "eos", {}, "s", entries)["choices"][0]["logprobs"] is None
