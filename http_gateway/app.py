@@ -188,7 +188,8 @@ class Gateway:
                 out = await unless_disconnected(request, self.client.generate(**kwargs))
             except (SpecdecError, ValueError, TypeError) as exc:
                 raise api_error(exc) from None
-            return reply.whole(out.text, out.finish_reason, out.stats, out.session_id, out.logprobs)
+            return reply.whole(out.text, out.finish_reason, out.stats, out.session_id, out.logprobs,
+                               out.prompt_logprobs)
         try:
             chunks = self.client.stream(**kwargs)
         except (ValueError, TypeError) as exc:
@@ -211,7 +212,7 @@ class Gateway:
                 yield event(reply.opening(first.session_id))
             chunk: Chunk | None = first
             while chunk is not None:
-                if chunk.text or chunk.finish_reason or (reply.logprobs and chunk.token_ids):
+                if chunk.text or chunk.finish_reason or chunk.prompt_logprobs or (reply.logprobs and chunk.token_ids):
                     yield event(reply.delta(chunk))
                 stats = chunk.stats or stats
                 chunk = await anext(chunks, None)
@@ -296,8 +297,8 @@ def create_app(config: GatewayConfig, metrics: GatewayMetrics | None = None) -> 
         model = await gateway.check_model(body.model, token)
         kwargs = dict(completion_kwargs(body, config.default_temperature), token=token or "")
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await gateway.respond(request, Reply("completion", model, "logprobs" in kwargs), kwargs,
-                                     bool(body.stream), include_usage)
+        reply = Reply("completion", model, body.logprobs is not None, kwargs["prompt"] if body.echo else None)
+        return await gateway.respond(request, reply, kwargs, bool(body.stream), include_usage)
 
     @app.post("/v1/chat/completions", responses=openapi.generation_responses(openapi.ChatCompletion))
     async def chat_completions(body: ChatRequest, request: Request):

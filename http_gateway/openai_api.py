@@ -167,19 +167,22 @@ def completion_kwargs(req: CompletionRequest, default_temperature: float = 1.0) 
         prompt = prompt[0]
     if isinstance(prompt, list) and not prompt:
         raise ApiError(400, "prompt is empty", param="prompt", code="invalid_value")
-    if req.echo:
-        raise _refuse("echo", "not supported")
     if req.best_of not in (None, 1):
         raise _refuse("best_of", "only best_of=1 is supported")
     if req.suffix:
         raise _refuse("suffix", "not supported")
-    logprobs = {}
+    logprobs: dict[str, Any] = {}
     if req.logprobs is not None:
         if not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
             raise ApiError(400, f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {req.logprobs}",
                            param="logprobs", code="invalid_value")
         logprobs = dict(logprobs=True, top_logprobs=req.logprobs)
+    if req.echo:  # the prompt's tokens come back scored (their texts make the echo of a token-id prompt)
+        logprobs = dict(logprobs=req.logprobs is not None, top_logprobs=req.logprobs or 0, prompt_logprobs=True)
     max_tokens = req.max_tokens if req.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
+    if max_tokens == 0 and not req.echo:
+        raise ApiError(400, "max_tokens must be at least 1 (0 is for scoring the prompt: with echo)",
+                       param="max_tokens", code="invalid_value")
     return dict(prompt=prompt, **_common_kwargs(req, max_tokens, default_temperature), **logprobs)
 
 
@@ -261,23 +264,30 @@ def chat_logprobs(entries: list[Logprob]) -> dict[str, Any]:
 
 def completion_logprobs(entries: list[Logprob], text_offset: int) -> dict[str, Any]:
     """The legacy completions `logprobs`: parallel lists, the top alternatives as {token: logprob}
-    (the sampled token always among them, as OpenAI does), each token's offset in the text."""
+    (the sampled token always among them, as OpenAI does), each token's offset in the text. A
+    sequence's first token (rank 0: nothing precedes it) has null for both, as OpenAI's echo."""
     offsets, at = [], text_offset
     for e in entries:
         offsets.append(at)
         at += len(e.token)
-    return {"tokens": [e.token for e in entries], "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{**{text: value for _, text, value in e.top}, e.token: e.logprob} for e in entries],
+    return {"tokens": [e.token for e in entries],
+            "token_logprobs": [e.logprob if e.rank else None for e in entries],
+            "top_logprobs": [{**{text: value for _, text, value in e.top}, e.token: e.logprob} if e.rank else None
+                             for e in entries],
             "text_offset": offsets}
 
 
 class Reply:
     """Builds the JSON objects of one response (its id and creation time fixed up front)."""
 
-    def __init__(self, kind: Literal["completion", "chat"], model: str, logprobs: bool = False) -> None:
+    def __init__(self, kind: Literal["completion", "chat"], model: str, logprobs: bool = False,
+                 echo: str | list[int] | None = None) -> None:
+        """`echo`: the completion's prompt, to put before its text (a token-id prompt's text is
+        that of its scored tokens)."""
         self.kind = kind
         self.model = model
         self.logprobs = logprobs
+        self.echo = echo
         self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self._offset = 0  # of the next token's text (completions' text_offset)
@@ -295,9 +305,18 @@ class Reply:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "specdec": {"session_id": session_id}}
 
+    def _echoed(self, text: str, prompt_logprobs: list[Logprob], logprobs: list[Logprob]
+                ) -> tuple[str, list[Logprob]]:
+        """With echo: the prompt's text before `text`, and its tokens before `logprobs`."""
+        if self.echo is None or not prompt_logprobs:
+            return text, logprobs
+        prompt = self.echo if isinstance(self.echo, str) else "".join(e.token for e in prompt_logprobs)
+        return prompt + text, list(prompt_logprobs) + list(logprobs)
+
     def whole(self, text: str, finish_reason: str | None, stats: dict[str, Any], session_id: str,
-              logprobs: list[Logprob] = ()) -> dict[str, Any]:
+              logprobs: list[Logprob] = (), prompt_logprobs: list[Logprob] = ()) -> dict[str, Any]:
         """The non-streaming answer."""
+        text, logprobs = self._echoed(text, list(prompt_logprobs), list(logprobs))
         if self.kind == "chat":
             choice = {"index": 0, "message": {"role": "assistant", "content": text},
                       "finish_reason": FINISH[finish_reason], "logprobs": self._logprobs(list(logprobs))}
@@ -321,8 +340,8 @@ class Reply:
                       "logprobs": self._logprobs(chunk.logprobs)}
             out = self._envelope("chat.completion.chunk", chunk.session_id)
         else:
-            choice = {"index": 0, "text": chunk.text, "finish_reason": finish,
-                      "logprobs": self._logprobs(chunk.logprobs)}
+            text, logprobs = self._echoed(chunk.text, chunk.prompt_logprobs, chunk.logprobs)
+            choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": self._logprobs(logprobs)}
             out = self._envelope("text_completion", chunk.session_id)
         return {**out, "choices": [choice]}
 

@@ -49,6 +49,15 @@ class VerifyReply:
         return draft_tokens[:self.num_accepted] + [self.token_id]
 
 
+@dataclass
+class ScoreReply:
+    """Log-probabilities of scored tokens (common_pb2.TokenLogprobs each), with timing."""
+
+    logprobs: list
+    wall_ns: int
+    compute_ns: int
+
+
 class DraftUnavailable(Exception):
     """The draft failed or timed out; the round falls back to plain decoding."""
 
@@ -167,3 +176,24 @@ class TargetBackend(_ModelBackend):
         return VerifyReply(reply.num_accepted, reply.token_id, reply.bonus,
                        time.perf_counter_ns() - start, reply.compute_ns, reply.queue_ns, max(1, reply.batch_size),
                        reply.batch_positions, reply.prefill_tokens, list(reply.logprobs))
+
+    async def score(self, session_id: str, tokens: list[int], start: int, top: int, params: SamplingParams | None,
+                    timeout: float | None = None) -> ScoreReply:
+        """Log-probabilities of tokens[start:] (start >= 1), each after the tokens before it, from one
+        pass that also leaves them in the session's cache. `params` None: the raw distribution;
+        else the one the service's --logprobs-mode names under `params`."""
+        begin = time.perf_counter_ns()
+        request = target_pb2.ScoreTokensRequest(
+            session_id=session_id, tokens=tokens, start=start, top_logprobs=top, raw=params is None,
+            sampling=sampling_to_pb(params) if params is not None else None, sent_unix_ns=time.time_ns())
+        try:
+            reply = await self.stub.ScoreTokens(request, timeout=self._timeout(timeout))
+        except grpc.aio.AioRpcError as exc:
+            error = self._failure(exc, (grpc.StatusCode.INVALID_ARGUMENT,), timeout, "the target scored")
+            if isinstance(error, Cancelled):
+                raise Released(str(error)) from exc
+            if isinstance(error, Unavailable):
+                raise Unavailable(f"target service at {self.address} failed ({error}); "
+                                  "the session is kept, retry the request") from exc
+            raise error from exc
+        return ScoreReply(list(reply.logprobs), time.perf_counter_ns() - begin, reply.compute_ns)

@@ -113,10 +113,15 @@ class Orchestrator:
         yield pb.GenerateChunk(session_id=state.session_id, offset=sent)  # header: the session is recorded
         text = TextStream(self.tokenizer, gen.stop)
         if spec.resume_from is not None:
-            for chunk in self._catch_up(state, text, sent, timer):
+            for chunk in await self._catch_up(state, text, sent, timer, deadline):
                 yield chunk
                 sent = len(state.tokens) - gen.start
             if gen.finish:
+                return
+        elif spec.prompt_logprobs:
+            yield await self._prompt_chunk(state, spec.top_logprobs, deadline)
+            if gen.max_new_tokens == 0:  # scoring only
+                yield await self._score_only_end(state, timer)
                 return
         drafting = self.draft is not None
         lengths = await DraftLength.of(state, drafting, self.store, self.policy_config)
@@ -142,9 +147,33 @@ class Orchestrator:
         finally:
             speculator.close()
 
-    def _catch_up(self, state: SessionState, text: TextStream, sent: int, timer) -> list[pb.GenerateChunk]:
+    async def _prompt_chunk(self, state: SessionState, top: int, deadline: float | None) -> pb.GenerateChunk:
+        """The input's log-probabilities (raw), scored in one target pass that also prefills its cache."""
+        gen = state.generation
+        first = gen.start - gen.input_tokens
+        start = max(first, 1)
+        reply = await self.target.score(state.session_id, state.tokens[:gen.start], start, top, None,
+                                        timeout=None if deadline is None else deadline - time.monotonic())
+        entries = list(reply.logprobs)
+        if first == 0:  # nothing precedes a session's first token: rank 0, no log-probability
+            entries.insert(0, common_pb2.TokenLogprobs(token_id=state.tokens[0]))
+        return pb.GenerateChunk(session_id=state.session_id, prompt_logprobs=[self._named(e) for e in entries])
+
+    async def _score_only_end(self, state: SessionState, timer) -> pb.GenerateChunk:
+        """The end of a request that asked for no new tokens (max_new_tokens 0 with prompt_logprobs)."""
+        gen = state.generation
+        gen.finish, gen.lease_until = pb.FINISH_REASON_LENGTH, 0.0
+        await self.store.save(state, [])
+        chunk = pb.GenerateChunk(session_id=state.session_id, finish_reason=gen.finish,
+                                 stats=generation_stats(gen, 0, state.seed))
+        timer.observe_finish(finish_label(gen.finish), gen.prompt_tokens, 0)
+        return chunk
+
+    async def _catch_up(self, state: SessionState, text: TextStream, sent: int, timer,
+                        deadline: float | None) -> list[pb.GenerateChunk]:
         """A resume: catch the detokenizer up to what the client holds, then send what it lacks
-        (nothing when it holds all of a generation still running)."""
+        (nothing when it holds all of a generation still running), with log-probabilities when the
+        generation asked for them (the target scores the tokens again: the rounds' are not kept)."""
         gen = state.generation
         produced = state.tokens[gen.start:]
         push_text(text, produced[:sent], self.eos_ids)
@@ -154,6 +183,11 @@ class Orchestrator:
         push_text(text, produced[sent:], self.eos_ids)
         chunk = pb.GenerateChunk(session_id=state.session_id, token_ids=produced[sent:], offset=sent,
                                  finish_reason=gen.finish, text=text.release(final=bool(gen.finish)))
+        if gen.top_logprobs is not None:
+            reply = await self.target.score(state.session_id, state.tokens, gen.start + sent, gen.top_logprobs,
+                                            SamplingParams(**state.sampling),
+                                            timeout=None if deadline is None else deadline - time.monotonic())
+            chunk.logprobs.extend(self._named(e) for e in reply.logprobs)
         if gen.finish:
             chunk.stats.CopyFrom(generation_stats(gen, len(produced), state.seed))
             timer.observe_finish(finish_label(gen.finish), gen.prompt_tokens, len(produced) - sent)

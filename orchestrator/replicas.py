@@ -35,6 +35,7 @@ from orchestrator.backends import (
     DraftReply,
     DraftUnavailable,
     Released,
+    ScoreReply,
     TargetBackend,
     VerifyReply,
 )
@@ -112,6 +113,9 @@ class Targets(Pool, Protocol):
 
     async def verify(self, session_id: str, history: list[int], proposal: DraftReply, params: SamplingParams,
                      seed: int, timeout: float | None = None, top_logprobs: int | None = None) -> VerifyReply: ...
+
+    async def score(self, session_id: str, tokens: list[int], start: int, top: int, params: SamplingParams | None,
+                    timeout: float | None = None) -> ScoreReply: ...
 
 
 class Drafts(Pool, Protocol):
@@ -321,6 +325,17 @@ class TargetPool(ReplicaPool[TargetBackend]):
 
     async def verify(self, session_id: str, history: list[int], proposal: DraftReply, params: SamplingParams,
                      seed: int, timeout: float | None = None, top_logprobs: int | None = None) -> VerifyReply:
+        return await self._call(session_id, "verify", lambda backend: backend.verify(
+            session_id, history, proposal, params, seed, timeout, top_logprobs))
+
+    async def score(self, session_id: str, tokens: list[int], start: int, top: int, params: SamplingParams | None,
+                    timeout: float | None = None) -> ScoreReply:
+        """The log-probabilities of tokens[start:] after what precedes each (see TargetBackend.score)."""
+        return await self._call(session_id, "score", lambda backend: backend.score(
+            session_id, tokens, start, top, params, timeout))
+
+    async def _call(self, session_id: str, what: str, call):
+        """`call(backend)` on the session's replica, failing over to another when it fails."""
         tried: set[str] = set()
         resent = False
         while True:
@@ -332,16 +347,15 @@ class TargetPool(ReplicaPool[TargetBackend]):
             tried.add(replica.address)
             replica.in_flight += 1
             try:
-                reply = await replica.backend.verify(session_id, history, proposal, params, seed, timeout,
-                                                     top_logprobs)
+                reply = await call(replica.backend)
             except Released as exc:
                 # An earlier request's cleanup released the session after this call was sent: sent
                 # again (now after the release) it runs, re-prefilling the history.
                 if resent:
-                    raise Unavailable(f"target replica {replica.address} dropped the verify twice: {exc}") from exc
+                    raise Unavailable(f"target replica {replica.address} dropped the {what} twice: {exc}") from exc
                 resent = True
                 tried.discard(replica.address)
-                log.info("verify of %s dropped by a release on %s; sent again", session_id, replica.address)
+                log.info("%s of %s dropped by a release on %s; sent again", what, session_id, replica.address)
                 continue
             except Unavailable as exc:
                 self.failed(replica, str(exc))

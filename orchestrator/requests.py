@@ -36,6 +36,7 @@ class GenerationSpec:
     stop_token_ids: tuple[int, ...] = ()
     logprobs: bool = False
     top_logprobs: int = 0
+    prompt_logprobs: bool = False
 
 
 def parse_resume(request: pb.GenerateRequest) -> GenerationSpec:
@@ -97,14 +98,15 @@ class RequestParser:
             check_session_id(request.session_id)
         if request.HasField("resume_from"):
             return replace(parse_resume(request), principal=principal)
-        max_new = self._max_new_tokens(request)
+        score_only = request.prompt_logprobs and request.HasField("max_new_tokens") and request.max_new_tokens == 0
+        max_new = 0 if score_only else self._max_new_tokens(request)
         stop_ids = self._token_ids("stop_token_ids", request.stop_token_ids)
         params = parse_sampling(request, self.eos_ids | set(stop_ids), self.vocab_size)
         k = self._draft_length(request)
         stop = self._stop(request)
         input_ids, chat_after_eos = self._input(request)
         top = request.top_logprobs if request.HasField("top_logprobs") else 0
-        if top > MAX_TOP_LOGPROBS or (top and not request.logprobs):
+        if top > MAX_TOP_LOGPROBS or (top and not (request.logprobs or request.prompt_logprobs)):
             raise InvalidArgument(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS} and needs logprobs, "
                                   f"got {top}")
         return GenerationSpec(
@@ -112,7 +114,7 @@ class RequestParser:
             seed=request.seed if request.HasField("seed") else None,
             stop=stop, draft_length=k, session_id=request.session_id, chat_after_eos=chat_after_eos,
             principal=principal, ignore_eos=request.ignore_eos, stop_token_ids=tuple(stop_ids),
-            logprobs=request.logprobs, top_logprobs=top,
+            logprobs=request.logprobs, top_logprobs=top, prompt_logprobs=request.prompt_logprobs,
         )
 
     def _token_ids(self, name: str, ids) -> list[int]:

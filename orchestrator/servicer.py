@@ -33,6 +33,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             reply.session_id = chunk.session_id
             reply.token_ids.extend(chunk.token_ids)
             reply.logprobs.extend(chunk.logprobs)
+            reply.prompt_logprobs.extend(chunk.prompt_logprobs)
             reply.text += chunk.text
             reply.finish_reason = chunk.finish_reason
             if chunk.HasField("stats"):

@@ -45,6 +45,7 @@ class Sessions:
             id=uuid.uuid4().hex, start=len(state.tokens), prompt_tokens=len(state.tokens),
             max_new_tokens=spec.max_new_tokens, stop=list(spec.stop), stop_token_ids=list(spec.stop_token_ids),
             ignore_eos=spec.ignore_eos, top_logprobs=spec.top_logprobs if spec.logprobs else None,
+            input_tokens=len(input_ids),
             lease_until=time.time() + self.lease_s, owner=uuid.uuid4().hex,
         )
         await self.store.save(state, input_ids)

@@ -157,6 +157,7 @@ class Chunk:
     stats: dict[str, Any] | None = None  # GenerationStats of the whole generation, on the last chunk
     offset: int = 0  # position of the first token within the generation
     logprobs: list[Logprob] = field(default_factory=list)  # one per token of token_ids, when asked
+    prompt_logprobs: list[Logprob] = field(default_factory=list)  # one per input token (the first: rank 0)
 
 
 @dataclass
@@ -170,6 +171,7 @@ class Generation:
     stats: dict[str, Any] = field(default_factory=dict)
     resumes: int = 0  # how often the stream was resumed after a broken connection
     logprobs: list[Logprob] = field(default_factory=list)  # one per token of token_ids, when asked
+    prompt_logprobs: list[Logprob] = field(default_factory=list)  # one per input token (the first: rank 0)
 
 
 def build_request(prompt: str | Sequence[int] | None = None, *, messages: Sequence[dict[str, str]] | None = None,
@@ -180,7 +182,7 @@ def build_request(prompt: str | Sequence[int] | None = None, *, messages: Sequen
                   frequency_penalty: float | None = None, repetition_penalty: float | None = None,
                   logit_bias: dict[int, float] | None = None, min_tokens: int | None = None,
                   ignore_eos: bool = False, stop_token_ids: Sequence[int] = (), logprobs: bool = False,
-                  top_logprobs: int | None = None) -> pb.GenerateRequest:
+                  top_logprobs: int | None = None, prompt_logprobs: bool = False) -> pb.GenerateRequest:
     """A `GenerateRequest`; unset (None) values take the server's defaults. `prompt` is text, or token
     ids used as they are."""
     if (prompt is None) == (messages is None):
@@ -190,7 +192,7 @@ def build_request(prompt: str | Sequence[int] | None = None, *, messages: Sequen
     if isinstance(stop, str):
         stop = [stop]
     req = pb.GenerateRequest(stop=list(stop or ()), session_id=session_id or "", ignore_eos=ignore_eos,
-                             stop_token_ids=list(stop_token_ids), logprobs=logprobs,
+                             stop_token_ids=list(stop_token_ids), logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                              logit_bias={int(t): float(b) for t, b in (logit_bias or {}).items()})
     if isinstance(prompt, str):
         req.prompt = prompt
@@ -211,13 +213,14 @@ def build_request(prompt: str | Sequence[int] | None = None, *, messages: Sequen
 def chunk_from_pb(msg: pb.GenerateChunk) -> Chunk:
     return Chunk(msg.session_id, list(msg.token_ids), msg.text, _as_dict(msg.round),
                  FINISH_REASONS[msg.finish_reason], _as_dict(msg.stats) if msg.HasField("stats") else None,
-                 msg.offset, [logprob_from_pb(entry) for entry in msg.logprobs])
+                 msg.offset, [logprob_from_pb(entry) for entry in msg.logprobs],
+                 [logprob_from_pb(entry) for entry in msg.prompt_logprobs])
 
 
 def is_header(msg: pb.GenerateChunk) -> bool:
     """The content-free first chunk that only announces the session id."""
     return (not msg.token_ids and not msg.text and msg.finish_reason == pb.FINISH_REASON_UNSPECIFIED
-            and not msg.HasField("stats"))
+            and not msg.HasField("stats") and not msg.prompt_logprobs)
 
 
 def status_from_pb(msg: pb.GetStatusResponse, address: str) -> dict[str, Any]:
@@ -233,6 +236,7 @@ class Collector:
         self.text: list[str] = []
         self.tokens: list[int] = []
         self.logprobs: list[Logprob] = []
+        self.prompt_logprobs: list[Logprob] = []
         self.finish_reason: str | None = None
         self.stats: dict[str, Any] = {}
 
@@ -241,6 +245,7 @@ class Collector:
         self.text.append(chunk.text)
         self.tokens.extend(chunk.token_ids)
         self.logprobs.extend(chunk.logprobs)
+        self.prompt_logprobs.extend(chunk.prompt_logprobs)
         if chunk.finish_reason is not None:
             self.finish_reason = chunk.finish_reason
         if chunk.stats is not None:
@@ -248,7 +253,7 @@ class Collector:
 
     def result(self, resumes: int) -> Generation:
         return Generation(self.session_id, "".join(self.text), self.tokens, self.finish_reason, self.stats, resumes,
-                          self.logprobs)
+                          self.logprobs, self.prompt_logprobs)
 
 
 # -- the logic both clients share ---------------------------------------------------------------

@@ -25,6 +25,22 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
         self.logprobs_mode = logprobs_mode
 
     @grpc_errors
+    async def ScoreTokens(self, request: target_pb2.ScoreTokensRequest, context):
+        arrived = time.monotonic()
+        params = None if request.raw else sampling_from_pb(request.sampling, self.info.vocab_size)
+        if request.top_logprobs > MAX_TOP_LOGPROBS:
+            raise InvalidArgument(f"top_logprobs must be 0..{MAX_TOP_LOGPROBS}, got {request.top_logprobs}")
+        deadline = deadline_of(context)
+        async with self.admission.slot(deadline, context):
+            job = self.verifier.score_job(request.session_id, list(request.tokens), request.start,
+                                          LogprobRequest(request.top_logprobs, self.logprobs_mode), params, deadline)
+            job.enqueued = arrived
+            job.sent_unix_ns = request.sent_unix_ns
+            entries, step = await self.batcher.run(job)
+        return target_pb2.ScoreTokensResponse(logprobs=[logprobs_to_pb(e) for e in entries],
+                                              compute_ns=step.compute_ns)
+
+    @grpc_errors
     async def Verify(self, request: target_pb2.VerifyRequest, context):
         arrived = time.monotonic()
         params = sampling_from_pb(request.sampling, self.info.vocab_size)

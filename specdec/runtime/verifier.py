@@ -87,6 +87,33 @@ class VerifyJob(Job):
         return token_logprobs(table, verdict.emitted(self.draft_tokens), self.logprobs.top)
 
 
+class ScoreJob(Job):
+    """Log-probabilities of `tokens[start:]`, each after the tokens before it, from one pass that
+    leaves them in the session's cache. `params` None: the raw softmax; else `logprobs.mode` under
+    `params` (the processors see each position's own context, as in a verify)."""
+
+    def __init__(self, session_id: str, tokens: list[int], start: int, logprobs: LogprobRequest,
+                 params: SamplingParams | None, deadline: float | None = None) -> None:
+        super().__init__(session_id, deadline)
+        self.tokens = tokens
+        self.start = start
+        self.logprobs = logprobs
+        self.params = params
+
+    def request(self) -> ScoreRequest:
+        return ScoreRequest(self.session_id, self.tokens[:self.start], self.tokens[self.start:])
+
+    def advance(self, scored: Scored, caches: SessionCaches) -> tuple[list[TokenLogprob], bool]:
+        scored_tokens = self.tokens[self.start:]
+        rows = scored.logits[:len(scored_tokens)]  # row i: after tokens[:start + i]
+        if self.params is None or self.logprobs.mode == "raw":
+            table = log_distribution(rows, None)
+        else:
+            processed = process_block(rows, self.tokens[:self.start], scored_tokens, self.params)
+            table = log_distribution(processed, self.params)
+        return token_logprobs(table, scored_tokens, self.logprobs.top), True
+
+
 class Verifier:
     """Checks verify requests against the model's vocabulary and makes their jobs."""
 
@@ -107,3 +134,13 @@ class Verifier:
                 f"draft_probs has shape {tuple(draft_probs.shape)}, expected ({k}, {self.vocab_size})"
             )
         return VerifyJob(session_id, history, draft_tokens, draft_probs, params, seed, deadline, logprobs)
+
+    def score_job(self, session_id: str, tokens: list[int], start: int, logprobs: LogprobRequest,
+                  params: SamplingParams | None, deadline: float | None = None) -> ScoreJob:
+        """A checked prompt-scoring job for the batcher."""
+        if not 1 <= start < len(tokens):
+            raise InvalidArgument(f"start must lie in [1, {len(tokens)}) (the first token of a sequence has no "
+                                  f"log-probability), got {start}")
+        if max(tokens) >= self.vocab_size:
+            raise InvalidArgument(f"token {max(tokens)} is outside the vocabulary (ids below {self.vocab_size})")
+        return ScoreJob(session_id, tokens, start, logprobs, params, deadline)

@@ -142,3 +142,58 @@ def test_token_id_prompts_are_accepted(api, model, reference):
     by_ids = api.completions.create(model=model, prompt=ids, max_tokens=5, temperature=0)
     by_text = api.completions.create(model=model, prompt=PROMPT, max_tokens=5, temperature=0)
     assert by_ids.choices[0].text == by_text.choices[0].text
+
+
+def test_prompt_logprobs_score_the_prompt_without_generating(client, reference):
+    prompt_ids = reference.encode(PROMPT)
+    out = client.generate(prompt_ids, max_new_tokens=0, prompt_logprobs=True, top_logprobs=2)
+    assert out.token_ids == [] and out.finish_reason == "length"
+    assert [e.token_id for e in out.prompt_logprobs] == prompt_ids
+    assert out.prompt_logprobs[0].rank == 0  # nothing precedes the first token
+    table = torch.log_softmax(full_logits(reference.loaded.model, prompt_ids).double(), dim=1)
+    for i, entry in enumerate(out.prompt_logprobs[1:], start=1):
+        assert math.isclose(entry.logprob, float(table[i - 1, prompt_ids[i]]), abs_tol=1e-9)
+        assert entry.rank == 1 + int((table[i - 1] > table[i - 1, prompt_ids[i]]).sum())
+        assert len(entry.top) == 2
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_lm_evaluation_harness_asks(api, model, reference):
+    """lm-evaluation-harness' local-completions log-likelihood request: token ids, echo, max_tokens 0 or 1."""
+    ids = reference.encode(PROMPT)
+    for max_tokens in (0, 1):
+        reply = api.completions.create(model=model, prompt=ids, max_tokens=max_tokens, temperature=0, echo=True,
+                                       logprobs=1)
+        lp = reply.choices[0].logprobs
+        assert len(lp.tokens) == len(ids) + max_tokens
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        table = torch.log_softmax(full_logits(reference.loaded.model, ids).double(), dim=1)
+        assert all(math.isclose(lp.token_logprobs[i], float(table[i - 1, ids[i]]), abs_tol=1e-9)
+                   for i in range(1, len(ids)))
+        assert reply.choices[0].text.startswith("".join(lp.tokens[:len(ids)]))
+    text = api.completions.create(model=model, prompt=PROMPT, max_tokens=3, temperature=0, echo=True)
+    assert text.choices[0].text.startswith(PROMPT) and text.choices[0].logprobs is None
+
+
+def test_a_resumed_generation_sends_the_same_logprobs(http_pipeline, reference):
+    """A resume replays stored tokens the client lacks: their log-probabilities are scored again by
+    the target and equal those the rounds sent."""
+    import grpc
+
+    from specdec.v1 import orchestrator_pb2 as pb, orchestrator_pb2_grpc
+
+    prompt_ids = reference.encode(PROMPT)
+    with grpc.insecure_channel(orchestrator_address(http_pipeline)) as channel:
+        stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
+        request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt_ids), max_new_tokens=MAX_NEW, temperature=0.8,
+                                     seed=5, draft_length=4, logprobs=True, top_logprobs=2, presence_penalty=0.3)
+        chunks = list(stub.Generate(request, timeout=120))
+        session = chunks[0].session_id
+        first = [e for c in chunks for e in c.logprobs]
+        tokens = [t for c in chunks for t in c.token_ids]
+        assert len(first) == len(tokens) > 4
+        resumed = list(stub.Generate(pb.GenerateRequest(session_id=session, resume_from=2), timeout=120))
+    again = [e for c in resumed for e in c.logprobs]
+    assert [t for c in resumed for t in c.token_ids] == tokens[2:]
+    assert [e.token_id for e in again] == tokens[2:]
+    for a, b in zip(first[2:], again):
+        assert math.isclose(a.logprob, b.logprob, abs_tol=1e-9) and list(a.top_token_ids) == list(b.top_token_ids)
