@@ -18,6 +18,7 @@ draft_tokens, accepted_tokens, rounds, ...) and a top-level `specdec` object wit
 from __future__ import annotations
 
 import difflib
+import json
 import re
 import time
 import uuid
@@ -77,6 +78,10 @@ class _Request(BaseModel):
     min_tokens: int | None = None
     ignore_eos: bool | None = False
     stop_token_ids: list[int] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None  # Lark (start rule `start`)
     # specdec extensions
     draft_length: int | Literal["auto"] | None = None
     session_id: str | None = None
@@ -140,6 +145,37 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
                        code="invalid_value") from None
 
 
+def _grammar(req: _Request) -> tuple[str, str] | None:
+    """The grammar a request asks for: chat's `response_format`, or one of vLLM's `guided_*` fields."""
+    asked: list[tuple[str, str, str]] = []  # (field, kind, text)
+    response_format = getattr(req, "response_format", None) or {}
+    kind = response_format.get("type", "text")
+    if kind == "json_object":
+        asked.append(("response_format", "json_object", ""))
+    elif kind == "json_schema":
+        schema = (response_format.get("json_schema") or {}).get("schema")
+        if not isinstance(schema, dict):
+            raise ApiError(400, "response_format.json_schema.schema must be a JSON schema object",
+                           param="response_format", code="invalid_value")
+        asked.append(("response_format", "json_schema", json.dumps(schema)))
+    elif kind != "text":
+        raise ApiError(400, f"response_format type {kind!r} is invalid: text, json_object or json_schema",
+                       param="response_format", code="invalid_value")
+    if req.guided_json is not None:
+        text = req.guided_json if isinstance(req.guided_json, str) else json.dumps(req.guided_json)
+        asked.append(("guided_json", "json_schema", text))
+    if req.guided_regex is not None:
+        asked.append(("guided_regex", "regex", req.guided_regex))
+    if req.guided_choice is not None:
+        asked.append(("guided_choice", "choice", json.dumps(req.guided_choice)))
+    if req.guided_grammar is not None:
+        asked.append(("guided_grammar", "lark", req.guided_grammar))
+    if len(asked) > 1:
+        raise ApiError(400, f"{asked[0][0]} and {asked[1][0]} both constrain the output: send one",
+                       param=asked[1][0], code="invalid_value")
+    return (asked[0][1], asked[0][2]) if asked else None
+
+
 def _common_kwargs(req: _Request, max_tokens: int | None, default_temperature: float) -> dict[str, Any]:
     if req.n not in (None, 1):
         raise _refuse("n", f"only n=1 is supported (one choice per request), got {req.n}")
@@ -154,7 +190,7 @@ def _common_kwargs(req: _Request, max_tokens: int | None, default_temperature: f
         session_id=req.session_id or "", presence_penalty=req.presence_penalty or None,
         frequency_penalty=req.frequency_penalty or None, logit_bias=_logit_bias(req.logit_bias), min_p=req.min_p,
         repetition_penalty=req.repetition_penalty, min_tokens=req.min_tokens, ignore_eos=bool(req.ignore_eos),
-        stop_token_ids=list(req.stop_token_ids or ()),
+        stop_token_ids=list(req.stop_token_ids or ()), grammar=_grammar(req),
     )
 
 
@@ -213,10 +249,6 @@ def chat_kwargs(req: ChatRequest, default_temperature: float = 1.0) -> dict[str,
         raise _refuse("function_call", "tool calling is not supported")
     if req.tool_choice not in (None, "none", "auto"):  # without tools, "none" and "auto" both mean no calls
         raise _refuse("tool_choice", "tool calling is not supported; send no tool_choice (or \"none\")")
-    kind = (req.response_format or {}).get("type", "text")
-    if kind != "text":
-        raise _refuse("response_format", f"type {kind!r} is not supported: only \"text\"; "
-                      "structured output is not enforced, so it is refused rather than ignored")
     messages = []
     for i, m in enumerate(req.messages):
         role = "system" if m.role == "developer" else m.role  # OpenAI's newer name for system
@@ -371,7 +403,7 @@ HTTP_ERRORS: dict[grpc.StatusCode, tuple[int, str, str]] = {
 _PARAM_NAMES = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
                 "draft_length": "draft_length", "session": "session_id", "session_id": "session_id",
                 "prompt": "prompt", "messages": "messages", "the input": "prompt", "each stop string": "stop",
-                "at most": "stop", "seed": "seed"}
+                "at most": "stop", "seed": "seed", "grammar": "response_format"}
 _PARAM_RE = re.compile(r"^(" + "|".join(map(re.escape, _PARAM_NAMES)) + r")\b")
 _ADDRESS_PREFIX = re.compile(r"^orchestrator \S+: ")
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 
 from orchestrator.chat import first_turn, next_turn
 from orchestrator.config import OrchestratorConfig
+from specdec.core.grammar import GrammarSpec
 from specdec.core.logprobs import MAX_TOP_LOGPROBS
 from specdec.core.sampling import SamplingParams
 from specdec.errors import FailedPrecondition, InvalidArgument
@@ -66,7 +67,14 @@ def parse_sampling(request: pb.GenerateRequest, end_ids: set[int] = frozenset(),
     def opt(name: str, default: float) -> float:
         return getattr(request, name) if request.HasField(name) else default
     min_tokens = request.min_tokens if request.HasField("min_tokens") else 0
+    kind, text = request.grammar.kind, request.grammar.text
+    if kind or text:
+        try:
+            GrammarSpec(kind, text).validate()
+        except ValueError as exc:
+            raise InvalidArgument(f"grammar: {exc}") from exc
     params = SamplingParams(
+        grammar_kind=kind, grammar_text=text,
         temperature=temperature, top_k=top_k, top_p=top_p, min_p=opt("min_p", 0.0),
         presence_penalty=opt("presence_penalty", 0.0), frequency_penalty=opt("frequency_penalty", 0.0),
         repetition_penalty=opt("repetition_penalty", 1.0), logit_bias=tuple(request.logit_bias.items()),

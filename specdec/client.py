@@ -182,9 +182,11 @@ def build_request(prompt: str | Sequence[int] | None = None, *, messages: Sequen
                   frequency_penalty: float | None = None, repetition_penalty: float | None = None,
                   logit_bias: dict[int, float] | None = None, min_tokens: int | None = None,
                   ignore_eos: bool = False, stop_token_ids: Sequence[int] = (), logprobs: bool = False,
-                  top_logprobs: int | None = None, prompt_logprobs: bool = False) -> pb.GenerateRequest:
+                  top_logprobs: int | None = None, prompt_logprobs: bool = False,
+                  grammar: tuple[str, str] | None = None) -> pb.GenerateRequest:
     """A `GenerateRequest`; unset (None) values take the server's defaults. `prompt` is text, or token
-    ids used as they are."""
+    ids used as they are. `grammar`: (kind, text) the output must follow, e.g. ("json_schema", schema
+    as JSON), ("regex", pattern), ("choice", a JSON list), ("json_object", "")."""
     if (prompt is None) == (messages is None):
         raise ValueError("pass exactly one of prompt or messages")
     if isinstance(draft_length, str):
@@ -194,6 +196,8 @@ def build_request(prompt: str | Sequence[int] | None = None, *, messages: Sequen
     req = pb.GenerateRequest(stop=list(stop or ()), session_id=session_id or "", ignore_eos=ignore_eos,
                              stop_token_ids=list(stop_token_ids), logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                              logit_bias={int(t): float(b) for t, b in (logit_bias or {}).items()})
+    if grammar is not None:
+        req.grammar.kind, req.grammar.text = grammar
     if isinstance(prompt, str):
         req.prompt = prompt
     elif prompt is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from specdec.runtime.grammars import SessionGrammars
 from specdec.runtime.info import model_info
 from specdec.runtime.latency import LatencyProfile
 from specdec.runtime.models import load_model
@@ -26,8 +27,11 @@ def build_servicer(config: TargetConfig) -> tuple[TargetServicer, ServiceMetrics
     admission, metrics = admission_and_metrics(config, "target")
     batcher = batcher_for(config, caches, profile, admission, metrics)
     info = model_info(loaded, "model", profile, config.max_batch)
-    return TargetServicer(Verifier(caches, loaded.vocab_size), info, batcher, admission,
-                          config.logprobs_mode), metrics
+    grammars = SessionGrammars(loaded.tokenizer, loaded.vocab_size, loaded.eos_token_ids, config.max_sessions)
+    servicer = TargetServicer(Verifier(caches, loaded.vocab_size, grammars), info, batcher, admission,
+                              config.logprobs_mode)
+    servicer.grammars = grammars
+    return servicer, metrics
 
 
 async def serve(config: TargetConfig) -> None:

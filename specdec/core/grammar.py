@@ -204,8 +204,11 @@ class GrammarCompiler:
         self.eos_token_ids = eos
         import llguidance.hf  # imports transformers; the caller holds an HF tokenizer anyway
 
-        self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size,
-                                                       eos_token=list(eos))
+        try:
+            self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=list(eos))
+        except ValueError:  # a decoder llguidance does not know (e.g. a character-level one): token by token
+            self._tokenizer = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_TokenTable(tokenizer)),
+                                                     n_vocab=vocab_size, eos_token=list(eos))
         self._cache: OrderedDict[GrammarSpec, CompiledGrammar] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()
@@ -228,6 +231,23 @@ class GrammarCompiler:
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
         return compiled
+
+
+class _TokenTable:
+    """A tokenizer as llguidance's generic wrapper reads it: each token's bytes, decoded alone. Right
+    for tokenizers whose tokens are whole characters; byte-level ones go through llguidance.hf."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        special = set(tokenizer.all_special_ids)
+        self.eos_token_id = tokenizer.eos_token_id
+        self.bos_token_id = tokenizer.bos_token_id
+        self.special_token_ids = sorted(special)
+        self.tokens = [(tokenizer.convert_ids_to_tokens(i) if i in special else tokenizer.decode([i])).encode()
+                       for i in range(len(tokenizer))]
+        self._tokenizer = tokenizer
+
+    def __call__(self, text: str) -> list[int]:
+        return list(self._tokenizer.encode(text, add_special_tokens=False))
 
 
 class GrammarState:

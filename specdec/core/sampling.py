@@ -57,6 +57,10 @@ class SamplingParams:
     """The tokens `min_tokens` holds back: end of sequence and any stop token ids."""
     output_start: int = 0
     """Where the output starts in the history: the penalties count tokens from here."""
+    grammar_kind: str = ""
+    """Structured output: the kind of `grammar_text` (specdec.core.grammar.KINDS); "" = none. The
+    grammar masks p and q at every position, from the output before it."""
+    grammar_text: str = ""
 
     def __post_init__(self) -> None:
         # Stored as JSON (lists), given back as tuples, so that params stay hashable and comparable.

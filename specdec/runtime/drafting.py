@@ -12,9 +12,12 @@ import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
+
 from specdec.core.sampling import SamplingParams
 from specdec.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument
 from specdec.runtime.batching import Batcher, StepInfo
+from specdec.runtime.grammars import SessionGrammars, grammar_of
 from specdec.runtime.proposers import DraftToken, ModelProposer, Proposer
 
 
@@ -23,7 +26,7 @@ class Drafter:
     has `fingerprint`; `model` names it in errors."""
 
     def __init__(self, proposer: Proposer, fingerprint: str, model: str, batcher: Batcher | None = None,
-                 executor: ThreadPoolExecutor | None = None) -> None:
+                 executor: ThreadPoolExecutor | None = None, grammars: SessionGrammars | None = None) -> None:
         if isinstance(proposer, ModelProposer) and batcher is None:
             raise ValueError("a model proposer needs a batcher")
         self.proposer = proposer
@@ -31,6 +34,7 @@ class Drafter:
         self.model = model
         self.batcher = batcher
         self.executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft")
+        self.grammars = grammars
 
     def check(self, history: list[int], k: int, fingerprint: str) -> None:
         """Refuse a request this drafter cannot serve; `fingerprint` is the caller's tokenizer's ("" skips it)."""
@@ -51,8 +55,25 @@ class Drafter:
         (`time.monotonic()`), so that the queue wait counts from there; `sent_unix_ns`: when its caller
         sent it (see `Batcher.cancel_session`)."""
         proposer = self.proposer
+        spec = grammar_of(params)
+        grammar = None
+        loop = asyncio.get_running_loop()
+        if spec is not None:
+            if self.grammars is None:
+                raise FailedPrecondition("this draft service has no tokenizer to apply grammars with")
+            output = history[params.output_start:]
+            # What the grammar forces is proposed without the model (q one-hot), then the model goes on.
+            forced = await loop.run_in_executor(self.executor, self.grammars.forced, session_id, spec, output, k)
+            for token in forced:
+                yield DraftToken(token, self._one_hot(token, params), 0), StepInfo(batch_size=0, compute_ns=0)
+            history, k = history + forced, k - len(forced)
+            if k == 0:
+                return
+            if isinstance(proposer, ModelProposer):
+                grammar = await loop.run_in_executor(self.executor, self.grammars.fork, session_id, spec,
+                                                     output + forced)
         if self.batcher is not None and isinstance(proposer, ModelProposer):
-            job = proposer.job(session_id, history, k, params, seed, deadline)
+            job = proposer.job(session_id, history, k, params, seed, deadline, grammar)
             job.enqueued = arrived
             job.sent_unix_ns = sent_unix_ns
             async for draft, step in self.batcher.stream(job):
@@ -60,10 +81,22 @@ class Drafter:
             return
         if deadline is not None and time.monotonic() >= deadline:
             raise DeadlineExceeded("the request's deadline passed while it was queued; dropped before compute")
-        loop = asyncio.get_running_loop()
         proposals = proposer.propose(session_id, history, k, params, seed)
+        if spec is not None:  # a model-free proposal stops at its first token the grammar refuses
+            drafts = await loop.run_in_executor(self.executor, list, proposals)
+            allowed = await loop.run_in_executor(self.executor, self.grammars.cut, session_id, spec,
+                                                 history[params.output_start:], [d.token_id for d in drafts])
+            proposals = iter(drafts[:len(allowed)])
         first = True
         while (draft := await loop.run_in_executor(self.executor, next, proposals, None)) is not None:
             queue_ns = int((time.monotonic() - arrived) * 1e9) if first else 0
             yield draft, StepInfo(batch_size=0, compute_ns=draft.compute_ns, queue_ns=queue_ns)
             first = False
+
+    def _one_hot(self, token: int, params: SamplingParams):
+        """q of a forced token when the other drafts carry their q rows (a model sampling); else None."""
+        if params.greedy or not isinstance(self.proposer, ModelProposer) or self.batcher is None:
+            return None
+        q = np.zeros(self.batcher.caches.vocab_size, dtype=np.float32)
+        q[token] = 1.0
+        return q

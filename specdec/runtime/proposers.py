@@ -13,6 +13,7 @@ change what is proposed.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from specdec.core.grammar import GrammarState, apply_mask
 from specdec.core.ngram import propose_ngram
 from specdec.core.processors import process_block
 from specdec.core.sampling import DRAFT_STREAM, SamplingParams, derive_generator, logits_to_probs, sample
@@ -47,11 +49,23 @@ class Proposer(Protocol):
 
 
 
-def draft_token(logits: torch.Tensor, context: list[int], params: SamplingParams,
-                generator: torch.Generator | None) -> tuple[int, np.ndarray | None]:
+def draft_token(logits: torch.Tensor, context: list[int], params: SamplingParams, generator: torch.Generator | None,
+                grammar: GrammarState | None = None) -> tuple[int, np.ndarray | None]:
     """The next draft token after `context` from the last row of `logits [n, V]`, and its q row when
-    sampling. The logits processors see `context` exactly as the target's row for this position will."""
+    sampling. The logits processors see `context`, and `grammar` (at the end of `context`) masks the
+    row, exactly as the target's row for this position will be; `grammar` then takes the token."""
     last = process_block(logits[-1:], context, [], params)  # [1, V]
+    if grammar is not None:
+        last = apply_mask(last, grammar.allowed()[None, :last.shape[1]])
+    token, q = _pick(last, params, generator)
+    if grammar is not None:
+        with contextlib.suppress(ValueError):  # after an end of sequence nothing follows: the state stays there
+            grammar.advance([token])
+    return token, q
+
+
+def _pick(last: torch.Tensor, params: SamplingParams,
+          generator: torch.Generator | None) -> tuple[int, np.ndarray | None]:
     if params.greedy:
         return int(torch.argmax(last[0])), None
     if generator is None:
@@ -65,8 +79,9 @@ class DraftJob(Job):
     """Up to `k` draft tokens for one session, one batched step per token."""
 
     def __init__(self, session_id: str, history: list[int], k: int, params: SamplingParams, seed: int,
-                 deadline: float | None = None) -> None:
+                 deadline: float | None = None, grammar: GrammarState | None = None) -> None:
         super().__init__(session_id, deadline)
+        self.grammar = grammar  # a private state at the end of `history`, advanced along the proposal
         self.context = list(history)
         self.target_length = len(history) + k
         self.params = params
@@ -76,7 +91,7 @@ class DraftJob(Job):
         return ScoreRequest(self.session_id, self.context, [])
 
     def advance(self, scored: Scored, caches: SessionCaches) -> tuple[DraftToken, bool]:
-        token, q = draft_token(scored.logits, self.context, self.params, self.generator)
+        token, q = draft_token(scored.logits, self.context, self.params, self.generator, self.grammar)
         self.context.append(token)
         return DraftToken(token, q, 0, scored.prefilled), len(self.context) >= self.target_length
 
@@ -92,6 +107,8 @@ class ModelProposer:
 
     def propose(self, session_id: str, history: list[int], k: int, params: SamplingParams,
                 seed: int) -> Iterator[DraftToken]:
+        if params.grammar_kind:
+            raise ValueError("grammars are applied on the batched path (job): pass a GrammarState there")
         generator = None if params.greedy else derive_generator(seed, len(history), DRAFT_STREAM)
         context = list(history)
         for _ in range(k):
@@ -103,9 +120,9 @@ class ModelProposer:
             yield DraftToken(token, q, time.perf_counter_ns() - start, prefilled)
 
     def job(self, session_id: str, history: list[int], k: int, params: SamplingParams, seed: int,
-            deadline: float | None = None) -> DraftJob:
-        """The same proposals as `propose`, as a job for the batcher."""
-        return DraftJob(session_id, history, k, params, seed, deadline)
+            deadline: float | None = None, grammar: GrammarState | None = None) -> DraftJob:
+        """The same proposals as `propose`, as a job for the batcher (with a grammar: masked by it)."""
+        return DraftJob(session_id, history, k, params, seed, deadline, grammar)
 
     def release(self, session_id: str) -> bool:
         return self.caches.release(session_id)

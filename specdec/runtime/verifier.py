@@ -13,11 +13,13 @@ import numpy as np
 import torch
 
 from specdec.core.acceptance import Verdict, verify
+from specdec.core.grammar import apply_mask
 from specdec.core.logprobs import TokenLogprob, log_distribution, token_logprobs
 from specdec.core.processors import process_block
 from specdec.core.sampling import TARGET_STREAM, SamplingParams, derive_generator
-from specdec.errors import InvalidArgument
+from specdec.errors import FailedPrecondition, InvalidArgument
 from specdec.runtime.batching import Job
+from specdec.runtime.grammars import SessionGrammars, grammar_of
 from specdec.runtime.kv import Scored, ScoreRequest, SessionCaches
 
 
@@ -54,8 +56,9 @@ class VerifyJob(Job):
 
     def __init__(self, session_id: str, history: list[int], draft_tokens: list[int], draft_probs: np.ndarray | None,
                  params: SamplingParams, seed: int, deadline: float | None = None,
-                 logprobs: LogprobRequest | None = None) -> None:
+                 logprobs: LogprobRequest | None = None, grammars: SessionGrammars | None = None) -> None:
         super().__init__(session_id, deadline)
+        self.grammars = grammars
         self.history = history
         self.draft_tokens = draft_tokens
         self.draft_probs = draft_probs
@@ -69,6 +72,10 @@ class VerifyJob(Job):
     def advance(self, scored: Scored, caches: SessionCaches) -> tuple[Verified, bool]:
         # Row i sees the history and the draft tokens before it, as the target alone would.
         logits = process_block(scored.logits, self.history, self.draft_tokens, self.params)  # [k+1, V]
+        spec = grammar_of(self.params)
+        if spec is not None and self.grammars is not None:  # row i: what the grammar allows after draft[:i]
+            output = self.history[self.params.output_start:]
+            logits = apply_mask(logits, self.grammars.block_masks(self.session_id, spec, output, self.draft_tokens))
         verdict = accept_block(logits, len(self.history), self.draft_tokens, self.draft_probs, self.params,
                                self.seed)
         # Keep only the accepted prefix; the emitted token is fed at the start of the next round.
@@ -93,8 +100,10 @@ class ScoreJob(Job):
     `params` (the processors see each position's own context, as in a verify)."""
 
     def __init__(self, session_id: str, tokens: list[int], start: int, logprobs: LogprobRequest,
-                 params: SamplingParams | None, deadline: float | None = None) -> None:
+                 params: SamplingParams | None, deadline: float | None = None,
+                 grammars: SessionGrammars | None = None) -> None:
         super().__init__(session_id, deadline)
+        self.grammars = grammars
         self.tokens = tokens
         self.start = start
         self.logprobs = logprobs
@@ -110,6 +119,11 @@ class ScoreJob(Job):
             table = log_distribution(rows, None)
         else:
             processed = process_block(rows, self.tokens[:self.start], scored_tokens, self.params)
+            spec = grammar_of(self.params)
+            if spec is not None and self.grammars is not None and self.start >= self.params.output_start:
+                output = self.tokens[self.params.output_start:self.start]
+                masks = self.grammars.block_masks(self.session_id, spec, output, scored_tokens)[:len(scored_tokens)]
+                processed = apply_mask(processed, masks)
             table = log_distribution(processed, self.params)
         return token_logprobs(table, scored_tokens, self.logprobs.top), True
 
@@ -117,9 +131,10 @@ class ScoreJob(Job):
 class Verifier:
     """Checks verify requests against the model's vocabulary and makes their jobs."""
 
-    def __init__(self, caches: SessionCaches, vocab_size: int) -> None:
+    def __init__(self, caches: SessionCaches, vocab_size: int, grammars: SessionGrammars | None = None) -> None:
         self.caches = caches
         self.vocab_size = vocab_size
+        self.grammars = grammars
 
     def job(self, session_id: str, history: list[int], draft_tokens: list[int], draft_probs: np.ndarray | None,
             params: SamplingParams, seed: int, deadline: float | None = None,
@@ -133,7 +148,13 @@ class Verifier:
             raise InvalidArgument(
                 f"draft_probs has shape {tuple(draft_probs.shape)}, expected ({k}, {self.vocab_size})"
             )
-        return VerifyJob(session_id, history, draft_tokens, draft_probs, params, seed, deadline, logprobs)
+        self._check_grammar(params)
+        return VerifyJob(session_id, history, draft_tokens, draft_probs, params, seed, deadline, logprobs,
+                         self.grammars)
+
+    def _check_grammar(self, params: SamplingParams | None) -> None:
+        if params is not None and params.grammar_kind and self.grammars is None:
+            raise FailedPrecondition("this target service has no tokenizer to apply grammars with")
 
     def score_job(self, session_id: str, tokens: list[int], start: int, logprobs: LogprobRequest,
                   params: SamplingParams | None, deadline: float | None = None) -> ScoreJob:
@@ -143,4 +164,5 @@ class Verifier:
                                   f"log-probability), got {start}")
         if max(tokens) >= self.vocab_size:
             raise InvalidArgument(f"token {max(tokens)} is outside the vocabulary (ids below {self.vocab_size})")
-        return ScoreJob(session_id, tokens, start, logprobs, params, deadline)
+        self._check_grammar(params)
+        return ScoreJob(session_id, tokens, start, logprobs, params, deadline, self.grammars)

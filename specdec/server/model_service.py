@@ -16,6 +16,7 @@ import grpc
 
 from specdec.errors import InvalidArgument, grpc_errors
 from specdec.runtime.batching import BatchConfig, Batcher
+from specdec.runtime.grammars import SessionGrammars
 from specdec.runtime.kv import SessionCaches
 from specdec.runtime.latency import LatencyProfile
 from specdec.runtime.models import LoadedModel
@@ -40,9 +41,12 @@ class ModelServicer:
         self.info = info
         self.admission = admission
         self.batcher = batcher
+        self.grammars: SessionGrammars | None = None  # each session's grammar state, freed with its caches
 
     @grpc_errors
     async def Release(self, request: common_pb2.ReleaseRequest, context) -> common_pb2.ReleaseResponse:
+        if self.grammars is not None:
+            self.grammars.release(request.session_id)
         if self.batcher is None:
             return common_pb2.ReleaseResponse(released=False)
         self.batcher.cancel_session(request.session_id, request.sent_unix_ns)  # its queued and running work stops

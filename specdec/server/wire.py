@@ -18,6 +18,7 @@ def sampling_from_pb(msg: common_pb2.SamplingParams, vocab_size: int | None = No
         presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
         repetition_penalty=msg.repetition_penalty or 1.0, logit_bias=tuple(msg.logit_bias.items()),
         min_tokens=msg.min_tokens, end_token_ids=tuple(msg.end_token_ids), output_start=msg.output_start,
+        grammar_kind=msg.grammar_kind, grammar_text=msg.grammar_text,
     )
     try:
         params.validate()
@@ -37,6 +38,7 @@ def sampling_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
         presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
         repetition_penalty=params.repetition_penalty, logit_bias=dict(params.logit_bias),
         min_tokens=params.min_tokens, end_token_ids=list(params.end_token_ids), output_start=params.output_start,
+        grammar_kind=params.grammar_kind, grammar_text=params.grammar_text,
     )
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import grpc
 import pytest
 from pydantic import ValidationError
@@ -83,7 +85,9 @@ def test_chat_request_to_generate_request():
     (lambda: chat_kwargs(ChatRequest(model="m", messages=[{"role": "user", "content": "x"}],
                                      tool_choice={"type": "function", "function": {"name": "f"}})), "tool_choice"),
     (lambda: chat_kwargs(ChatRequest(model="m", messages=[{"role": "user", "content": "x"}],
-                                     response_format={"type": "json_object"})), "response_format"),
+                                     response_format={"type": "yaml"})), "response_format"),
+    (lambda: chat_kwargs(ChatRequest(model="m", messages=[{"role": "user", "content": "x"}],
+                                     response_format={"type": "json_object"}, guided_regex="a+")), "guided_regex"),
     (lambda: chat_kwargs(ChatRequest(model="m", messages=[{"role": "user", "content": "x"}],
                                      response_format={"type": "json_schema", "json_schema": {"name": "a"}})),
      "response_format"),
@@ -227,3 +231,19 @@ def test_logprobs_in_openais_shapes():
                      "text_offset": [0]}
     assert second["text_offset"] == [2] and second["top_logprobs"] == [{"bc": -3.0}]
     assert Reply("chat", "m").whole("x", "eos", {}, "s", entries)["choices"][0]["logprobs"] is None
+
+
+def test_structured_output_fields_become_the_request_grammar():
+    def grammar(**fields):
+        msg = build_request(**chat_kwargs(ChatRequest(model="m", messages=[{"role": "user", "content": "x"}],
+                                                      **fields)))
+        return (msg.grammar.kind, msg.grammar.text)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    assert grammar(response_format={"type": "json_object"}) == ("json_object", "")
+    assert grammar(response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema,
+                                                                           "strict": True}}) == (
+        "json_schema", json.dumps(schema))
+    assert grammar(guided_regex="[a-z]+") == ("regex", "[a-z]+")
+    assert grammar(guided_choice=["yes", "no"]) == ("choice", '["yes", "no"]')
+    assert grammar(guided_grammar="start: \"a\"") == ("lark", 'start: "a"')
+    assert grammar(response_format={"type": "text"}) == ("", "")

@@ -1,0 +1,171 @@
+"""Structured output through the real pipeline, under speculation: every output follows its grammar,
+and greedy output equals the target alone under the same grammar (transformers `generate` with a
+logits processor from the same grammar library), for a model draft and for prompt lookup."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import jsonschema
+import pydantic
+import pytest
+import torch
+from openai import BadRequestError
+from transformers import LogitsProcessor, LogitsProcessorList
+
+from specdec.client import Client
+from specdec.core.grammar import GrammarCompiler, GrammarSpec
+from tests.conftest import orchestrator_address, start_tiny_pipeline
+from tests.reference import Reference
+
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 8},
+    "size": {"type": "integer", "minimum": 0, "maximum": 999},
+    "kind": {"enum": ["cat", "dog", "fox"]},
+    "tags": {"type": "array", "items": {"type": "string", "maxLength": 4}, "maxItems": 2},
+}, "required": ["name", "size", "kind", "tags"], "additionalProperties": False}
+MAX_NEW = 120
+
+
+class GrammarMask(LogitsProcessor):
+    """The reference: llguidance (through specdec.core.grammar) masking the target alone, its state
+    advanced along the tokens generated so far."""
+
+    def __init__(self, compiler: GrammarCompiler, spec: GrammarSpec, prompt_length: int) -> None:
+        self.state = compiler.compile(spec).state()
+        self.prompt_length = prompt_length
+
+    def __call__(self, input_ids, scores):
+        generated = input_ids[0, self.prompt_length:].tolist()
+        self.state.advance(generated[self.state.num_tokens:])
+        mask = self.state.allowed()[:scores.shape[1]]
+        return scores.masked_fill(~mask[None, :], float("-inf"))
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_models) -> Reference:
+    return Reference(str(tiny_models["target"]))
+
+
+@pytest.fixture(scope="module")
+def compiler(reference) -> GrammarCompiler:
+    return GrammarCompiler(reference.tokenizer, reference.loaded.vocab_size, reference.loaded.eos_token_ids)
+
+
+@pytest.fixture(scope="module")
+def ngram_pipeline(tiny_models, tmp_path_factory):
+    pipeline = start_tiny_pipeline(tmp_path_factory.mktemp("logs-grammar-ngram"), tiny_models, "target",
+                                   proposer="ngram")
+    yield pipeline
+    pipeline.stop()
+
+
+def target_alone(reference: Reference, compiler: GrammarCompiler, prompt_ids: list[int],
+                 spec: GrammarSpec) -> list[int]:
+    ids = torch.tensor([prompt_ids])
+    eos = reference.loaded.eos_token_ids
+    processors = LogitsProcessorList([GrammarMask(compiler, spec, len(prompt_ids))])
+    with torch.inference_mode():
+        out = reference.loaded.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW,
+                                              do_sample=False, eos_token_id=eos, pad_token_id=eos[0],
+                                              logits_processor=processors)
+    tokens = out[0, ids.shape[1]:].tolist()
+    ends = [i for i, t in enumerate(tokens) if t in eos]
+    return tokens[: ends[0] + 1] if ends else tokens
+
+
+SPECS = [
+    GrammarSpec("json_schema", json.dumps(SCHEMA)),
+    GrammarSpec("json_object"),
+    GrammarSpec("regex", r"[a-z]{2,6}-[0-9]{3}"),
+    GrammarSpec("choice", json.dumps(["north", "south", "east", "west"])),
+    GrammarSpec("lark", 'start: "(" NUM ("+" NUM)* ")"\nNUM: /[0-9]{1,3}/'),
+]
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=[s.kind for s in SPECS])
+def test_greedy_under_a_grammar_equals_the_target_alone(http_pipeline, ngram_pipeline, reference, compiler, spec):
+    prompt_ids = reference.encode("Answer: ")
+    expected = target_alone(reference, compiler, prompt_ids, spec)
+    for source, pipeline in (("model draft", http_pipeline), ("prompt lookup", ngram_pipeline)):
+        with Client(orchestrator_address(pipeline)) as client:
+            out = client.generate(prompt_ids, max_new_tokens=MAX_NEW, temperature=0, draft_length=4,
+                                  grammar=(spec.kind, spec.text))
+        assert out.token_ids == expected, source
+    text = reference.tokenizer.decode(expected, skip_special_tokens=True)
+    if spec.kind == "json_schema":
+        jsonschema.validate(json.loads(text), SCHEMA)
+    elif spec.kind == "choice":
+        assert text in json.loads(spec.text)
+
+
+def random_schema(rng: random.Random) -> dict:
+    fields = {}
+    for i in range(rng.randint(1, 4)):
+        kind = rng.choice(["string", "integer", "boolean", "enum", "array", "object"])
+        if kind == "string":
+            fields[f"s{i}"] = {"type": "string", "maxLength": rng.randint(1, 6)}
+        elif kind == "integer":
+            fields[f"n{i}"] = {"type": "integer", "minimum": -50, "maximum": rng.randint(0, 500)}
+        elif kind == "boolean":
+            fields[f"b{i}"] = {"type": "boolean"}
+        elif kind == "enum":
+            fields[f"e{i}"] = {"enum": rng.sample(["red", "green", "blue", "cyan", "gray"], 3)}
+        elif kind == "array":
+            fields[f"a{i}"] = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9},
+                               "maxItems": rng.randint(1, 3)}
+        else:
+            fields[f"o{i}"] = {"type": "object", "properties": {"x": {"type": "boolean"}}, "required": ["x"],
+                               "additionalProperties": False}
+    return {"type": "object", "properties": fields, "required": sorted(fields), "additionalProperties": False}
+
+
+def test_fifty_schemas_sampled_and_greedy_all_parse_and_validate(http_pipeline, reference):
+    rng = random.Random(7)
+    prompts = ["Describe it as JSON: ", "Data: ", "{", "Here is the record -> ", "Output:\n"]
+    with Client(orchestrator_address(http_pipeline)) as client:
+        for i in range(50):
+            schema, prompt = random_schema(rng), prompts[i % len(prompts)]
+            for temperature in (0.0, 1.0):
+                out = client.generate(prompt, max_new_tokens=MAX_NEW, temperature=temperature, seed=i,
+                                      draft_length=4, grammar=("json_schema", json.dumps(schema)))
+                assert out.finish_reason == "eos", (schema, out.text)
+                jsonschema.validate(json.loads(out.text), schema)
+
+
+def test_chat_completions_parse_with_a_pydantic_model(api, model):
+    class Pet(pydantic.BaseModel):
+        name: str = pydantic.Field(max_length=8)
+        legs: int = pydantic.Field(ge=0, le=8)
+        kind: str = pydantic.Field(pattern="^(cat|dog)$")
+
+    for temperature in (0.0, 1.0):
+        reply = api.chat.completions.parse(model=model, messages=[{"role": "user", "content": "A pet, as JSON"}],
+                                           response_format=Pet, temperature=temperature, max_tokens=MAX_NEW, seed=3)
+        pet = reply.choices[0].message.parsed
+        assert isinstance(pet, Pet) and 0 <= pet.legs <= 8 and pet.kind in ("cat", "dog")
+
+
+def test_json_object_and_guided_fields_through_the_gateway(api, model):
+    reply = api.chat.completions.create(model=model, messages=[{"role": "user", "content": "JSON please"}],
+                                        response_format={"type": "json_object"}, temperature=1.0, seed=1,
+                                        max_tokens=MAX_NEW)
+    assert isinstance(json.loads(reply.choices[0].message.content), dict)
+    reply = api.completions.create(model=model, prompt="Pick: ", max_tokens=10, temperature=1.0, seed=2,
+                                   extra_body={"guided_choice": ["alpha", "beta"]})
+    assert reply.choices[0].text in ("alpha", "beta")
+    reply = api.completions.create(model=model, prompt="Code: ", max_tokens=12, temperature=1.0, seed=3,
+                                   extra_body={"guided_regex": "[A-Z]{3}[0-9]{2}"})
+    assert len(reply.choices[0].text) == 5 and reply.choices[0].text[:3].isupper()
+
+
+def test_an_invalid_grammar_is_refused_before_anything_runs(api, model):
+    with pytest.raises(BadRequestError) as info:
+        api.completions.create(model=model, prompt="x", max_tokens=5, extra_body={"guided_regex": "(unclosed"})
+    assert "regex" in info.value.body["message"]
+    with pytest.raises(BadRequestError) as info:
+        api.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], max_tokens=5,
+                                    response_format={"type": "json_schema",
+                                                     "json_schema": {"name": "x", "schema": {"type": "objekt"}}})
+    assert info.value.body["param"] == "response_format" and "json_schema" in info.value.body["message"]
