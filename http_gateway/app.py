@@ -27,13 +27,14 @@ from http_gateway.openai_api import (
     CompletionRequest,
     Reply,
     api_error,
-    chat_kwargs,
-    completion_kwargs,
+    chat_choices,
+    completion_choices,
+    prompts_of,
     retry_after_s,
     validation_error,
 )
 from specdec.client import AsyncClient, AsyncStream, Chunk
-from specdec.errors import SpecdecError
+from specdec.errors import Internal, SpecdecError
 from specdec.server import logs
 from specdec.server.auth import UNAUTHENTICATED_MESSAGE, Tokens, bearer_token
 from specdec.server.tracing import tracer
@@ -181,48 +182,85 @@ class Gateway:
                            "(GET /v1/models)", param="model", code="model_not_found")
         return served
 
-    async def respond(self, request: Request, reply: Reply, kwargs: dict[str, Any], stream: bool,
+    async def respond(self, request: Request, reply: Reply, requests: list[dict[str, Any]], stream: bool,
                       include_usage: bool):
+        """Run every choice's generation at once (the target batches them) and answer."""
         if not stream:
             try:
-                out = await unless_disconnected(request, self.client.generate(**kwargs))
+                outs = await unless_disconnected(request, asyncio.gather(
+                    *(self.client.generate(**kwargs) for kwargs in requests)))
             except (SpecdecError, ValueError, TypeError) as exc:
                 raise api_error(exc) from None
-            return reply.whole(out.text, out.finish_reason, out.stats, out.session_id, out.logprobs,
-                               out.prompt_logprobs)
+            return reply.whole(list(outs))
+        streams: list[AsyncStream] = []
         try:
-            chunks = self.client.stream(**kwargs)
-        except (ValueError, TypeError) as exc:
+            streams = [self.client.stream(**kwargs) for kwargs in requests]
+            # Bad input and outages show before the first token: answer them with a real HTTP status.
+            firsts = await asyncio.gather(*(anext(chunks) for chunks in streams))
+        except (SpecdecError, ValueError, TypeError) as exc:
+            await asyncio.gather(*(chunks.aclose() for chunks in streams), return_exceptions=True)
             raise api_error(exc) from None
-        try:  # bad input and outages show before the first token: answer them with a real HTTP status
-            first = await anext(chunks)
-        except SpecdecError as exc:
-            await chunks.aclose()
-            raise api_error(exc) from None
-        return EventSourceResponse(self._events(reply, chunks, first, include_usage), ping=15)
+        return EventSourceResponse(self._events(reply, streams, list(firsts), include_usage), ping=15)
 
     @staticmethod
-    async def _events(reply: Reply, chunks: AsyncStream, first: Chunk, include_usage: bool) -> AsyncIterator[dict]:
+    async def _events(reply: Reply, streams: list[AsyncStream], firsts: list[Chunk],
+                      include_usage: bool) -> AsyncIterator[dict]:
         def event(obj: dict[str, Any]) -> dict[str, str]:
             return {"data": json.dumps(obj)}
 
-        stats: dict[str, Any] = {}
+        stats: list[dict[str, Any]] = [{} for _ in streams]
+        merged = _merge(streams, firsts)
         try:
             if reply.kind == "chat":
-                yield event(reply.opening(first.session_id))
-            chunk: Chunk | None = first
-            while chunk is not None:
+                for index, first in enumerate(firsts):
+                    yield event(reply.opening(first.session_id, index))
+            async for index, chunk in merged:
                 if chunk.text or chunk.finish_reason or chunk.prompt_logprobs or (reply.logprobs and chunk.token_ids):
-                    yield event(reply.delta(chunk))
-                stats = chunk.stats or stats
-                chunk = await anext(chunks, None)
+                    yield event(reply.delta(chunk, index))
+                stats[index] = chunk.stats or stats[index]
             if include_usage:
-                yield event(reply.usage_event(stats, first.session_id))
+                yield event(reply.usage_event(stats, firsts[0].session_id))
             yield {"data": "[DONE]"}
         except SpecdecError as exc:  # the stream broke after it started: an error event ends it
             yield event(api_error(exc).body())
         finally:
-            await chunks.aclose()
+            await merged.aclose()
+
+
+async def _merge(streams: list[AsyncStream], firsts: list[Chunk]) -> AsyncIterator[tuple[int, Chunk]]:
+    """The chunks of several streams as they come, as (stream index, chunk); `firsts` already read.
+    Closing it closes every stream (their generations stop)."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, chunks: AsyncStream) -> None:
+        ended: SpecdecError | None = Internal(f"choice {index}'s stream stopped unexpectedly")
+        try:
+            async for chunk in chunks:
+                await queue.put((index, chunk))
+            ended = None
+        except SpecdecError as exc:  # handed to the reader, which raises it
+            ended = exc
+        finally:
+            queue.put_nowait((index, ended))  # None: the stream ended
+
+    for index, first in enumerate(firsts):
+        queue.put_nowait((index, first))
+    tasks = [asyncio.ensure_future(pump(i, chunks)) for i, chunks in enumerate(streams)]
+    running = len(streams)
+    try:
+        while running:
+            index, item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, SpecdecError):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*(chunks.aclose() for chunks in streams), return_exceptions=True)
 
 
 def create_app(config: GatewayConfig, metrics: GatewayMetrics | None = None) -> FastAPI:
@@ -295,18 +333,19 @@ def create_app(config: GatewayConfig, metrics: GatewayMetrics | None = None) -> 
     async def completions(body: CompletionRequest, request: Request):
         token = gateway.authorize(request)
         model = await gateway.check_model(body.model, token)
-        kwargs = dict(completion_kwargs(body, config.default_temperature), token=token or "")
+        requests = [dict(kwargs, token=token or "") for kwargs in completion_choices(body, config.default_temperature)]
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        reply = Reply("completion", model, body.logprobs is not None, kwargs["prompt"] if body.echo else None)
-        return await gateway.respond(request, reply, kwargs, bool(body.stream), include_usage)
+        echo = [kwargs["prompt"] for kwargs in requests] if body.echo else None
+        reply = Reply("completion", model, body.logprobs is not None, echo, prompts=len(prompts_of(body)))
+        return await gateway.respond(request, reply, requests, bool(body.stream), include_usage)
 
     @app.post("/v1/chat/completions", responses=openapi.generation_responses(openapi.ChatCompletion))
     async def chat_completions(body: ChatRequest, request: Request):
         token = gateway.authorize(request)
         model = await gateway.check_model(body.model, token)
-        kwargs = dict(chat_kwargs(body, config.default_temperature), token=token or "")
+        requests = [dict(kwargs, token=token or "") for kwargs in chat_choices(body, config.default_temperature)]
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await gateway.respond(request, Reply("chat", model, "logprobs" in kwargs), kwargs, bool(body.stream),
+        return await gateway.respond(request, Reply("chat", model, bool(body.logprobs)), requests, bool(body.stream),
                                      include_usage)
 
     return app

@@ -27,7 +27,7 @@ from typing import Any, Literal
 import grpc
 from pydantic import BaseModel, ConfigDict, Field
 
-from specdec.client import Chunk, Logprob
+from specdec.client import Chunk, Generation, Logprob
 
 MAX_SEED = 2**64 - 1
 MAX_TOP_LOGPROBS = 20  # as the orchestrator allows (specdec.core.logprobs)
@@ -176,9 +176,31 @@ def _grammar(req: _Request) -> tuple[str, str] | None:
     return (asked[0][1], asked[0][2]) if asked else None
 
 
+MAX_CHOICES = 128  # n times the number of prompts, as OpenAI bounds n
+
+
+def choices(kwargs: dict[str, Any], n: int, prompts: list | None = None) -> list[dict[str, Any]]:
+    """One `build_request` kwargs per choice: each prompt (completions) `n` times, choice i of a
+    prompt with seed `seed + i` (its own random stream, reproducible when a seed is given)."""
+    prompts = prompts if prompts is not None else [kwargs.get("prompt")]
+    if not 1 <= n * len(prompts) <= MAX_CHOICES:
+        raise ApiError(400, f"n times the number of prompts must be between 1 and {MAX_CHOICES}, got "
+                       f"{n} x {len(prompts)}", param="n", code="invalid_value")
+    if n * len(prompts) > 1 and kwargs.get("session_id"):
+        raise ApiError(400, "session_id continues one session: send it with one prompt and n=1",
+                       param="session_id", code="invalid_value")
+    seed = kwargs.get("seed")
+    out = []
+    for prompt in prompts:
+        for i in range(n):
+            one = dict(kwargs, seed=None if seed is None else (seed + i) & MAX_SEED)
+            if "prompt" in kwargs:
+                one["prompt"] = prompt
+            out.append(one)
+    return out
+
+
 def _common_kwargs(req: _Request, max_tokens: int | None, default_temperature: float) -> dict[str, Any]:
-    if req.n not in (None, 1):
-        raise _refuse("n", f"only n=1 is supported (one choice per request), got {req.n}")
     if req.seed is not None and not 0 <= req.seed <= MAX_SEED:
         raise ApiError(400, f"seed must be between 0 and {MAX_SEED}, got {req.seed}", param="seed",
                        code="invalid_value")
@@ -194,15 +216,29 @@ def _common_kwargs(req: _Request, max_tokens: int | None, default_temperature: f
     )
 
 
-def completion_kwargs(req: CompletionRequest, default_temperature: float = 1.0) -> dict[str, Any]:
-    """Keyword arguments of `specdec.client.build_request` for a /v1/completions request."""
+def prompts_of(req: CompletionRequest) -> list[str | list[int]]:
+    """The prompts of a completions request: one text or token-id list, or a batch of either."""
     prompt = req.prompt
-    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):  # a batch: texts or id lists
-        if len(prompt) != 1:
-            raise _refuse("prompt", "send one prompt per request (batches of prompts are not supported)")
-        prompt = prompt[0]
-    if isinstance(prompt, list) and not prompt:
+    batch = prompt if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else [prompt]
+    if any(isinstance(p, list) and not p for p in batch) or (isinstance(prompt, list) and not prompt):
         raise ApiError(400, "prompt is empty", param="prompt", code="invalid_value")
+    return list(batch)
+
+
+def completion_choices(req: CompletionRequest, default_temperature: float = 1.0) -> list[dict[str, Any]]:
+    """`build_request` kwargs for each choice of a /v1/completions request (prompts times n)."""
+    return choices(completion_kwargs(req, default_temperature), 1 if req.n is None else req.n, prompts_of(req))
+
+
+def chat_choices(req: ChatRequest, default_temperature: float = 1.0) -> list[dict[str, Any]]:
+    """`build_request` kwargs for each of the n choices of a /v1/chat/completions request."""
+    return choices(chat_kwargs(req, default_temperature), 1 if req.n is None else req.n)
+
+
+def completion_kwargs(req: CompletionRequest, default_temperature: float = 1.0) -> dict[str, Any]:
+    """Keyword arguments of `specdec.client.build_request` for a /v1/completions request (its first
+    prompt: `completion_choices` makes one per choice)."""
+    prompt = prompts_of(req)[0]
     if req.best_of not in (None, 1):
         raise _refuse("best_of", "only best_of=1 is supported")
     if req.suffix:
@@ -266,22 +302,46 @@ def chat_kwargs(req: ChatRequest, default_temperature: float = 1.0) -> dict[str,
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", None: None}
 
 
-def usage(stats: dict[str, Any]) -> dict[str, Any]:
-    """OpenAI `usage`, plus the speculation statistics of the generation."""
-    prompt, completion = int(stats.get("prompt_tokens", 0)), int(stats.get("completion_tokens", 0))
+def speculation(stats: dict[str, Any]) -> dict[str, Any]:
+    """The speculation statistics of one generation (the `usage.speculation` extension)."""
     return {
-        "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-        "speculation": {
-            "acceptance_rate": stats.get("acceptance_rate", 0.0),
-            "mean_accepted_length": stats.get("mean_accepted_length", 0.0),
-            "draft_tokens": stats.get("draft_tokens", 0),
-            "accepted_tokens": stats.get("accepted_tokens", 0),
-            "rounds": stats.get("rounds", 0),
-            "draft_fallbacks": stats.get("draft_fallbacks", 0),
-            "time_to_first_token_s": stats.get("time_to_first_token_s", 0.0),
-            "tokens_per_second": stats.get("tokens_per_second", 0.0),
-        },
+        "acceptance_rate": stats.get("acceptance_rate", 0.0),
+        "mean_accepted_length": stats.get("mean_accepted_length", 0.0),
+        "draft_tokens": stats.get("draft_tokens", 0),
+        "accepted_tokens": stats.get("accepted_tokens", 0),
+        "rounds": stats.get("rounds", 0),
+        "draft_fallbacks": stats.get("draft_fallbacks", 0),
+        "time_to_first_token_s": stats.get("time_to_first_token_s", 0.0),
+        "tokens_per_second": stats.get("tokens_per_second", 0.0),
     }
+
+
+def usage(stats: dict[str, Any] | list[dict[str, Any]], prompts: int = 1) -> dict[str, Any]:
+    """OpenAI `usage` of the choices whose generation statistics are `stats` (one dict per choice),
+    with their speculation statistics in total. Each of the `prompts` distinct prompts is counted
+    once, however many choices share it (as OpenAI counts `n`)."""
+    per = [stats] if isinstance(stats, dict) else list(stats)
+    if not per:
+        per = [{}]
+    share = max(1, len(per) // max(prompts, 1))  # choices per prompt
+    prompt = sum(int(st.get("prompt_tokens", 0)) for st in per[::share])
+    completion = sum(int(st.get("completion_tokens", 0)) for st in per)
+    if len(per) == 1:
+        total = speculation(per[0])
+    else:
+        draft, accepted = (sum(int(st.get(k, 0)) for st in per) for k in ("draft_tokens", "accepted_tokens"))
+        rounds = sum(int(st.get("rounds", 0)) for st in per)
+        elapsed = max((float(st.get("elapsed_s", 0.0)) for st in per), default=0.0)
+        total = {
+            "acceptance_rate": accepted / draft if draft else 0.0,
+            "mean_accepted_length": completion / rounds if rounds else 0.0,
+            "draft_tokens": draft, "accepted_tokens": accepted, "rounds": rounds,
+            "draft_fallbacks": sum(int(st.get("draft_fallbacks", 0)) for st in per),
+            "time_to_first_token_s": min(float(st.get("time_to_first_token_s", 0.0)) for st in per),
+            "tokens_per_second": completion / elapsed if elapsed > 0 else 0.0,
+        }
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "speculation": total}
 
 
 def _top(entry: Logprob) -> list[dict[str, Any]]:
@@ -310,77 +370,88 @@ def completion_logprobs(entries: list[Logprob], text_offset: int) -> dict[str, A
 
 
 class Reply:
-    """Builds the JSON objects of one response (its id and creation time fixed up front)."""
+    """Builds the JSON objects of one response (its id and creation time fixed up front), for any
+    number of choices; choice i's events carry `index` i."""
 
     def __init__(self, kind: Literal["completion", "chat"], model: str, logprobs: bool = False,
-                 echo: str | list[int] | None = None) -> None:
-        """`echo`: the completion's prompt, to put before its text (a token-id prompt's text is
-        that of its scored tokens)."""
+                 echo: list[str | list[int]] | None = None, prompts: int = 1) -> None:
+        """`echo`: each choice's prompt, to put before its text (a token-id prompt's text is that of
+        its scored tokens); `prompts`: how many distinct prompts the choices answer."""
         self.kind = kind
         self.model = model
         self.logprobs = logprobs
         self.echo = echo
+        self.prompts = prompts
         self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
-        self._offset = 0  # of the next token's text (completions' text_offset)
+        self._offsets: dict[int, int] = {}  # choice -> offset of its next token's text (completions)
 
-    def _logprobs(self, entries: list[Logprob]) -> dict[str, Any] | None:
+    def _logprobs(self, index: int, entries: list[Logprob]) -> dict[str, Any] | None:
         if not self.logprobs:
             return None
         if self.kind == "chat":
             return chat_logprobs(entries)
-        out = completion_logprobs(entries, self._offset)
-        self._offset += sum(len(e.token) for e in entries)
+        offset = self._offsets.get(index, 0)
+        out = completion_logprobs(entries, offset)
+        self._offsets[index] = offset + sum(len(e.token) for e in entries)
         return out
+
+    def _echoed(self, index: int, text: str, prompt_logprobs: list[Logprob], logprobs: list[Logprob]
+                ) -> tuple[str, list[Logprob]]:
+        """With echo: the prompt's text before `text`, and its tokens before `logprobs`."""
+        if self.echo is None or not prompt_logprobs:
+            return text, logprobs
+        prompt = self.echo[index]
+        prompt = prompt if isinstance(prompt, str) else "".join(e.token for e in prompt_logprobs)
+        return prompt + text, list(prompt_logprobs) + list(logprobs)
 
     def _envelope(self, obj: str, session_id: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "specdec": {"session_id": session_id}}
 
-    def _echoed(self, text: str, prompt_logprobs: list[Logprob], logprobs: list[Logprob]
-                ) -> tuple[str, list[Logprob]]:
-        """With echo: the prompt's text before `text`, and its tokens before `logprobs`."""
-        if self.echo is None or not prompt_logprobs:
-            return text, logprobs
-        prompt = self.echo if isinstance(self.echo, str) else "".join(e.token for e in prompt_logprobs)
-        return prompt + text, list(prompt_logprobs) + list(logprobs)
+    def whole(self, outs: list[Generation]) -> dict[str, Any]:
+        """The non-streaming answer: one choice per generation, with its own speculation statistics."""
+        choices = []
+        for index, out in enumerate(outs):
+            finish = FINISH[out.finish_reason]
+            if self.kind == "chat":
+                choice = {"index": index, "message": {"role": "assistant", "content": out.text},
+                          "finish_reason": finish, "logprobs": self._logprobs(index, out.logprobs)}
+            else:
+                text, logprobs = self._echoed(index, out.text, out.prompt_logprobs, out.logprobs)
+                choice = {"index": index, "text": text, "finish_reason": finish,
+                          "logprobs": self._logprobs(index, logprobs)}
+            if len(outs) > 1:
+                choice["speculation"] = speculation(out.stats)
+            choices.append(choice)
+        obj = "chat.completion" if self.kind == "chat" else "text_completion"
+        return {**self._envelope(obj, outs[0].session_id), "choices": choices,
+                "usage": usage([out.stats for out in outs], self.prompts)}
 
-    def whole(self, text: str, finish_reason: str | None, stats: dict[str, Any], session_id: str,
-              logprobs: list[Logprob] = (), prompt_logprobs: list[Logprob] = ()) -> dict[str, Any]:
-        """The non-streaming answer."""
-        text, logprobs = self._echoed(text, list(prompt_logprobs), list(logprobs))
-        if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "finish_reason": FINISH[finish_reason], "logprobs": self._logprobs(list(logprobs))}
-            out = self._envelope("chat.completion", session_id)
-        else:
-            choice = {"index": 0, "text": text, "finish_reason": FINISH[finish_reason],
-                      "logprobs": self._logprobs(list(logprobs))}
-            out = self._envelope("text_completion", session_id)
-        return {**out, "choices": [choice], "usage": usage(stats)}
-
-    def opening(self, session_id: str) -> dict[str, Any]:
-        """The first event of a chat stream: the assistant's role, no text yet."""
-        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None, "logprobs": None}
+    def opening(self, session_id: str, index: int = 0) -> dict[str, Any]:
+        """The first event of a chat choice's stream: the assistant's role, no text yet."""
+        choice = {"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
+                  "logprobs": None}
         return {**self._envelope("chat.completion.chunk", session_id), "choices": [choice]}
 
-    def delta(self, chunk: Chunk) -> dict[str, Any]:
+    def delta(self, chunk: Chunk, index: int = 0) -> dict[str, Any]:
         """One streamed event: the chunk's text, and on the last one why the generation ended."""
         finish = FINISH[chunk.finish_reason]
         if self.kind == "chat":
-            choice = {"index": 0, "delta": {"content": chunk.text} if chunk.text else {}, "finish_reason": finish,
-                      "logprobs": self._logprobs(chunk.logprobs)}
+            choice = {"index": index, "delta": {"content": chunk.text} if chunk.text else {}, "finish_reason": finish,
+                      "logprobs": self._logprobs(index, chunk.logprobs)}
             out = self._envelope("chat.completion.chunk", chunk.session_id)
         else:
-            text, logprobs = self._echoed(chunk.text, chunk.prompt_logprobs, chunk.logprobs)
-            choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": self._logprobs(logprobs)}
+            text, logprobs = self._echoed(index, chunk.text, chunk.prompt_logprobs, chunk.logprobs)
+            choice = {"index": index, "text": text, "finish_reason": finish,
+                      "logprobs": self._logprobs(index, logprobs)}
             out = self._envelope("text_completion", chunk.session_id)
         return {**out, "choices": [choice]}
 
-    def usage_event(self, stats: dict[str, Any], session_id: str) -> dict[str, Any]:
+    def usage_event(self, stats: list[dict[str, Any]], session_id: str) -> dict[str, Any]:
         """The extra last event of `stream_options.include_usage`: no choices, the usage."""
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
-        return {**self._envelope(obj, session_id), "choices": [], "usage": usage(stats)}
+        return {**self._envelope(obj, session_id), "choices": [], "usage": usage(stats, self.prompts)}
 
 
 # -- errors -------------------------------------------------------------------------------------

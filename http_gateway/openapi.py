@@ -71,6 +71,7 @@ class ChatChoice(BaseModel):
     message: AssistantMessage
     finish_reason: Literal["stop", "length"] | None
     logprobs: ChatLogprobs | None
+    speculation: Speculation | None = None  # per choice, when there are several
 
 
 class ChatCompletion(BaseModel):
@@ -95,6 +96,7 @@ class CompletionChoice(BaseModel):
     text: str
     finish_reason: Literal["stop", "length"] | None
     logprobs: CompletionLogprobs | None
+    speculation: Speculation | None = None  # per choice, when there are several
 
 
 class Completion(BaseModel):

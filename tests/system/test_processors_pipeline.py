@@ -197,3 +197,36 @@ def test_a_resumed_generation_sends_the_same_logprobs(http_pipeline, reference):
     assert [e.token_id for e in again] == tokens[2:]
     for a, b in zip(first[2:], again):
         assert math.isclose(a.logprob, b.logprob, abs_tol=1e-9) and list(a.top_token_ids) == list(b.top_token_ids)
+
+
+def test_n_choices_run_together_each_with_its_own_seed(api, model):
+    reply = api.chat.completions.create(model=model, messages=[{"role": "user", "content": "Say something"}],
+                                        n=3, max_tokens=10, temperature=1.0, seed=11)
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    texts = [c.message.content for c in reply.choices]
+    assert len(set(texts)) > 1  # three seeds, three streams
+    tokens = 0
+    for i, text in enumerate(texts):  # choice i is the generation with seed 11 + i
+        alone = api.chat.completions.create(model=model, messages=[{"role": "user", "content": "Say something"}],
+                                            max_tokens=10, temperature=1.0, seed=11 + i)
+        assert alone.choices[0].message.content == text
+        tokens += alone.usage.completion_tokens
+    assert reply.usage.completion_tokens == tokens and reply.usage.prompt_tokens == alone.usage.prompt_tokens
+    assert all(c.speculation["rounds"] > 0 for c in reply.choices)  # each choice's own statistics
+
+
+def test_a_batch_of_prompts_streams_every_choice(api, model):
+    stream = api.completions.create(model=model, prompt=["One", "Two"], n=2, max_tokens=6, temperature=1.0, seed=4,
+                                    stream=True, stream_options={"include_usage": True})
+    texts: dict[int, str] = {}
+    finished, usage = set(), None
+    for event in stream:
+        usage = event.usage or usage
+        for choice in event.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+            if choice.finish_reason:
+                finished.add(choice.index)
+    assert finished == {0, 1, 2, 3} and usage is not None
+    whole = api.completions.create(model=model, prompt=["One", "Two"], n=2, max_tokens=6, temperature=1.0, seed=4)
+    assert [c.text for c in whole.choices] == [texts[i] for i in range(4)]
+    assert whole.usage.completion_tokens == usage.completion_tokens

@@ -14,14 +14,16 @@ from http_gateway.openai_api import (
     CompletionRequest,
     Reply,
     api_error,
+    chat_choices,
     chat_kwargs,
+    completion_choices,
     completion_kwargs,
     retry_after_s,
     usage,
     validation_error,
 )
 from specdec import errors
-from specdec.client import Chunk, Logprob, build_request
+from specdec.client import Chunk, Generation, Logprob, build_request
 
 STATS = {"prompt_tokens": 7, "completion_tokens": 5, "rounds": 3, "draft_tokens": 8, "accepted_tokens": 2,
          "acceptance_rate": 0.25, "mean_accepted_length": 1.67, "draft_fallbacks": 0,
@@ -59,9 +61,11 @@ def test_chat_request_to_generate_request():
 
 
 @pytest.mark.parametrize("build,param", [
-    (lambda: completion_kwargs(CompletionRequest(model="m", prompt="x", n=2)), "n"),
-    (lambda: completion_kwargs(CompletionRequest(model="m", prompt=["a", "b"])), "prompt"),
-    (lambda: completion_kwargs(CompletionRequest(model="m", prompt=[[1, 2], [3]])), "prompt"),
+    (lambda: completion_choices(CompletionRequest(model="m", prompt="x", n=0)), "n"),
+    (lambda: completion_choices(CompletionRequest(model="m", prompt=["a", "b"], n=65)), "n"),
+    (lambda: chat_choices(ChatRequest(model="m", messages=[{"role": "user", "content": "x"}], n=2,
+                                      session_id="s")), "session_id"),
+    (lambda: completion_choices(CompletionRequest(model="m", prompt=[[1, 2], []])), "prompt"),
     (lambda: completion_kwargs(CompletionRequest(model="m", prompt=[])), "prompt"),
     (lambda: completion_kwargs(CompletionRequest(model="m", prompt="x", logprobs=21)), "logprobs"),
     (lambda: completion_kwargs(CompletionRequest(model="m", prompt="x", best_of=3)), "best_of"),
@@ -143,7 +147,7 @@ def test_usage_carries_the_speculation_extension():
 
 def test_reply_objects():
     chat = Reply("chat", "m")
-    whole = chat.whole("Hi", "eos", STATS, "s1")
+    whole = chat.whole([Generation("s1", "Hi", [5], "eos", STATS)])
     assert whole["object"] == "chat.completion" and whole["id"].startswith("chatcmpl-")
     assert whole["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "Hi"},
                                  "finish_reason": "stop", "logprobs": None}]
@@ -154,10 +158,10 @@ def test_reply_objects():
     assert last["id"] == whole["id"]  # one id for every event of a response
     assert chat.delta(Chunk("s1", [5], "", {}))["choices"][0]["delta"] == {}
     text = Reply("completion", "m")
-    assert text.whole("Hi", "stop", STATS, "s1")["choices"][0] == {"index": 0, "text": "Hi", "finish_reason": "stop",
-                                                                   "logprobs": None}
+    assert text.whole([Generation("s1", "Hi", [5], "stop", STATS)])["choices"][0] == {
+        "index": 0, "text": "Hi", "finish_reason": "stop", "logprobs": None}
     assert text.delta(Chunk("s1", [1], "x", {}))["object"] == "text_completion"
-    final = text.usage_event(STATS, "s1")
+    final = text.usage_event([STATS], "s1")
     assert final["choices"] == [] and final["usage"]["completion_tokens"] == 5
 
 
@@ -221,7 +225,8 @@ def test_processors_logprobs_and_token_prompts_reach_the_request():
 
 def test_logprobs_in_openais_shapes():
     entries = [Logprob(7, " a", -0.25, 1, [(7, " a", -0.25), (8, "b", -2.0)]), Logprob(9, "bc", -3.0, 4, [])]
-    chat = Reply("chat", "m", logprobs=True).whole(" abc", "eos", {}, "s", entries)["choices"][0]["logprobs"]
+    chat = Reply("chat", "m", logprobs=True).whole([Generation("s", " abc", [7, 9], "eos", {}, 0, entries)])
+    chat = chat["choices"][0]["logprobs"]
     assert chat["content"][0] == {"token": " a", "logprob": -0.25, "bytes": [32, 97], "top_logprobs": [
         {"token": " a", "logprob": -0.25, "bytes": [32, 97]}, {"token": "b", "logprob": -2.0, "bytes": [98]}]}
     reply = Reply("completion", "m", logprobs=True)
@@ -230,7 +235,8 @@ def test_logprobs_in_openais_shapes():
     assert first == {"tokens": [" a"], "token_logprobs": [-0.25], "top_logprobs": [{" a": -0.25, "b": -2.0}],
                      "text_offset": [0]}
     assert second["text_offset"] == [2] and second["top_logprobs"] == [{"bc": -3.0}]
-    assert Reply("chat", "m").whole("x", "eos", {}, "s", entries)["choices"][0]["logprobs"] is None
+    assert Reply("chat", "m").whole([Generation("s", "x", [7, 9], "eos", {}, 0, entries)])["choices"][0][
+        "logprobs"] is None
 
 
 def test_structured_output_fields_become_the_request_grammar():
@@ -247,3 +253,24 @@ def test_structured_output_fields_become_the_request_grammar():
     assert grammar(guided_choice=["yes", "no"]) == ("choice", '["yes", "no"]')
     assert grammar(guided_grammar="start: \"a\"") == ("lark", 'start: "a"')
     assert grammar(response_format={"type": "text"}) == ("", "")
+
+
+def test_n_choices_and_prompt_batches_fan_out_with_their_own_seeds():
+    batch = completion_choices(CompletionRequest(model="m", prompt=["a", "b"], n=3, seed=2**64 - 2))
+    assert [(k["prompt"], k["seed"]) for k in batch] == [
+        ("a", 2**64 - 2), ("a", 2**64 - 1), ("a", 0), ("b", 2**64 - 2), ("b", 2**64 - 1), ("b", 0)]
+    unseeded = chat_choices(ChatRequest(model="m", messages=[{"role": "user", "content": "x"}], n=2))
+    assert len(unseeded) == 2 and all(k["seed"] is None for k in unseeded)
+    ids = completion_choices(CompletionRequest(model="m", prompt=[[1, 2], [3]]))
+    assert [k["prompt"] for k in ids] == [[1, 2], [3]]
+
+
+def test_usage_counts_each_prompt_once_and_sums_the_choices():
+    stats = [dict(STATS, completion_tokens=c, draft_tokens=4, accepted_tokens=a, rounds=2) for c, a in ((5, 3), (7, 1))]
+    total = usage(stats, prompts=1)
+    assert total["prompt_tokens"] == STATS["prompt_tokens"] and total["completion_tokens"] == 12
+    assert total["speculation"]["acceptance_rate"] == 0.5 and total["speculation"]["mean_accepted_length"] == 3.0
+    whole = Reply("completion", "m", prompts=1).whole([Generation("s", "x", [1], "eos", st) for st in stats])
+    assert [c["index"] for c in whole["choices"]] == [0, 1]
+    assert [c["speculation"]["accepted_tokens"] for c in whole["choices"]] == [3, 1]
+    assert usage(stats, prompts=2)["prompt_tokens"] == 2 * STATS["prompt_tokens"]
