@@ -474,7 +474,10 @@ HTTP_ERRORS: dict[grpc.StatusCode, tuple[int, str, str]] = {
 _PARAM_NAMES = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
                 "draft_length": "draft_length", "session": "session_id", "session_id": "session_id",
                 "prompt": "prompt", "messages": "messages", "the input": "prompt", "each stop string": "stop",
-                "at most": "stop", "seed": "seed", "grammar": "response_format"}
+                "at most": "stop", "seed": "seed", "grammar": "response_format", "min_p": "min_p",
+                "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
+                "repetition_penalty": "repetition_penalty", "logit_bias": "logit_bias", "min_tokens": "min_tokens",
+                "top_logprobs": "top_logprobs", "stop_token_ids": "stop_token_ids", "token_ids": "prompt"}
 _PARAM_RE = re.compile(r"^(" + "|".join(map(re.escape, _PARAM_NAMES)) + r")\b")
 _ADDRESS_PREFIX = re.compile(r"^orchestrator \S+: ")
 

@@ -144,13 +144,13 @@ def _error(exc_info) -> dict:
 
 
 @pytest.mark.parametrize("kwargs,status,param,code", [
-    (dict(n=2), 400, "n", "unsupported_parameter"),
+    (dict(n=200), 400, "n", "invalid_value"),
     (dict(max_tokens=0), 400, "max_tokens", "invalid_value"),
     (dict(max_tokens=10**6), 400, "max_tokens", "invalid_value"),
     (dict(temperature=-1), 400, "temperature", "invalid_value"),
     (dict(top_p=1.5), 400, "top_p", "invalid_value"),
     (dict(seed=-1), 400, "seed", "invalid_value"),
-    (dict(frequency_penalty=0.5), 400, "frequency_penalty", "unsupported_parameter"),
+    (dict(frequency_penalty=2.5), 400, "frequency_penalty", "invalid_value"),
     (dict(model="gpt-4o"), 404, "model", "model_not_found"),
     (dict(extra_body={"session_id": "no-such-session"}), 404, "session_id", "session_not_found"),
     (dict(stream=True, max_tokens=0), 400, "max_tokens", "invalid_value"),  # before the stream starts
