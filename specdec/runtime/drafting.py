@@ -64,8 +64,9 @@ class Drafter:
             output = history[params.output_start:]
             # What the grammar forces is proposed without the model (q one-hot), then the model goes on.
             forced = await loop.run_in_executor(self.executor, self.grammars.forced, session_id, spec, output, k)
+            free = StepInfo(batch_size=0, compute_ns=0, queue_ns=0)
             for token in forced:
-                yield DraftToken(token, self._one_hot(token, params), 0), StepInfo(batch_size=0, compute_ns=0)
+                yield DraftToken(token, self._one_hot(token, params), 0), free
             history, k = history + forced, k - len(forced)
             if k == 0:
                 return

@@ -93,6 +93,7 @@ def test_greedy_under_a_grammar_equals_the_target_alone(http_pipeline, ngram_pip
             out = client.generate(prompt_ids, max_new_tokens=MAX_NEW, temperature=0, draft_length=4,
                                   grammar=(spec.kind, spec.text))
         assert out.token_ids == expected, source
+        assert out.stats["draft_fallbacks"] == 0, source  # the draft took part in every round it was asked
     text = reference.tokenizer.decode(expected, skip_special_tokens=True)
     if spec.kind == "json_schema":
         jsonschema.validate(json.loads(text), SCHEMA)
@@ -124,6 +125,7 @@ def random_schema(rng: random.Random) -> dict:
 def test_fifty_schemas_sampled_and_greedy_all_parse_and_validate(http_pipeline, reference):
     rng = random.Random(7)
     prompts = ["Describe it as JSON: ", "Data: ", "{", "Here is the record -> ", "Output:\n"]
+    drafted = 0
     with Client(orchestrator_address(http_pipeline)) as client:
         for i in range(50):
             schema, prompt = random_schema(rng), prompts[i % len(prompts)]
@@ -132,6 +134,9 @@ def test_fifty_schemas_sampled_and_greedy_all_parse_and_validate(http_pipeline, 
                                       draft_length=4, grammar=("json_schema", json.dumps(schema)))
                 assert out.finish_reason == "eos", (schema, out.text)
                 jsonschema.validate(json.loads(out.text), schema)
+                assert out.stats["draft_fallbacks"] == 0
+                drafted += out.stats["draft_tokens"]
+    assert drafted > 0
 
 
 def test_chat_completions_parse_with_a_pydantic_model(api, model):
