@@ -174,3 +174,49 @@ def test_an_invalid_grammar_is_refused_before_anything_runs(api, model):
                                     response_format={"type": "json_schema",
                                                      "json_schema": {"name": "x", "schema": {"type": "objekt"}}})
     assert info.value.body["param"] == "response_format" and "json_schema" in info.value.body["message"]
+
+
+def test_sampling_under_a_grammar_and_penalties_follows_the_processed_target(http_pipeline, reference):
+    """200 sampled generations of "[abcd]{3}" under presence and frequency penalties, drafted by the
+    poor model at k = 4: the empirical distribution of the 64 strings matches the target's own
+    (each position's logits penalised by the letters before it, masked by the grammar, softmaxed),
+    chi-square at the 0.1 % level."""
+    from scipy.stats import chi2
+
+    from specdec.core.processors import process_block
+    from specdec.core.sampling import SamplingParams
+
+    letters = [reference.tokenizer.convert_tokens_to_ids(c) for c in "abcd"]
+    prompt_ids = reference.encode("Letters: ")
+    params = SamplingParams(temperature=1.0, presence_penalty=float(torch.tensor(1.0, dtype=torch.float32)),
+                            frequency_penalty=float(torch.tensor(0.5, dtype=torch.float32)),
+                            output_start=len(prompt_ids))
+    model = reference.loaded.model
+
+    def masked(context: list[int]) -> torch.Tensor:
+        with torch.inference_mode():
+            logits = model(torch.tensor([context])).logits[0, -1:].double()
+        row = process_block(logits, context, [], params)[0]
+        return torch.softmax(row[letters], dim=0)  # the grammar allows exactly the four letters here
+
+    expected: dict[str, float] = {}
+    for a in range(4):
+        pa = masked(prompt_ids)[a]
+        for b in range(4):
+            pb = masked(prompt_ids + [letters[a]])[b]
+            third = masked(prompt_ids + [letters[a], letters[b]])
+            for c in range(4):
+                expected["abcd"[a] + "abcd"[b] + "abcd"[c]] = float(pa * pb * third[c])
+    counts = dict.fromkeys(expected, 0)
+    trials = 200
+    with Client(orchestrator_address(http_pipeline)) as client:
+        for seed in range(trials):
+            out = client.generate(prompt_ids, max_new_tokens=8, temperature=1.0, seed=1000 + seed, draft_length=4,
+                                  presence_penalty=1.0, frequency_penalty=0.5, grammar=("regex", "[abcd]{3}"))
+            counts[out.text] += 1
+    cells = sorted(expected, key=expected.get, reverse=True)
+    big = [s for s in cells if expected[s] * trials >= 5]
+    observed = [counts[s] for s in big] + [sum(counts[s] for s in cells if s not in big)]
+    wanted = [expected[s] * trials for s in big] + [trials * sum(expected[s] for s in cells if s not in big)]
+    statistic = sum((o - e) ** 2 / e for o, e in zip(observed, wanted) if e > 0)
+    assert statistic < chi2.ppf(0.999, len(observed) - 1), (observed, wanted)
