@@ -31,6 +31,7 @@ from http_gateway.openai_api import (
     completion_choices,
     prompts_of,
     retry_after_s,
+    tool_mode,
     validation_error,
 )
 from specdec.client import AsyncClient, AsyncStream, Chunk
@@ -216,7 +217,9 @@ class Gateway:
                     yield event(reply.opening(first.session_id, index))
             async for index, chunk in merged:
                 if chunk.text or chunk.finish_reason or chunk.prompt_logprobs or (reply.logprobs and chunk.token_ids):
-                    yield event(reply.delta(chunk, index))
+                    delta = reply.delta(chunk, index)
+                    if delta is not None:
+                        yield event(delta)
                 stats[index] = chunk.stats or stats[index]
             if include_usage:
                 yield event(reply.usage_event(stats, firsts[0].session_id))
@@ -345,7 +348,7 @@ def create_app(config: GatewayConfig, metrics: GatewayMetrics | None = None) -> 
         model = await gateway.check_model(body.model, token)
         requests = [dict(kwargs, token=token or "") for kwargs in chat_choices(body, config.default_temperature)]
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await gateway.respond(request, Reply("chat", model, bool(body.logprobs)), requests, bool(body.stream),
-                                     include_usage)
+        reply = Reply("chat", model, bool(body.logprobs), tools=tool_mode(body))
+        return await gateway.respond(request, reply, requests, bool(body.stream), include_usage)
 
     return app

@@ -27,6 +27,7 @@ from typing import Any, Literal
 import grpc
 from pydantic import BaseModel, ConfigDict, Field
 
+from http_gateway.tools import ToolError, ToolMode, forcing_grammar, functions, parse_calls
 from specdec.client import Chunk, Generation, Logprob
 
 MAX_SEED = 2**64 - 1
@@ -279,21 +280,61 @@ def chat_kwargs(req: ChatRequest, default_temperature: float = 1.0) -> dict[str,
         raise ApiError(400, f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {req.top_logprobs}",
                        param="top_logprobs", code="invalid_value")
     logprobs = dict(logprobs=True, top_logprobs=req.top_logprobs or 0) if req.logprobs else {}
-    if req.tools or req.functions:
-        raise _refuse("tools" if req.tools else "functions", "tool calling is not supported")
-    if req.function_call is not None:
-        raise _refuse("function_call", "tool calling is not supported")
-    if req.tool_choice not in (None, "none", "auto"):  # without tools, "none" and "auto" both mean no calls
-        raise _refuse("tool_choice", "tool calling is not supported; send no tool_choice (or \"none\")")
-    messages = []
-    for i, m in enumerate(req.messages):
-        role = "system" if m.role == "developer" else m.role  # OpenAI's newer name for system
-        if role not in ("system", "user", "assistant"):
-            raise ApiError(400, f"messages[{i}].role must be system, developer, user or assistant, got {m.role!r}",
-                           param=f"messages[{i}].role", code="invalid_value")
-        messages.append({"role": role, "content": _text_of(i, m)})
+    if req.functions or req.function_call is not None:
+        raise _refuse("functions" if req.functions else "function_call",
+                      "the deprecated functions API is not served: send tools and tool_choice")
+    messages = [_chat_message(i, m) for i, m in enumerate(req.messages)]
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    return dict(messages=messages, **_common_kwargs(req, max_tokens, default_temperature), **logprobs)
+    kwargs = dict(messages=messages, **_common_kwargs(req, max_tokens, default_temperature), **logprobs)
+    mode = tool_mode(req)
+    if mode is not None:
+        kwargs["tools"] = req.tools
+        if mode.forced:
+            if kwargs["grammar"] is not None:
+                raise ApiError(400, "tool_choice forces a tool call, so the output cannot also follow "
+                               "response_format or a guided_* grammar: send one", param="tool_choice",
+                               code="invalid_value")
+            try:
+                kwargs["grammar"] = forcing_grammar(req.tools, req.tool_choice)
+            except ToolError as exc:
+                raise ApiError(400, str(exc), param=exc.param, code="invalid_value") from None
+    return kwargs
+
+
+def tool_mode(req: ChatRequest) -> ToolMode | None:
+    """How the answer may hold tool calls: None without tools or with tool_choice "none"."""
+    choice = req.tool_choice if req.tool_choice is not None else ("auto" if req.tools else "none")
+    if not req.tools:
+        if choice not in ("none", "auto"):
+            raise ApiError(400, "tool_choice needs tools", param="tool_choice", code="invalid_value")
+        return None
+    if choice == "none":
+        return None
+    if choice not in ("auto", "required") and not (isinstance(choice, dict) and choice.get("type") == "function"):
+        raise ApiError(400, f"tool_choice must be none, auto, required or {{\"type\": \"function\", ...}}, got "
+                       f"{choice!r}", param="tool_choice", code="invalid_value")
+    try:
+        names = tuple(functions(req.tools))
+    except ToolError as exc:
+        raise ApiError(400, str(exc), param=exc.param, code="invalid_value") from None
+    return ToolMode(names, forced=choice != "auto")
+
+
+def _chat_message(i: int, m: Message) -> dict[str, Any]:
+    role = "system" if m.role == "developer" else m.role  # OpenAI's newer name for system
+    if role not in ("system", "user", "assistant", "tool"):
+        raise ApiError(400, f"messages[{i}].role must be system, developer, user, assistant or tool, got "
+                       f"{m.role!r}", param=f"messages[{i}].role", code="invalid_value")
+    message: dict[str, Any] = {"role": role, "content": _text_of(i, m)}
+    extra = m.model_extra or {}
+    if role == "assistant" and extra.get("tool_calls"):
+        message["tool_calls"] = extra["tool_calls"]
+    if role == "tool":
+        if not extra.get("tool_call_id"):
+            raise ApiError(400, f"messages[{i}]: a tool message needs tool_call_id",
+                           param=f"messages[{i}].tool_call_id", code="invalid_value")
+        message.update(tool_call_id=extra["tool_call_id"], name=extra.get("name") or "")
+    return message
 
 
 # -- responses ----------------------------------------------------------------------------------
@@ -374,9 +415,13 @@ class Reply:
     number of choices; choice i's events carry `index` i."""
 
     def __init__(self, kind: Literal["completion", "chat"], model: str, logprobs: bool = False,
-                 echo: list[str | list[int]] | None = None, prompts: int = 1) -> None:
+                 echo: list[str | list[int]] | None = None, prompts: int = 1, tools: ToolMode | None = None) -> None:
         """`echo`: each choice's prompt, to put before its text (a token-id prompt's text is that of
-        its scored tokens); `prompts`: how many distinct prompts the choices answer."""
+        its scored tokens); `prompts`: how many distinct prompts the choices answer; `tools`: how the
+        answers may hold tool calls (a streamed choice is then sent whole when it ends, its calls
+        parsed)."""
+        self.tools = tools
+        self._held: dict[int, tuple[list[str], list[Logprob]]] = {}
         self.kind = kind
         self.model = model
         self.logprobs = logprobs
@@ -415,8 +460,9 @@ class Reply:
         for index, out in enumerate(outs):
             finish = FINISH[out.finish_reason]
             if self.kind == "chat":
-                choice = {"index": index, "message": {"role": "assistant", "content": out.text},
-                          "finish_reason": finish, "logprobs": self._logprobs(index, out.logprobs)}
+                message, finish = self._message(out.text, finish)
+                choice = {"index": index, "message": message, "finish_reason": finish,
+                          "logprobs": self._logprobs(index, out.logprobs)}
             else:
                 text, logprobs = self._echoed(index, out.text, out.prompt_logprobs, out.logprobs)
                 choice = {"index": index, "text": text, "finish_reason": finish,
@@ -434,9 +480,32 @@ class Reply:
                   "logprobs": None}
         return {**self._envelope("chat.completion.chunk", session_id), "choices": [choice]}
 
-    def delta(self, chunk: Chunk, index: int = 0) -> dict[str, Any]:
-        """One streamed event: the chunk's text, and on the last one why the generation ended."""
+    def _message(self, text: str, finish: str | None) -> tuple[dict[str, Any], str | None]:
+        """The assistant message of an answer, with its tool calls when the request allows them."""
+        if self.tools is None:
+            return {"role": "assistant", "content": text}, finish
+        content, calls = parse_calls(text, self.tools)
+        if not calls:
+            return {"role": "assistant", "content": text}, finish
+        return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
+
+    def delta(self, chunk: Chunk, index: int = 0) -> dict[str, Any] | None:
+        """One streamed event: the chunk's text, and on the last one why the generation ended. With
+        tools, a choice's chunks are held and sent as one event when it ends (None until then)."""
         finish = FINISH[chunk.finish_reason]
+        if self.kind == "chat" and self.tools is not None:
+            texts, entries = self._held.setdefault(index, ([], []))
+            texts.append(chunk.text)
+            entries.extend(chunk.logprobs)
+            if chunk.finish_reason is None:
+                return None
+            message, finish = self._message("".join(texts), finish)
+            delta = {k: v for k, v in message.items() if k != "role" and v is not None}
+            if "tool_calls" in delta:
+                delta["tool_calls"] = [{"index": j, **call} for j, call in enumerate(delta["tool_calls"])]
+            choice = {"index": index, "delta": delta, "finish_reason": finish,
+                      "logprobs": self._logprobs(index, entries)}
+            return {**self._envelope("chat.completion.chunk", chunk.session_id), "choices": [choice]}
         if self.kind == "chat":
             choice = {"index": index, "delta": {"content": chunk.text} if chunk.text else {}, "finish_reason": finish,
                       "logprobs": self._logprobs(index, chunk.logprobs)}

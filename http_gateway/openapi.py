@@ -46,9 +46,21 @@ class Specdec(BaseModel):
     session_id: str
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class TopLogprob(BaseModel):
@@ -69,7 +81,7 @@ class ChatLogprobs(BaseModel):
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    finish_reason: Literal["stop", "length"] | None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None
     logprobs: ChatLogprobs | None
     speculation: Speculation | None = None  # per choice, when there are several
 

@@ -9,6 +9,8 @@ rendered at once (as the unit tests check against the template itself).
 
 from __future__ import annotations
 
+import json
+
 from specdec.errors import FailedPrecondition
 
 # Control characters no real message holds, so the scaffold's parts can be found in the text.
@@ -16,9 +18,23 @@ _SCAFFOLD = ({"role": "system", "content": "\x1f"}, {"role": "user", "content": 
              {"role": "assistant", "content": "\x1e"})
 
 
-def first_turn(tokenizer, messages: list[dict[str, str]]) -> list[int]:
-    """The tokens of a new conversation, ending with the assistant's generation prompt."""
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+TOOLS_PROMPT = ('Functions you may call: {tools}\nTo call one, answer <tool_call>{{"name": ..., "arguments": '
+                '{{...}}}}</tool_call>.')
+
+
+def takes_tools(tokenizer) -> bool:
+    """Whether the model's chat template renders a `tools` argument."""
+    template = getattr(tokenizer, "chat_template", None) or ""
+    return "tools" in (template if isinstance(template, str) else json.dumps(template))
+
+
+def first_turn(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    """The tokens of a new conversation, ending with the assistant's generation prompt. `tools` go
+    to the chat template; a template that takes none gets them described in a system message."""
+    if tools and not takes_tools(tokenizer):
+        described = {"role": "system", "content": TOOLS_PROMPT.format(tools=json.dumps(tools, separators=(",", ":")))}
+        messages, tools = [described, *messages], None
+    text = tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False, add_generation_prompt=True)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 

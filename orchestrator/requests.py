@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, replace
 
@@ -177,12 +178,15 @@ class RequestParser:
         elif which == "token_ids":
             input_ids = self._check_length(self._token_ids("token_ids", request.token_ids.ids))
         elif which == "messages":
-            messages = self._messages(request)
+            messages, tools = self._messages(request)
             if continuing:
+                if tools:
+                    raise InvalidArgument("tools on a continued session are not supported: send the whole "
+                                          "conversation with its tools in a new session")
                 input_ids, chat_after_eos = next_turn(self.tokenizer, messages, self.eos_ids)
                 self._check_length(chat_after_eos)
             else:
-                input_ids = first_turn(self.tokenizer, messages)
+                input_ids = first_turn(self.tokenizer, messages, tools)
             self._check_length(input_ids)
         else:
             raise InvalidArgument("set one of prompt, messages or token_ids")
@@ -191,16 +195,36 @@ class RequestParser:
             raise InvalidArgument(f"the input has {len(input_ids)} tokens; the limit is --max-prompt-tokens={limit}")
         return input_ids, chat_after_eos
 
-    def _messages(self, request: pb.GenerateRequest) -> list[dict[str, str]]:
-        messages = [{"role": m.role, "content": m.content} for m in request.messages.messages]
+    def _messages(self, request: pb.GenerateRequest) -> tuple[list[dict], list[dict] | None]:
+        """The conversation as the chat template takes it, and its tools (None: none)."""
+        messages = [self._message(i, m) for i, m in enumerate(request.messages.messages)]
         if not messages:
             raise InvalidArgument("messages is empty: send at least one message")
-        for i, m in enumerate(messages):
-            if m["role"] not in ("system", "user", "assistant"):
-                raise InvalidArgument(f"messages[{i}].role must be system, user or assistant, got {m['role']!r}")
         if not getattr(self.tokenizer, "chat_template", None):
             raise FailedPrecondition("the model has no chat template; send a raw prompt instead")
-        return messages
+        tools = _json_list(request.messages.tools_json, "tools") if request.messages.tools_json else None
+        return messages, tools
+
+    @staticmethod
+    def _message(i: int, m: pb.ChatMessage) -> dict:
+        if m.role not in ("system", "user", "assistant", "tool"):
+            raise InvalidArgument(f"messages[{i}].role must be system, user, assistant or tool, got {m.role!r}")
+        message: dict = {"role": m.role, "content": m.content}
+        if m.tool_calls_json:
+            if m.role != "assistant":
+                raise InvalidArgument(f"messages[{i}]: only an assistant message has tool calls")
+            calls = _json_list(m.tool_calls_json, f"messages[{i}].tool_calls")
+            for call in calls:  # templates take the arguments as an object; OpenAI sends a JSON string
+                function = call.get("function", {}) if isinstance(call, dict) else {}
+                if isinstance(function.get("arguments"), str):
+                    try:
+                        function["arguments"] = json.loads(function["arguments"])
+                    except ValueError:
+                        raise InvalidArgument(f"messages[{i}].tool_calls: arguments must be a JSON object") from None
+            message["tool_calls"] = calls
+        if m.role == "tool":
+            message.update(tool_call_id=m.tool_call_id, name=m.name)
+        return message
 
     def _check_length(self, ids: list[int]) -> list[int]:
         if not ids:
@@ -211,3 +235,13 @@ class RequestParser:
                 "shorten the prompt"
             )
         return list(ids)
+
+
+def _json_list(text: str, name: str) -> list:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        raise InvalidArgument(f"{name} must be a JSON list") from None
+    if not isinstance(value, list):
+        raise InvalidArgument(f"{name} must be a JSON list")
+    return value

@@ -183,10 +183,12 @@ def build_request(prompt: str | Sequence[int] | None = None, *, messages: Sequen
                   logit_bias: dict[int, float] | None = None, min_tokens: int | None = None,
                   ignore_eos: bool = False, stop_token_ids: Sequence[int] = (), logprobs: bool = False,
                   top_logprobs: int | None = None, prompt_logprobs: bool = False,
-                  grammar: tuple[str, str] | None = None) -> pb.GenerateRequest:
+                  grammar: tuple[str, str] | None = None, tools: Sequence[dict] | None = None) -> pb.GenerateRequest:
     """A `GenerateRequest`; unset (None) values take the server's defaults. `prompt` is text, or token
     ids used as they are. `grammar`: (kind, text) the output must follow, e.g. ("json_schema", schema
-    as JSON), ("regex", pattern), ("choice", a JSON list), ("json_object", "")."""
+    as JSON), ("regex", pattern), ("choice", a JSON list), ("json_object", ""). `tools`: OpenAI's tool
+    list, for the chat template (messages may carry OpenAI's `tool_calls`, and `tool` messages their
+    `tool_call_id` and `name`)."""
     if (prompt is None) == (messages is None):
         raise ValueError("pass exactly one of prompt or messages")
     if isinstance(draft_length, str):
@@ -203,7 +205,11 @@ def build_request(prompt: str | Sequence[int] | None = None, *, messages: Sequen
     elif prompt is not None:
         req.token_ids.ids.extend(int(t) for t in prompt)
     else:
-        req.messages.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages)
+        req.messages.messages.extend(_chat_message(m) for m in messages)
+        if tools:
+            req.messages.tools_json = json.dumps(list(tools))
+    if tools and messages is None:
+        raise ValueError("tools go with chat messages, not a raw prompt")
     for name, value in (("max_new_tokens", max_new_tokens), ("temperature", temperature), ("top_p", top_p),
                         ("top_k", top_k), ("seed", seed), ("draft_length", draft_length), ("min_p", min_p),
                         ("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty),
@@ -212,6 +218,14 @@ def build_request(prompt: str | Sequence[int] | None = None, *, messages: Sequen
         if value is not None:
             setattr(req, name, value)
     return req
+
+
+def _chat_message(m: dict) -> pb.ChatMessage:
+    msg = pb.ChatMessage(role=m["role"], content=m.get("content") or "", tool_call_id=m.get("tool_call_id") or "",
+                         name=m.get("name") or "")
+    if m.get("tool_calls"):
+        msg.tool_calls_json = json.dumps(m["tool_calls"])
+    return msg
 
 
 def chunk_from_pb(msg: pb.GenerateChunk) -> Chunk:

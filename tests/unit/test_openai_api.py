@@ -19,12 +19,15 @@ from http_gateway.openai_api import (
     completion_choices,
     completion_kwargs,
     retry_after_s,
+    tool_mode,
     usage,
     validation_error,
 )
 from specdec import errors
 from specdec.client import Chunk, Generation, Logprob, build_request
 
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 STATS = {"prompt_tokens": 7, "completion_tokens": 5, "rounds": 3, "draft_tokens": 8, "accepted_tokens": 2,
          "acceptance_rate": 0.25, "mean_accepted_length": 1.67, "draft_fallbacks": 0,
          "time_to_first_token_s": 0.1, "tokens_per_second": 20.0}
@@ -72,7 +75,14 @@ def test_chat_request_to_generate_request():
     (lambda: completion_kwargs(CompletionRequest(model="m", prompt="x", logit_bias={"a": 1})), "logit_bias"),
     (lambda: completion_kwargs(CompletionRequest(model="m", prompt="x", seed=-5)), "seed"),
     (lambda: completion_kwargs(CompletionRequest(model="m", prompt="x", seed=2**64)), "seed"),
-    (lambda: chat_kwargs(ChatRequest(model="m", messages=[{"role": "tool", "content": "x"}])), "messages[0].role"),
+    (lambda: chat_kwargs(ChatRequest(model="m", messages=[{"role": "robot", "content": "x"}])), "messages[0].role"),
+    (lambda: chat_kwargs(ChatRequest(model="m", messages=[{"role": "tool", "content": "x"}])),
+     "messages[0].tool_call_id"),
+    (lambda: chat_kwargs(ChatRequest(model="m", messages=[{"role": "user", "content": "x"}], tools=[TOOL],
+                                     tool_choice={"type": "function", "function": {"name": "nope"}})), "tool_choice"),
+    (lambda: chat_kwargs(ChatRequest(model="m", messages=[{"role": "user", "content": "x"}], tools=[TOOL],
+                                     tool_choice="required", response_format={"type": "json_object"})),
+     "tool_choice"),
     (lambda: chat_kwargs(ChatRequest(model="m", messages=[{"role": "user", "content": [{"type": "image_url"}]}])),
      "messages[0].content"),
     (lambda: chat_kwargs(ChatRequest(model="m", messages=[{"role": "user", "content": "x"}], top_logprobs=2)),
@@ -274,3 +284,32 @@ def test_usage_counts_each_prompt_once_and_sums_the_choices():
     assert [c["index"] for c in whole["choices"]] == [0, 1]
     assert [c["speculation"]["accepted_tokens"] for c in whole["choices"]] == [3, 1]
     assert usage(stats, prompts=2)["prompt_tokens"] == 2 * STATS["prompt_tokens"]
+
+
+def test_tool_choice_forces_a_call_through_the_grammar_and_replies_carry_tool_calls():
+    messages = [{"role": "user", "content": "Weather in Oslo?"}]
+    named = chat_kwargs(ChatRequest(model="m", messages=messages, tools=[TOOL],
+                                    tool_choice={"type": "function", "function": {"name": "get_weather"}}))
+    kind, text = named["grammar"]
+    assert kind == "json_schema" and json.loads(text)["properties"]["name"] == {"const": "get_weather"}
+    assert named["tools"] == [TOOL]
+    auto = ChatRequest(model="m", messages=messages, tools=[TOOL])
+    assert chat_kwargs(auto)["grammar"] is None and tool_mode(auto).forced is False
+    assert tool_mode(ChatRequest(model="m", messages=messages, tools=[TOOL], tool_choice="none")) is None
+    forced = Reply("chat", "m", tools=tool_mode(ChatRequest(model="m", messages=messages, tools=[TOOL],
+                                                               tool_choice="required")))
+    whole = forced.whole([Generation("s", '{"name": "get_weather", "arguments": {"city": "Oslo"}}', [1], "eos", {})])
+    choice = whole["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    call = choice["message"]["tool_calls"][0]
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
+    free = Reply("chat", "m", tools=tool_mode(auto))
+    said = 'Let me check. <tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>'
+    assert free.delta(Chunk("s", [1], said[:20], {}), 0) is None  # held until the choice ends
+    last = free.delta(Chunk("s", [2], said[20:], {}, finish_reason="eos"), 0)["choices"][0]
+    assert last["finish_reason"] == "tool_calls" and last["delta"]["content"] == "Let me check."
+    assert last["delta"]["tool_calls"][0]["index"] == 0
+    assert json.loads(last["delta"]["tool_calls"][0]["function"]["arguments"]) == {"city": "Rome"}
+    plain = free.whole([Generation("s", "Sunny, I think.", [1], "eos", {})])["choices"][0]
+    assert plain["message"] == {"role": "assistant", "content": "Sunny, I think."} and plain["finish_reason"] == "stop"
