@@ -144,8 +144,29 @@ _UNREACHABLE = "failed to connect"  # how gRPC words a refused or unresolvable a
 
 
 def _sampling_kwargs(args: argparse.Namespace) -> dict:
-    return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                top_k=args.top_k, seed=args.seed, stop=args.stop or (), draft_length=args.draft_length)
+    kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                  top_k=args.top_k, seed=args.seed, stop=args.stop or (), draft_length=args.draft_length,
+                  min_p=args.min_p, presence_penalty=args.presence_penalty,
+                  frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty,
+                  min_tokens=args.min_tokens, ignore_eos=args.ignore_eos,
+                  logit_bias={int(t): float(b) for t, b in (pair.split("=", 1) for pair in args.logit_bias or ())})
+    grammars = [(kind, value) for kind, value in (("json_schema", args.json_schema), ("regex", args.regex),
+                                                  ("choice", args.choice), ("lark", args.grammar)) if value]
+    if len(grammars) > 1:
+        raise SystemExit("send one of --json-schema, --regex, --choice and --grammar")
+    if grammars:
+        kind, value = grammars[0]
+        if kind in ("json_schema", "lark") and os.path.isfile(value):
+            with open(value) as f:
+                value = f.read()
+        if kind == "choice":
+            value = json.dumps(value.split("|"))
+        kwargs["grammar"] = (kind, value)
+    elif args.json_object:
+        kwargs["grammar"] = ("json_object", "")
+    if args.logprobs is not None:
+        kwargs.update(logprobs=True, top_logprobs=args.logprobs)
+    return kwargs
 
 
 def _summary(stats: dict, finish: str | None) -> str:
@@ -168,8 +189,12 @@ def _stream_turn(client, args: argparse.Namespace, prompt: str | None, **kwargs)
 
 
 def _as_json(out) -> str:
-    return json.dumps({"session_id": out.session_id, "text": out.text, "token_ids": out.token_ids,
-                       "finish_reason": out.finish_reason, "stats": out.stats, "resumes": out.resumes})
+    fields = {"session_id": out.session_id, "text": out.text, "token_ids": out.token_ids,
+              "finish_reason": out.finish_reason, "stats": out.stats, "resumes": out.resumes}
+    if out.logprobs:
+        fields["logprobs"] = [{"token_id": e.token_id, "token": e.token, "logprob": e.logprob, "rank": e.rank,
+                               "top": [[t, text, v] for t, text, v in e.top]} for e in out.logprobs]
+    return json.dumps(fields)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -342,6 +367,20 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--stop", action="append", help="stop string (repeatable)")
         p.add_argument("--draft-length", default=None,
                        help="k for this request: auto, or a number (0 = plain decoding); default: the server's")
+        p.add_argument("--min-p", type=float, default=None)
+        p.add_argument("--presence-penalty", type=float, default=None, help="OpenAI's, in [-2, 2]")
+        p.add_argument("--frequency-penalty", type=float, default=None, help="OpenAI's, in [-2, 2]")
+        p.add_argument("--repetition-penalty", type=float, default=None, help="CTRL's (1 = off)")
+        p.add_argument("--logit-bias", action="append", metavar="TOKEN=BIAS", help="repeatable")
+        p.add_argument("--min-tokens", type=int, default=None)
+        p.add_argument("--ignore-eos", action="store_true")
+        p.add_argument("--logprobs", type=int, default=None, metavar="N",
+                       help="return each token's log-probability and the N most likely (with --json)")
+        p.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+        p.add_argument("--json-schema", default=None, help="the output follows this JSON schema (text or file)")
+        p.add_argument("--regex", default=None, help="the output matches this regular expression")
+        p.add_argument("--choice", default=None, help="the output is one of these, separated by |")
+        p.add_argument("--grammar", default=None, help="the output follows this Lark grammar (text or file)")
 
     gen = sub.add_parser("generate", help="generate text, streaming it to the terminal")
     gen.add_argument("prompt")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -48,6 +49,19 @@ def test_generate_json(tiny_pipeline):
         ref = client.generate("Once upon a time", max_new_tokens=7, temperature=0)
     assert out["token_ids"] == ref.token_ids and out["text"] == ref.text and out["resumes"] == 0
     assert out["stats"]["completion_tokens"] == len(ref.token_ids) and isinstance(out["stats"]["seed"], int)
+
+
+def test_generate_with_a_grammar_penalties_and_logprobs(tiny_pipeline):
+    run = specdec("generate", "Code:", "--address", orchestrator_address(tiny_pipeline), "--json",
+                  "--regex", "[a-z]{3}-[0-9]{2}", "--logprobs", "2", "--presence-penalty", "0.5",
+                  "--temperature", "1", "--seed", "3", "--max-new-tokens", "20")
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout)
+    assert re.fullmatch("[a-z]{3}-[0-9]{2}", out["text"]) and out["finish_reason"] == "eos"
+    assert [e["token_id"] for e in out["logprobs"]] == out["token_ids"]
+    assert all(len(e["top"]) == 2 for e in out["logprobs"])
+    bad = specdec("generate", "x", "--address", orchestrator_address(tiny_pipeline), "--regex", "(")
+    assert bad.returncode != 0 and "regex" in bad.stderr
 
 
 def test_status(tiny_pipeline):
