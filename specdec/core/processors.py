@@ -5,7 +5,7 @@ speculation both sides apply them to every position of a block exactly as the ta
 would have at that position: row `i` of a block sees the history and the block's tokens before
 `i`. The draft processes each `q` row over its own proposal so far; the target processes each
 `p` row over the history plus the draft tokens before it; a row is only used when every token
-before it was accepted, so the two always agree on the context (docs/maths.md, "Processors").
+before it was accepted, so the two always agree on the context (docs/maths.md, "Processors and grammars").
 
 Order, per row: `min_tokens` (the end tokens get -inf), `logit_bias` (added), the repetition
 penalty (over prompt and output, CTRL / transformers' `RepetitionPenaltyLogitsProcessor`), then
