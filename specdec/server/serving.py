@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import _async as reflection_aio, reflection, reflection_pb2
 
 from specdec.channel import CHANNEL_OPTIONS, merge_options
 
@@ -20,14 +20,30 @@ log = logging.getLogger(__name__)
 class HealthServicer(health.aio.HealthServicer):
     """The standard health servicer, plus `List` (every service's status), which grpcio-health-checking
     declares in its proto but does not implement (1.85: Check and Watch only).
-
-    Reflection stays v1alpha only: grpcio-reflection ships no `grpc_reflection.v1` servicer.
     """
 
     async def List(self, request: health_pb2.HealthListRequest, context) -> health_pb2.HealthListResponse:
         # _server_status is the parent's table (set() and enter_graceful_shutdown() write it).
         statuses = {name: health_pb2.HealthCheckResponse(status=status) for name, status in self._server_status.items()}
         return health_pb2.HealthListResponse(statuses=statuses)
+
+V1_REFLECTION = "grpc.reflection.v1.ServerReflection"
+
+
+def _enable_v1_reflection(server: grpc.aio.Server, names: list[str]) -> None:
+    """Serve reflection under v1's name too (grpcurl and Postman ask for v1 first). grpcio-reflection
+    ships only the v1alpha servicer, but v1's messages are v1alpha's with another package name (same
+    fields, same numbers), so the v1alpha servicer answers v1 calls byte for byte."""
+    servicer = reflection_aio.ReflectionServicer(names)
+    handler = grpc.method_handlers_generic_handler(V1_REFLECTION, {
+        "ServerReflectionInfo": grpc.stream_stream_rpc_method_handler(
+            servicer.ServerReflectionInfo,
+            request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+            response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
+        ),
+    })
+    server.add_generic_rpc_handlers((handler,))
+
 
 def create_server(
     address: str,
@@ -53,6 +69,7 @@ def create_server(
     reflection.enable_server_reflection(
         names + [health.SERVICE_NAME, reflection.SERVICE_NAME], server
     )
+    _enable_v1_reflection(server, names + [health.SERVICE_NAME, reflection.SERVICE_NAME])
     port = (server.add_secure_port(address, credentials) if credentials is not None
             else server.add_insecure_port(address))
     if port == 0:

@@ -1,5 +1,5 @@
-"""Every service answers the standard gRPC health check (Check and List) and lists its services by
-reflection (v1alpha: grpcio-reflection ships no v1 servicer)."""
+"""Every service answers the standard gRPC health check (Check and List) and lists and describes its
+services by reflection, under v1 and v1alpha."""
 
 from __future__ import annotations
 
@@ -30,4 +30,12 @@ def test_health_and_reflection(tiny_pipeline, name):
         request = reflection_pb2.ServerReflectionRequest(list_services="")
         reply = next(iter(reflection.ServerReflectionInfo(iter([request]), timeout=5)))
         names = {s.name for s in reply.list_services_response.service}
+        # v1: the same messages under grpc.reflection.v1 (what grpcurl asks first)
+        v1 = channel.stream_stream("/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+                                   request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+                                   response_deserializer=reflection_pb2.ServerReflectionResponse.FromString)
+        asks = [request, reflection_pb2.ServerReflectionRequest(file_containing_symbol=EXPECTED[name])]
+        listed_v1, described = list(v1(iter(asks), timeout=5))
     assert {EXPECTED[name], "grpc.health.v1.Health"} <= names
+    assert {s.name for s in listed_v1.list_services_response.service} == names
+    assert described.file_descriptor_response.file_descriptor_proto  # the service's .proto, serialized
