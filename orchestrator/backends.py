@@ -58,6 +58,16 @@ class ScoreReply:
     compute_ns: int
 
 
+class Busy(Unavailable):
+    """A replica answered RESOURCE_EXHAUSTED, or did not answer within the call's own time limit (not
+    the request's deadline): it may be alive and only loaded. The pool asks before calling it dead."""
+
+    def __init__(self, message: str, retry_after_s: float = 0.0, timed_out: bool = False) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+        self.timed_out = timed_out
+
+
 class DraftUnavailable(Exception):
     """The draft failed or timed out; the round falls back to plain decoding."""
 
@@ -85,8 +95,20 @@ class _ModelBackend:
     async def info(self, timeout: float = 10.0, wait: bool = True) -> common_pb2.ModelInfo:
         return await self.stub.GetInfo(common_pb2.GetInfoRequest(), timeout=timeout, wait_for_ready=wait)
 
-    def _timeout(self, remaining: float | None) -> float:
-        return self.timeout_s if remaining is None else min(self.timeout_s, remaining)
+    def _timeout(self, remaining: float | None, limit_s: float | None = None) -> float:
+        limit = limit_s or self.timeout_s
+        return limit if remaining is None else min(limit, remaining)
+
+    def _busy(self, exc: grpc.aio.AioRpcError, remaining: float | None, limit_s: float | None) -> Busy | None:
+        """The failure as `Busy` when it may only mean load: RESOURCE_EXHAUSTED, or our own limit passed."""
+        code = exc.code()
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            hint = dict(exc.trailing_metadata() or ()).get("retry-after-ms", "0")
+            return Busy(f"{self.address} is overloaded: {exc.details()}", float(hint or 0) / 1e3)
+        limit = limit_s or self.timeout_s
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED and (remaining is None or remaining > limit):
+            return Busy(f"{self.address} did not answer within {limit:.1f}s", timed_out=True)
+        return None
 
     def _failure(self, exc: grpc.aio.AioRpcError, passed_on: tuple[grpc.StatusCode, ...], remaining: float | None,
                  doing: str) -> SpecdecError:
@@ -155,8 +177,10 @@ class TargetBackend(_ModelBackend):
         super().__init__(address, timeout_s, target_pb2_grpc.TargetServiceStub, tls)
 
     async def verify(self, session_id: str, history: list[int], proposal: DraftReply, params: SamplingParams,
-                     seed: int, timeout: float | None = None, top_logprobs: int | None = None) -> VerifyReply:
-        """`top_logprobs`: None for no log-probabilities, else how many alternatives with each."""
+                     seed: int, timeout: float | None = None, top_logprobs: int | None = None,
+                     limit_s: float | None = None) -> VerifyReply:
+        """`top_logprobs`: None for no log-probabilities, else how many alternatives with each;
+        `limit_s`: this call's own time limit (default --target-timeout-s)."""
         start = time.perf_counter_ns()
         request = target_pb2.VerifyRequest(
             session_id=session_id, history=history, draft_tokens=proposal.tokens,
@@ -164,8 +188,11 @@ class TargetBackend(_ModelBackend):
             sent_unix_ns=time.time_ns(), logprobs=top_logprobs is not None, top_logprobs=top_logprobs or 0,
         )
         try:
-            reply = await self.stub.Verify(request, timeout=self._timeout(timeout))
+            reply = await self.stub.Verify(request, timeout=self._timeout(timeout, limit_s))
         except grpc.aio.AioRpcError as exc:
+            busy = self._busy(exc, timeout, limit_s)
+            if busy is not None:
+                raise busy from exc
             error = self._failure(exc, (grpc.StatusCode.INVALID_ARGUMENT,), timeout, "the target verified")
             if isinstance(error, Cancelled):
                 raise Released(str(error)) from exc
@@ -178,7 +205,7 @@ class TargetBackend(_ModelBackend):
                        reply.batch_positions, reply.prefill_tokens, list(reply.logprobs))
 
     async def score(self, session_id: str, tokens: list[int], start: int, top: int, params: SamplingParams | None,
-                    timeout: float | None = None) -> ScoreReply:
+                    timeout: float | None = None, limit_s: float | None = None) -> ScoreReply:
         """Log-probabilities of tokens[start:] (start >= 1), each after the tokens before it, from one
         pass that also leaves them in the session's cache. `params` None: the raw distribution;
         else the one the service's --logprobs-mode names under `params`."""
@@ -187,8 +214,11 @@ class TargetBackend(_ModelBackend):
             session_id=session_id, tokens=tokens, start=start, top_logprobs=top, raw=params is None,
             sampling=sampling_to_pb(params) if params is not None else None, sent_unix_ns=time.time_ns())
         try:
-            reply = await self.stub.ScoreTokens(request, timeout=self._timeout(timeout))
+            reply = await self.stub.ScoreTokens(request, timeout=self._timeout(timeout, limit_s))
         except grpc.aio.AioRpcError as exc:
+            busy = self._busy(exc, timeout, limit_s)
+            if busy is not None:
+                raise busy from exc
             error = self._failure(exc, (grpc.StatusCode.INVALID_ARGUMENT,), timeout, "the target scored")
             if isinstance(error, Cancelled):
                 raise Released(str(error)) from exc

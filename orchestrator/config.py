@@ -115,7 +115,10 @@ class OrchestratorConfig(ServiceConfig):
     target_retry_s: float = Field(
         5.0, gt=0, description="After a target replica fails, seconds before it is tried again."
     )
-    target_timeout_s: float = Field(120.0, gt=0, description="Deadline of one verify call (includes a re-prefill).")
+    target_timeout_s: float = Field(
+        120.0, gt=0, description="Time limit of one verify call (includes a re-prefill). A call past it is not a "
+        "failure by itself: if the replica still answers it is busy, and the call is sent to it again with twice the "
+        "limit; only a replica that does not answer is marked down (the request's own deadline still bounds it all).")
     kv_snapshots: bool = Field(
         False, description="After each generation, have the target and draft replicas holding the session write "
         "its KV caches to Redis in the background (the services need --snapshot-redis-url; a prompt-lookup draft "

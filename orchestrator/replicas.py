@@ -30,6 +30,7 @@ from typing import Generic, Protocol, TypeVar
 import grpc
 
 from orchestrator.backends import (
+    Busy,
     DraftBackend,
     DraftReleased,
     DraftReply,
@@ -325,19 +326,26 @@ class TargetPool(ReplicaPool[TargetBackend]):
 
     async def verify(self, session_id: str, history: list[int], proposal: DraftReply, params: SamplingParams,
                      seed: int, timeout: float | None = None, top_logprobs: int | None = None) -> VerifyReply:
-        return await self._call(session_id, "verify", lambda backend: backend.verify(
-            session_id, history, proposal, params, seed, timeout, top_logprobs))
+        return await self._call(session_id, "verify", lambda backend, limit: backend.verify(
+            session_id, history, proposal, params, seed, timeout, top_logprobs, limit))
 
     async def score(self, session_id: str, tokens: list[int], start: int, top: int, params: SamplingParams | None,
                     timeout: float | None = None) -> ScoreReply:
         """The log-probabilities of tokens[start:] after what precedes each (see TargetBackend.score)."""
-        return await self._call(session_id, "score", lambda backend: backend.score(
-            session_id, tokens, start, top, params, timeout))
+        return await self._call(session_id, "score", lambda backend, limit: backend.score(
+            session_id, tokens, start, top, params, timeout, limit))
 
     async def _call(self, session_id: str, what: str, call):
-        """`call(backend)` on the session's replica, failing over to another when it fails."""
+        """`call(backend, limit_s)` on the session's replica, failing over to another when it fails.
+
+        A busy replica (RESOURCE_EXHAUSTED, or no answer within the call's limit) is not a dead one:
+        if it still answers GetInfo, the call goes to it again after a pause (its Retry-After, or a
+        growing backoff) and, after a timeout, with twice the time limit; only a replica that does
+        not answer is marked failed. So load alone never fails a request: its deadline does."""
         tried: set[str] = set()
         resent = False
+        limit: float | None = None  # None: the backend's --target-timeout-s
+        busy = 0
         while True:
             replica = self.pick(session_id, exclude=tried)
             if replica is None:
@@ -347,7 +355,22 @@ class TargetPool(ReplicaPool[TargetBackend]):
             tried.add(replica.address)
             replica.in_flight += 1
             try:
-                reply = await call(replica.backend)
+                reply = await call(replica.backend, limit)
+            except Busy as exc:
+                if not await self._answers(replica):
+                    self.failed(replica, str(exc))
+                    log.warning("target replica %s failed; session %s moves on: %s", replica.address, session_id,
+                                exc)
+                    continue
+                busy += 1
+                if exc.timed_out:
+                    limit = 2 * (limit or replica.backend.timeout_s)
+                tried.discard(replica.address)
+                pause = exc.retry_after_s or min(0.05 * 2 ** busy, 2.0)
+                log.info("target replica %s is busy (%s) but alive: %s of %s again in %.2fs%s", replica.address, exc,
+                         what, session_id, pause, f" with a {limit:.0f}s limit" if limit else "")
+                await asyncio.sleep(pause)
+                continue
             except Released as exc:
                 # An earlier request's cleanup released the session after this call was sent: sent
                 # again (now after the release) it runs, re-prefilling the history.
@@ -365,6 +388,17 @@ class TargetPool(ReplicaPool[TargetBackend]):
                 replica.in_flight -= 1
             replica.observe(reply.wall_ns / 1e9, reply.compute_ns / 1e9)
             return reply
+
+
+    @staticmethod
+    async def _answers(replica: Replica[TargetBackend]) -> bool:
+        """Whether a replica that did not finish a call still answers (GetInfo, served beside the model's
+        work): busy if so, dead if not."""
+        try:
+            await replica.backend.info(timeout=5.0, wait=False)
+            return True
+        except grpc.aio.AioRpcError:
+            return False
 
 
 class DraftPool(ReplicaPool[DraftBackend]):

@@ -7,6 +7,7 @@ import grpc
 import pytest
 
 from orchestrator.backends import (
+    Busy,
     DraftBackend,
     DraftReleased,
     DraftReply,
@@ -77,8 +78,8 @@ async def test_a_draft_failure_falls_back_unless_it_is_the_requests(code, timeou
     (C.INVALID_ARGUMENT, None, InvalidArgument, "^boom$"),
     (C.CANCELLED, None, Released, "^boom$"),
     (C.DEADLINE_EXCEEDED, 1.0, DeadlineExceeded, "deadline passed while the target verified"),
-    (C.DEADLINE_EXCEEDED, None, Unavailable, r"^target service at 127.0.0.1:1 failed \(DEADLINE_EXCEEDED: boom\); "
-                                             "the session is kept, retry the request$"),
+    (C.DEADLINE_EXCEEDED, None, Busy, r"^127.0.0.1:1 did not answer within 10.0s$"),  # slow or dead: the pool asks
+    (C.RESOURCE_EXHAUSTED, None, Busy, r"^127.0.0.1:1 is overloaded: boom$"),
     (C.FAILED_PRECONDITION, None, Unavailable, r"failed \(FAILED_PRECONDITION: boom\)"),
     (C.UNAVAILABLE, None, Unavailable, r"failed \(UNAVAILABLE: boom\)"),
 ])
@@ -86,6 +87,7 @@ async def test_a_target_failure_is_unavailable_unless_it_is_the_requests(code, t
     with pytest.raises(error, match=message) as caught:
         await verify(code, timeout)
     assert not isinstance(caught.value, Released) or error is Released
+    assert isinstance(caught.value, Busy) == (error is Busy)  # Busy is an Unavailable the pool looks into
 
 
 def test_a_verify_reply_emits_the_accepted_draft_prefix_then_the_targets_token():

@@ -8,7 +8,7 @@ import time
 import grpc
 import pytest
 
-from orchestrator.backends import DraftReply, VerifyReply
+from orchestrator.backends import Busy, DraftReply, VerifyReply
 from orchestrator.replicas import DraftPool, Replica, TargetPool, parse_addresses, resolve
 from specdec.core.sampling import SamplingParams
 from specdec.errors import Unavailable
@@ -21,15 +21,31 @@ class FakeTarget:
         self.address = address
         self.fail = fail
         self.calls: list[str] = []
+        self.busy_for = 0  # calls answered Busy before one succeeds
+        self.timed_out = True  # Busy by a passed time limit (else RESOURCE_EXHAUSTED)
+        self.answers = True  # GetInfo answers (alive)
+        self.limits: list[float | None] = []
+        self.timeout_s = 1.0
 
-    async def verify(self, session_id, history, proposal, params, seed, timeout=None, top_logprobs=None):
+    async def verify(self, session_id, history, proposal, params, seed, timeout=None, top_logprobs=None,
+                     limit_s=None):
         self.calls.append(session_id)
+        self.limits.append(limit_s)
         if self.fail:
             raise Unavailable(f"{self.address} is down")
+        if self.busy_for:
+            self.busy_for -= 1
+            raise Busy(f"{self.address} is slow", retry_after_s=0.0 if self.timed_out else 0.01,
+                       timed_out=self.timed_out)
         return VerifyReply(num_accepted=0, token_id=len(history), bonus=False, wall_ns=2_000_000, compute_ns=1_000_000)
 
     async def release(self, session_id):
         self.calls.append("release:" + session_id)
+
+    async def info(self, timeout=10.0, wait=True):
+        if not self.answers:
+            raise FakeRpcError()
+        return None
 
     async def close(self):
         pass
@@ -154,3 +170,37 @@ def test_failed_draft_snapshot_is_logged_never_raised(caplog):
     # A replica without a snapshot store is reported once, not after every generation.
     assert sum("draft replica b:1 keeps no snapshots" in m for m in messages) == 1
     assert pool.available  # a failed snapshot does not take the replica out of service
+
+
+class FakeRpcError(grpc.aio.AioRpcError):
+    def __init__(self) -> None:
+        super().__init__(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "connection refused")
+
+
+def test_a_busy_replica_that_still_answers_is_asked_again_with_a_longer_limit():
+    pool = pool_of("a:1", "b:1")
+    target = pool.replicas["a:1"].backend
+    pool._affinity["s"] = "a:1"
+    target.busy_for = 3
+    reply = verify(pool, "s")
+    assert reply.token_id == 3 and target.calls == ["s"] * 4 and pool.replicas["b:1"].backend.calls == []
+    assert target.limits == [None, 2.0, 4.0, 8.0]  # each timeout doubles the call's own limit
+    assert pool.replicas["a:1"].failures == 0  # slow is not dead
+
+
+def test_an_overloaded_replica_is_retried_after_its_retry_after_without_a_longer_limit():
+    pool = pool_of("a:1")
+    target = pool.replicas["a:1"].backend
+    target.busy_for, target.timed_out = 2, False
+    verify(pool, "s")
+    assert target.limits == [None, None, None] and pool.replicas["a:1"].failures == 0
+
+
+def test_a_busy_replica_that_does_not_answer_is_dead_and_the_call_moves_on():
+    pool = pool_of("a:1", "b:1")
+    pool._affinity["s"] = "a:1"
+    a = pool.replicas["a:1"].backend
+    a.busy_for, a.answers = 5, False
+    verify(pool, "s")
+    assert a.calls == ["s"] and pool.replicas["b:1"].backend.calls == ["s"]
+    assert pool.replicas["a:1"].failures == 1
