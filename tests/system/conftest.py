@@ -28,3 +28,24 @@ def api(http_pipeline) -> OpenAI:
 def model(api) -> str:
     """The model id the gateway serves."""
     return api.models.list().data[0].id
+
+
+@pytest.fixture(scope="session")
+def long_models(tmp_path_factory):
+    """Tiny target and poor draft with a 4096-token context (a character a token): long prompts, tools."""
+    from specdec.runtime.tiny import make_tiny_model
+
+    root = tmp_path_factory.mktemp("models-4k")
+    target = make_tiny_model(root / "target", seed=0, max_context=4096)
+    return {"target": target, "poor_draft": make_tiny_model(root / "poor_draft", base=target, perturb=1.5, seed=2,
+                                                            max_context=4096)}
+
+
+@pytest.fixture(scope="session")
+def long_pipeline(long_models, tmp_path_factory):
+    """The long-context pair with the gateway, and a per-call verify limit (0.2 s) far below what a
+    long prefill takes under load: the orchestrator must tell busy from dead."""
+    pipeline = start_tiny_pipeline(tmp_path_factory.mktemp("logs-long"), long_models, "poor_draft",
+                                   http_port=free_port(), extra_orchestrator_args=["--target-timeout-s", "0.2"])
+    yield pipeline
+    pipeline.stop()

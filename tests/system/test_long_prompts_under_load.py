@@ -9,33 +9,15 @@ import random
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import pytest
-
 from specdec.client import Client
-from specdec.runtime.tiny import make_tiny_model
-from tests.conftest import orchestrator_address, start_tiny_pipeline
+from tests.conftest import orchestrator_address
 from tests.reference import Reference
 
 PROMPT_TOKENS, SESSIONS, MAX_NEW = 3000, 8, 12
 
 
-@pytest.fixture(scope="module")
-def long_models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("models-4k")
-    target = make_tiny_model(root / "target", seed=0, max_context=4096)
-    return {"target": target, "poor_draft": make_tiny_model(root / "poor_draft", base=target, perturb=1.5, seed=2,
-                                                            max_context=4096)}
-
-
-@pytest.fixture(scope="module")
-def pipeline(long_models, tmp_path_factory):
-    pipeline = start_tiny_pipeline(tmp_path_factory.mktemp("logs-load"), long_models, "poor_draft",
-                                   extra_orchestrator_args=["--target-timeout-s", "0.2"])
-    yield pipeline
-    pipeline.stop()
-
-
-def test_eight_long_prompts_at_once_all_complete_as_the_target_alone(pipeline, long_models):
+def test_eight_long_prompts_at_once_all_complete_as_the_target_alone(long_pipeline, long_models):
+    pipeline = long_pipeline
     rng = random.Random(3)
     letters = "abcdefghijklmnopqrstuvwxyz "
     prompts = ["".join(rng.choice(letters) for _ in range(PROMPT_TOKENS)) for _ in range(SESSIONS)]

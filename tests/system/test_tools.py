@@ -11,10 +11,6 @@ import jsonschema
 import pytest
 from openai import OpenAI
 
-from specdec.launcher import free_port
-from specdec.runtime.tiny import make_tiny_model
-from tests.conftest import start_tiny_pipeline
-
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 9}, "unit": {"enum": ["C", "F"]}},
            "required": ["city", "unit"], "additionalProperties": False}
 TOOLS = [  # the tiny models' template takes no tools: they are described in text, a character a token
@@ -26,21 +22,10 @@ MESSAGES = [{"role": "user", "content": "Weather in Oslo?"}]
 
 
 @pytest.fixture(scope="module")
-def long_context_models(tmp_path_factory):
-    """Tiny target and poor draft with a 2048-token context (the tools' description alone is ~400)."""
-    root = tmp_path_factory.mktemp("models-2k")
-    target = make_tiny_model(root / "target", seed=0, max_context=2048)
-    return {"target": target, "poor_draft": make_tiny_model(root / "poor_draft", base=target, perturb=1.5, seed=2,
-                                                            max_context=2048)}
-
-
-@pytest.fixture(scope="module")
-def tools_api(long_context_models, tmp_path_factory):
-    pipeline = start_tiny_pipeline(tmp_path_factory.mktemp("logs-tools"), long_context_models, "poor_draft",
-                                   http_port=free_port())
-    client = OpenAI(base_url=pipeline.plan.http_url(), api_key="unused", max_retries=0, timeout=120)
-    yield client, client.models.list().data[0].id
-    pipeline.stop()
+def tools_api(long_pipeline):
+    """The long-context pipeline's gateway: the tools' description alone is ~400 tokens here."""
+    client = OpenAI(base_url=long_pipeline.plan.http_url(), api_key="unused", max_retries=0, timeout=120)
+    return client, client.models.list().data[0].id
 
 
 def test_a_named_function_is_called_with_arguments_that_follow_its_schema(tools_api):
