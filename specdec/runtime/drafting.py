@@ -83,7 +83,7 @@ class Drafter:
         if deadline is not None and time.monotonic() >= deadline:
             raise DeadlineExceeded("the request's deadline passed while it was queued; dropped before compute")
         proposals = proposer.propose(session_id, history, k, params, seed)
-        if spec is not None:  # a model-free proposal stops at its first token the grammar refuses
+        if spec is not None and self.grammars is not None:  # a model-free proposal stops at its first refused token
             drafts = await loop.run_in_executor(self.executor, list, proposals)
             allowed = await loop.run_in_executor(self.executor, self.grammars.cut, session_id, spec,
                                                  history[params.output_start:], [d.token_id for d in drafts])
