@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator
 
@@ -31,10 +32,13 @@ from orchestrator.store import SessionState, SessionStore
 from orchestrator.text import TextStream
 from specdec.core.policy import PolicyConfig
 from specdec.core.sampling import SamplingParams
+from specdec.errors import SpecdecError
 from specdec.server.admission import Admission
 from specdec.server.limits import check_session_id
 from specdec.server.metrics import OrchestratorMetrics
 from specdec.v1 import common_pb2, orchestrator_pb2 as pb
+
+log = logging.getLogger("specdec.orchestrator")
 
 
 class Orchestrator:
@@ -209,6 +213,8 @@ class Orchestrator:
         await lengths.finish(self.store)
         if self.config.kv_snapshots:
             self._save_snapshots(state.session_id)
+        if self.config.share_outputs and sent:
+            self._spawn(self._publish(state.tokens[gen.start:]))
         chunk.text = text.release(final=True)
         chunk.stats.CopyFrom(generation_stats(gen, sent, state.seed))
         timer.observe_finish(finish_label(gen.finish), chunk.stats.prompt_tokens, sent)
@@ -249,6 +255,13 @@ class Orchestrator:
         Redis, in the background (the client is not kept waiting; a failure is only logged)."""
         for pool in self._pools():
             self._spawn(pool.save_snapshot(session_id))
+
+    async def _publish(self, output: list[int]) -> None:
+        """--share-outputs: offer the output to the suffix indexes of the draft replicas (best effort)."""
+        try:
+            await self.store.publish_output(output)
+        except SpecdecError as exc:
+            log.info("could not share a finished output: %s", exc)
 
     def _spawn(self, work) -> None:
         """Run `work` in the background, holding a reference until it is done."""

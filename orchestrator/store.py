@@ -39,7 +39,7 @@ from redis.exceptions import (
 )
 
 from specdec.errors import Aborted, Unavailable
-from specdec.server.keys import PRIOR_KEY, session_meta_key, session_tokens_key
+from specdec.server.keys import PRIOR_KEY, session_meta_key, session_tokens_key, suffix_outputs_key
 
 # KEYS: meta, tokens. ARGV: expected version ("0" = must not exist), new state JSON, ttl, tokens...
 _APPEND = """
@@ -77,6 +77,7 @@ _BACKOFF_S = (0.05, 1.0)  # first and largest pause between retries
 
 
 PRIOR_TTL_S = 7 * 24 * 3600
+SHARED_OUTPUTS_MAXLEN = 20_000  # finished outputs kept for the suffix indexes (approximately, oldest go first)
 
 
 @dataclass
@@ -172,6 +173,9 @@ class SessionStore(Protocol):
 
     async def save_prior(self, prior: dict) -> None: ...
 
+    async def publish_output(self, tokens: list[int]) -> None:
+        """Offer a finished generation's output to every draft replica's suffix index (evictable)."""
+
     async def close(self) -> None: ...
 
 
@@ -250,6 +254,12 @@ class RedisSessionStore:
         keys = [session_meta_key(session_id), session_tokens_key(session_id)]
         removed = await self._call(lambda: self.redis.delete(*keys))
         return removed > 0
+
+    async def publish_output(self, tokens: list[int]) -> None:
+        """Append to the capped stream the suffix-speculation draft replicas read (suffix_outputs_key)."""
+        data = b"".join(int(t).to_bytes(4, "little") for t in tokens)
+        await self._call(lambda: self.redis.xadd(suffix_outputs_key(), {"tokens": data},
+                                                 maxlen=SHARED_OUTPUTS_MAXLEN, approximate=True))
 
     async def close(self) -> None:
         await self.redis.aclose()

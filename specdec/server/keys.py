@@ -31,3 +31,10 @@ def snapshot_meta_key(session_id: str, role: str) -> str:
 def snapshot_chunk_key(session_id: str, role: str, i: int, tag: str = "") -> str:
     """Chunk `i` of a KV snapshot blob (`tag` marks a temporary key being written)."""
     return f"{PREFIX}:{{{session_id}}}:kv:{role}:{tag}{i}"
+
+
+def suffix_outputs_key() -> str:
+    """Stream (capped with MAXLEN): finished outputs, each entry a field `tokens` of uint32
+    little-endian token ids (`specdec.core.suffix.encode_output`), read by every suffix-speculation
+    draft replica into its corpus. Shared by all sessions; evictable (only speed depends on it)."""
+    return f"{PREFIX}:suffix:outputs"

@@ -25,6 +25,7 @@ class InMemorySessionStore:
     def __init__(self) -> None:
         self._sessions: dict[str, tuple[int, str, list[int]]] = {}  # id -> (version, record, tokens)
         self._prior: str | None = None
+        self.published: list[list[int]] = []
         self.down = False
 
     def _check(self) -> None:
@@ -60,6 +61,10 @@ class InMemorySessionStore:
     async def save_prior(self, prior: dict) -> None:
         self._check()
         self._prior = json.dumps(prior)
+
+    async def publish_output(self, tokens: list[int]) -> None:
+        self._check()
+        self.published.append(list(tokens))
 
     async def close(self) -> None:
         pass

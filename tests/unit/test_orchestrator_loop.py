@@ -4,6 +4,8 @@ every lossless run must stream exactly its text."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from specdec.errors import Aborted
@@ -153,3 +155,17 @@ async def test_a_session_takes_turns_and_refuses_a_second_request_while_leased()
     await store.save(state, [])
     with pytest.raises(Aborted, match="is busy with generation"):
         await run(orch, session_id=session, prompt="x")
+
+
+async def test_a_finished_output_is_shared_for_the_suffix_indexes_unless_turned_off():
+    store = InMemorySessionStore()
+    chunks = await run(orchestrator(store, FakeTarget(REFERENCE), None), max_new_tokens=6)
+    for _ in range(50):  # published in the background, after the last chunk
+        if store.published:
+            break
+        await asyncio.sleep(0.01)
+    assert store.published == [generated(chunks)]
+    quiet = InMemorySessionStore()
+    await run(orchestrator(quiet, FakeTarget(REFERENCE), None, share_outputs=False), max_new_tokens=6)
+    await asyncio.sleep(0.05)
+    assert quiet.published == []
