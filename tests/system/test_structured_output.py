@@ -220,3 +220,29 @@ def test_sampling_under_a_grammar_and_penalties_follows_the_processed_target(htt
     wanted = [expected[s] * trials for s in big] + [trials * sum(expected[s] for s in cells if s not in big)]
     statistic = sum((o - e) ** 2 / e for o, e in zip(observed, wanted) if e > 0)
     assert statistic < chi2.ppf(0.999, len(observed) - 1), (observed, wanted)
+
+
+def test_processors_with_prompt_lookup_equal_the_target_alone(ngram_pipeline, reference):
+    """The processors hold for a model-free draft too: its deterministic proposals are verified
+    against the processed target (the model draft's case: test_processors_pipeline.py)."""
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor
+
+    prompt_ids = reference.encode("abc abc abc abc abc abc")  # prompt lookup has plenty to propose
+    ids = torch.tensor([prompt_ids])
+    biased = reference.tokenizer.convert_tokens_to_ids("a")
+    bias = float(torch.tensor(-3.5, dtype=torch.float32))
+    penalty = float(torch.tensor(1.3, dtype=torch.float32))
+    eos = reference.loaded.eos_token_ids
+    processors = LogitsProcessorList([SequenceBiasLogitsProcessor({(biased,): bias}),
+                                      RepetitionPenaltyLogitsProcessor(penalty)])
+    with torch.inference_mode():
+        out = reference.loaded.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24,
+                                              do_sample=False, eos_token_id=eos, pad_token_id=eos[0],
+                                              logits_processor=processors)
+    expected = out[0, ids.shape[1]:].tolist()
+    ends = [i for i, t in enumerate(expected) if t in eos]
+    expected = expected[: ends[0] + 1] if ends else expected
+    with Client(orchestrator_address(ngram_pipeline)) as client:
+        got = client.generate(prompt_ids, max_new_tokens=24, temperature=0, draft_length=3, repetition_penalty=1.3,
+                              logit_bias={biased: -3.5})
+    assert got.token_ids == expected and got.stats["draft_tokens"] > 0
