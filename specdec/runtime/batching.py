@@ -64,7 +64,7 @@ class StepInfo:
     batch_size: int
     compute_ns: int  # the whole step: forward pass plus every job's per-step logic
     queue_ns: int  # this job's wait from submission to its first step (0 on later steps)
-    positions: int = 0  # positions its decoding pass computed, padding included (0: a long prefill ran too)
+    positions: int = 0  # positions its decoding pass computed, all rows together (0: a long prefill ran too)
 
 
 class BatchObserver(Protocol):
@@ -403,7 +403,7 @@ class Batcher:
 
 
 def _pass_positions(requests: list[ScoreRequest], scored: list[Scored | Exception]) -> int:
-    """Positions the step's pass computed: every row padded to the widest (`SessionCaches.score_batch`).
+    """Positions the step's pass computed: its rows' widths added up (`SessionCaches.score_batch` packs them).
 
     0 (unknown) for a step that also re-prefilled a long prefix: a prefill's cost per position
     (long rows, alone) says little about what one more position of a decoding pass costs, which
@@ -413,4 +413,4 @@ def _pass_positions(requests: list[ScoreRequest], scored: list[Scored | Exceptio
         return 0
     widths = [len(r.new_tokens) + 1 + (0 if isinstance(one, Exception) else one.prefilled)
               for r, one in zip(requests, scored)]
-    return len(widths) * max(widths, default=0)
+    return sum(widths)

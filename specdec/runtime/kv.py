@@ -6,20 +6,14 @@ the same forward pass: rollback after a rejection, rebuild after a restart or ev
 client that moved to another replica all take the same path, and no caller depends on a cache
 being alive.
 
-Batched scoring (`score_batch`) runs the blocks of several sessions through ONE forward pass.
-Each session keeps its own `DynamicCache`; for the pass they are laid side by side:
-
-    row i:  [ pad .. pad | past_i (L_i) ][ feed_i (F_i) | pad .. pad ]
-            <------------ P ------------><------------- N ------------>
-
-The past is left-padded to the longest past P and the fed tokens are right-padded to the longest
-feed N; the 2-D attention mask hides both kinds of padding and each row gets its own position
-ids (L_i, L_i + 1, ...), so row i computes exactly what it would alone (up to float rounding).
-Right-padding the feed keeps every query row attending to at least one real token, so no softmax
-row is empty and no NaN can leak into the cache. Afterwards each session's cache is extended
-with its own F_i new keys/values (a copy, never a view into the batch tensor). Rows that must
-re-prefill a long prefix (new sessions, lost caches) prefill it first in a pass of their own, so
-that one cache miss does not pad the whole batch to its length.
+Each session's keys/values live in one buffer (`specdec.runtime.kv_buffer.SessionKV`) that new
+positions are written into in place; cutting back moves a length. Batched scoring
+(`score_batch`) runs the new tokens of several sessions through ONE forward pass, packed end to
+end with no padding, each session attending to its own keys/values where they lie
+(`specdec.runtime.packed`): every linear layer runs once for all rows, a session's first prefill
+shares the pass with the others' decode steps at the cost of its own tokens only, and nothing
+copies a session's past on a round. Models that are not Llama-structured are scored one session
+at a time through transformers' own forward (`packed.forward_generic`).
 """
 
 from __future__ import annotations
@@ -32,23 +26,26 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
-from transformers.cache_utils import DynamicLayer
+from transformers import PreTrainedModel
 
 from specdec.errors import FailedPrecondition, InvalidArgument
-from specdec.runtime.snapshot_codec import decode, encode
+from specdec.runtime.kv_buffer import SessionKV
+from specdec.runtime.packed import PackedForward, PackedRow, forward_generic, kv_geometry, supports
+from specdec.runtime.snapshot_codec import decode_layers, encode_layers
 from specdec.runtime.snapshot_store import SnapshotPolicy
 
 log = logging.getLogger(__name__)
 
 PREFILL_ALONE_ABOVE = 16
-"""In a batch, rows that must re-prefill more than this many tokens do so first, in a pass of their own."""
+"""A row that (re-)prefills more than this many tokens makes a pass's cost say little about one
+more decoding position (`batching._pass_positions` reports such steps as unknown). Packed passes
+no longer prefill such rows on their own."""
 
 
 @dataclass
 class _Entry:
     tokens: list[int]  # tokens whose keys/values the cache holds, in order
-    cache: DynamicCache
+    cache: SessionKV
     last_used: float = field(default_factory=time.monotonic)
 
 
@@ -75,51 +72,6 @@ class _Row:
     entry: _Entry
     feed: list[int]
     keep: int  # history tokens the cache already covered
-
-
-def _keys_values(layer: DynamicLayer) -> tuple[torch.Tensor, torch.Tensor]:
-    """A layer's keys and values `[B, H, T, D]`, which a layer that has seen tokens holds."""
-    if layer.keys is None or layer.values is None:
-        raise RuntimeError("the cache layer holds no keys and values")
-    return layer.keys, layer.values
-
-
-def _plain(layer: object) -> DynamicLayer:
-    """A cache layer that `SessionCaches._batchable` found to be a plain full-attention one."""
-    if not isinstance(layer, DynamicLayer):
-        raise TypeError(f"cannot batch a {type(layer).__name__}")
-    return layer
-
-
-class _BatchLayer(DynamicLayer):
-    """One layer of a batched pass: the rows' cached keys/values, left-padded to `p`, plus the pass's own.
-
-    The `[B, H, P + N, D]` buffer is filled once, when the pass delivers its new keys/values (so
-    shapes and dtype come from the model itself); no other copy of the pasts is made.
-    """
-
-    def __init__(self, rows: list[DynamicLayer], past: list[int], p: int) -> None:
-        super().__init__()
-        self.rows, self.past, self.p = rows, past, p
-        self.is_initialized = True
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        b, heads, n, _ = key_states.shape  # [B, H, N, D]
-        self.device = key_states.device
-        self.keys = key_states.new_zeros((b, heads, self.p + n, key_states.shape[-1]))
-        self.values = value_states.new_zeros((b, heads, self.p + n, value_states.shape[-1]))
-        for i, (layer, length) in enumerate(zip(self.rows, self.past)):
-            if length:
-                keys, values = _keys_values(layer)  # [1, H, length, D] each
-                self.keys[i, :, self.p - length : self.p] = keys[0]
-                self.values[i, :, self.p - length : self.p] = values[0]
-        self.keys[:, :, self.p :] = key_states
-        self.values[:, :, self.p :] = value_states
-        self.rows = []  # the sessions' tensors are no longer needed by this pass
-        return self.keys, self.values
-
-    def get_seq_length(self) -> int:
-        return self.p
 
 
 def common_prefix_length(a: list[int], b: list[int]) -> int:
@@ -152,6 +104,7 @@ class SessionCaches:
         self.model = model
         head = _head_weight(model)  # [V, hidden]
         self.device = head.device  # inputs go where the weights are
+        self.dtype = head.dtype
         self.vocab_size = head.shape[0]
         self.max_context = max_context
         self.max_sessions = max_sessions
@@ -159,6 +112,7 @@ class SessionCaches:
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
         self._tokens = 0  # sum of len(entry.tokens) over _entries; readable without the lock
         self.snapshots = snapshots
+        self._packed = PackedForward(model) if supports(model) else None
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -250,73 +204,15 @@ class SessionCaches:
         """Feed every row's tokens into its cache; each row's last `len(new_tokens) + 1` logits."""
         if not rows:
             return []
-        tails = [len(row.request.new_tokens) + 1 for row in rows]
-        if len(rows) == 1:
-            return [self._forward_one(rows[0].entry, rows[0].feed, tails[0])]
-        if not all(self._batchable(row.entry.cache) for row in rows):
-            return [self._forward_one(row.entry, row.feed, tail) for row, tail in zip(rows, tails)]
-        # Rows that must re-prefill a long prefix (a new session, a lost cache) prefill it first, in
-        # a pass of their own, so that one cache miss does not pad the whole batch to its length.
-        long = [(row, tail) for row, tail in zip(rows, tails) if len(row.feed) - tail > PREFILL_ALONE_ABOVE]
-        if long:
-            prefixes = [row.feed[:-tail] for row, tail in long]
-            if len(long) == 1:
-                self._forward_one(long[0][0].entry, prefixes[0], 1)
-            else:
-                self._forward_padded([row.entry for row, _ in long], prefixes, [1] * len(long))
-            for (row, tail), prefix in zip(long, prefixes):
-                self._extend(row.entry, prefix)
-                row.feed = row.feed[-tail:]
-        return self._forward_padded([row.entry for row in rows], [row.feed for row in rows], tails)
+        packed = [PackedRow(row.entry.cache, row.feed, len(row.request.new_tokens) + 1) for row in rows]
+        if self._packed is not None:
+            return [logits.clone() for logits in self._packed(packed)]  # not views of one pass's tensor
+        return [forward_generic(self.model, row) for row in packed]
 
-    def _new_cache(self) -> DynamicCache:
-        return DynamicCache(config=self.model.config)
-
-    def _forward_one(self, entry: _Entry, feed: list[int], keep_logits: int) -> torch.Tensor:
-        ids = torch.tensor([feed], dtype=torch.long, device=self.device)  # [1, S]
-        out = self.model(input_ids=ids, cache=entry.cache, use_cache=True, logits_to_keep=keep_logits)
-        return out.logits[0, -keep_logits:]  # [keep_logits, V]
-
-    def _forward_padded(self, entries: list[_Entry], feeds: list[list[int]], tails: list[int]) -> list[torch.Tensor]:
-        """One pass over several sessions (layout in the module docstring); each row's last `tail` logits.
-
-        Each entry's cache is extended by its feed; the caller extends `entry.tokens`.
-        """
-        b = len(entries)
-        past = [len(entry.tokens) for entry in entries]  # L_i
-        width = [len(feed) for feed in feeds]  # F_i
-        p, n = max(past), max(width)
-        ids = torch.zeros((b, n), dtype=torch.long)  # [B, N]; pads are token 0, masked out
-        mask = torch.zeros((b, p + n), dtype=torch.long)  # [B, P + N]
-        positions = torch.zeros((b, n), dtype=torch.long)  # [B, N]
-        for i, feed in enumerate(feeds):
-            ids[i, : width[i]] = torch.tensor(feed, dtype=torch.long)
-            mask[i, p - past[i] : p + width[i]] = 1
-            positions[i] = torch.arange(past[i], past[i] + n)
-        if self.device.type != "cpu":  # built on the host, moved in one transfer each
-            ids, mask, positions = (t.to(self.device, non_blocking=True) for t in (ids, mask, positions))
-        n_layers = len(entries[0].cache.layers)
-        batch_cache = self._new_cache()
-        layers = [_BatchLayer([_plain(entry.cache.layers[layer_idx]) for entry in entries], past, p)
-                  for layer_idx in range(n_layers)]
-        batch_cache.layers = list(layers)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=batch_cache,
-                         use_cache=True, logits_to_keep=max(0, n - min(w - t for w, t in zip(width, tails))))
-        kept = out.logits.shape[1]  # the last `kept` positions of every row
-        logits = [out.logits[i, kept - n + width[i] - tails[i] : kept - n + width[i]].clone() for i in range(b)]
-        for layer_idx, layer in enumerate(layers):  # each session takes its own new keys
-            keys, values = _keys_values(layer)  # [B, H, P + N, D]
-            for i, entry in enumerate(entries):
-                entry.cache.update(keys[i : i + 1, :, p : p + width[i]], values[i : i + 1, :, p : p + width[i]],
-                                   layer_idx)
-        return logits
-
-    @staticmethod
-    def _batchable(cache: DynamicCache) -> bool:
-        """Plain full-attention layers only: sliding-window or other layer kinds are scored one by one."""
-        return all(type(layer) is DynamicLayer for layer in cache.layers)
-
-    # -- bookkeeping ------------------------------------------------------------------------
+    def _new_cache(self, capacity: int | None = None) -> SessionKV:
+        layers, kv_heads, head_dim = kv_geometry(self.model)
+        return SessionKV(layers, kv_heads, head_dim, self.max_context, self.dtype, self.device,
+                         **({} if capacity is None else {"capacity": capacity}))
 
     # -- snapshots ----------------------------------------------------------------------------
 
@@ -329,7 +225,8 @@ class SessionCaches:
             entry = self._entries.get(session_id)
             if entry is None or len(entry.tokens) < self.snapshots.min_tokens:
                 return 0, b""
-            return len(entry.tokens), encode(entry.cache, entry.tokens, self.snapshots.identity)
+            layers = [(layer.keys, layer.values) for layer in entry.cache.layers]
+            return len(entry.tokens), encode_layers(layers, entry.tokens, self.snapshots.identity)
 
     def _restore(self, session_id: str, needed: list[int]) -> _Entry | None:
         """On a cache miss, the session's snapshot if it covers enough of `needed` to beat a prefill."""
@@ -342,16 +239,20 @@ class SessionCaches:
             blob = policy.store.get(session_id)
             if blob is None:
                 return None
-            tokens, cache = decode(blob, policy.identity, self.model.config, self.device)
+            tokens, layers = decode_layers(blob, policy.identity)
+            if common_prefix_length(tokens, needed) < policy.min_tokens:
+                return None
+            cache = self._new_cache(capacity=len(tokens))
+            cache.load(layers, len(tokens))
         except Exception as exc:  # noqa: BLE001 - a snapshot is an optimisation: fall back to prefill
             log.warning("snapshot of %s not restored (%s); re-prefilling", session_id, exc)
-            return None
-        if common_prefix_length(tokens, needed) < policy.min_tokens:
             return None
         policy.restores += 1
         entry = _Entry(tokens=tokens, cache=cache)
         self._tokens += len(tokens)
         return entry
+
+    # -- bookkeeping ------------------------------------------------------------------------
 
     def rollback(self, session_id: str, length: int) -> int:
         """Cut a session's cache back to its first `length` tokens; returns what it now covers."""
@@ -368,7 +269,7 @@ class SessionCaches:
 
     def _crop(self, entry: _Entry, length: int) -> None:
         if length < len(entry.tokens):
-            entry.cache.crop(length - len(entry.tokens))
+            entry.cache.crop(length)
             self._tokens -= len(entry.tokens) - length
             del entry.tokens[length:]
 

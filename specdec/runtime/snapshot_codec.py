@@ -1,14 +1,17 @@
 """The wire format of a KV-cache snapshot: one safetensors blob per session cache.
 
 A blob holds, per layer, the keys and values `[1, H, T, D]` (`k.<i>`, `v.<i>`), plus the T
-tokens they cover (`tokens`); its metadata names the model (tokenizer fingerprint, model name,
-dtype, layer count) so that a replica running anything else refuses it. Where blobs are kept:
-`specdec.runtime.snapshot_store`.
+tokens they cover (`tokens`); its metadata names the layout (`format`, `FORMAT_VERSION`) and the
+model (tokenizer fingerprint, model name, dtype, layer count) so that a replica running anything
+else, or reading another layout, refuses it. Blobs written before the layout was versioned carry
+no `format` and have the layout of version 1, so they are read as version 1. Where blobs are
+kept: `specdec.runtime.snapshot_store`.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +19,9 @@ from safetensors.torch import load as st_load, save as st_save
 from transformers import DynamicCache, PreTrainedConfig
 
 from specdec.errors import FailedPrecondition
+
+FORMAT_VERSION = "1"
+"""The layout this code writes and reads; bump it when the tensors' names, shapes or order change."""
 
 
 @dataclass(frozen=True)
@@ -31,23 +37,38 @@ class SnapshotIdentity:
         return {"model": self.model, "dtype": self.dtype, "fingerprint": self.fingerprint, "layers": str(self.layers)}
 
 
-def encode(cache: DynamicCache, tokens: list[int], identity: SnapshotIdentity) -> bytes:
-    """The safetensors blob of a single-session cache covering `tokens`."""
+def encode_layers(layers: Sequence[tuple[torch.Tensor, torch.Tensor]], tokens: list[int],
+                  identity: SnapshotIdentity) -> bytes:
+    """The safetensors blob of per-layer keys/values `[1, H, T, D]` covering `tokens`."""
     tensors: dict[str, torch.Tensor] = {"tokens": torch.tensor(tokens, dtype=torch.int64)}
-    for i, layer in enumerate(cache.layers):
-        keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)  # full-attention layers only
-        if keys is None or values is None or keys.shape[-2] != len(tokens):
-            raise ValueError(f"layer {i} covers {0 if keys is None else keys.shape[-2]} tokens, not {len(tokens)}")
+    for i, (keys, values) in enumerate(layers):
+        if keys.shape[-2] != len(tokens) or values.shape[-2] != len(tokens):
+            raise ValueError(f"layer {i} covers {keys.shape[-2]} tokens, not {len(tokens)}")
         tensors[f"k.{i}"] = keys.contiguous().cpu()
         tensors[f"v.{i}"] = values.contiguous().cpu()
-    return st_save(tensors, metadata=identity.as_metadata())
+    return st_save(tensors, metadata={**identity.as_metadata(), "format": FORMAT_VERSION})
 
 
-def decode(blob: bytes, identity: SnapshotIdentity, config: PreTrainedConfig,
-           device: torch.device | str = "cpu") -> tuple[list[int], DynamicCache]:
-    """The tokens and the cache of a blob, on `device`; FailedPrecondition if it was written for another model."""
+def encode(cache: DynamicCache, tokens: list[int], identity: SnapshotIdentity) -> bytes:
+    """The safetensors blob of a single-session cache covering `tokens` (anything with `.layers`
+    of `.keys`/`.values`: a `DynamicCache`, a `kv_buffer.SessionKV`)."""
+    layers = []
+    for i, layer in enumerate(cache.layers):
+        keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)  # full-attention layers only
+        if keys is None or values is None:
+            raise ValueError(f"layer {i} covers 0 tokens, not {len(tokens)}")
+        layers.append((keys, values))
+    return encode_layers(layers, tokens, identity)
+
+
+def decode_layers(blob: bytes, identity: SnapshotIdentity) -> tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """The tokens and per-layer keys/values `[1, H, T, D]` (on the CPU) of a blob; FailedPrecondition
+    if it was written for another model or in another layout."""
     header_len = int.from_bytes(blob[:8], "little")
     metadata = json.loads(blob[8:8 + header_len]).get("__metadata__", {})
+    version = metadata.get("format", "1")  # unversioned blobs have version 1's layout
+    if version != FORMAT_VERSION:
+        raise FailedPrecondition(f"the KV snapshot has format {version!r}; this replica reads {FORMAT_VERSION!r}")
     expected = identity.as_metadata()
     wrong = {k: (metadata.get(k), v) for k, v in expected.items() if metadata.get(k) != v}
     if wrong:
@@ -56,8 +77,15 @@ def decode(blob: bytes, identity: SnapshotIdentity, config: PreTrainedConfig,
             + ", ".join(f"{k} is {got!r}, this replica has {want!r}" for k, (got, want) in wrong.items())
         )
     tensors = st_load(blob)
-    tokens = tensors["tokens"].tolist()
+    layers = [(tensors[f"k.{i}"], tensors[f"v.{i}"]) for i in range(identity.layers)]
+    return tensors["tokens"].tolist(), layers
+
+
+def decode(blob: bytes, identity: SnapshotIdentity, config: PreTrainedConfig,
+           device: torch.device | str = "cpu") -> tuple[list[int], DynamicCache]:
+    """The tokens and the cache of a blob, on `device`; FailedPrecondition if it was written for another model."""
+    tokens, layers = decode_layers(blob, identity)
     cache = DynamicCache(config=config)
-    for i in range(identity.layers):
-        cache.update(tensors[f"k.{i}"].to(device), tensors[f"v.{i}"].to(device), i)
+    for i, (keys, values) in enumerate(layers):
+        cache.update(keys.to(device), values.to(device), i)
     return tokens, cache

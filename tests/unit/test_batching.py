@@ -285,7 +285,7 @@ def test_emulated_latency_pads_a_batch_once(model):
 
 
 def test_a_step_reports_the_positions_its_pass_scored(model):
-    """What the draft-length controller fits the pass cost on: rows padded to the widest, prefills included."""
+    """What the draft-length controller fits the pass cost on: every row's positions, prefills included."""
     caches = SessionCaches(model, 512)
     batcher = Batcher(caches, BatchConfig(max_batch=4, window_s=0))
     verifier = Verifier(caches, V)
@@ -293,7 +293,7 @@ def test_a_step_reports_the_positions_its_pass_scored(model):
     jobs = [verifier.job("warm", [5, 6, 7, 8, 9], [7, 8], None, SamplingParams(), 0),  # feeds 9, 7, 8
             verifier.job("new", [5, 6, 7], [9], None, SamplingParams(), 0)]  # feeds 5, 6 (prefill), 7, 9
     outcomes = batcher._step(jobs)
-    assert [step.positions for *_, step in outcomes] == [8, 8]  # 2 rows of 4
+    assert [step.positions for *_, step in outcomes] == [7, 7]  # 3 + 4, packed without padding
     assert [result.prefilled for _, result, *_ in outcomes] == [0, 2]  # the prefills the verdicts report
     long = [verifier.job("long", list(range(5, 45)), [7], None, SamplingParams(), 0),  # 39 prefilled
             verifier.job("warm", [5, 6, 7, 8, 9, 7], [1, 2, 3], None, SamplingParams(), 0)]  # 4

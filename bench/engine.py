@@ -1,0 +1,275 @@
+"""One batched scoring pass, the old engine against the new one, and both against the memory floor.
+
+    python bench/engine.py --quick                       # a small subset (a few minutes)
+    python bench/engine.py --out bench/results/engine.json  # the whole grid (slow for the old engine)
+
+A cell is (positions a row, context, sessions): every session has `context` tokens cached and
+scores `positions` new ones (a verify of k = positions - 1 drafted tokens; 1 is a decode step)
+in ONE `SessionCaches.score_batch` pass. Timed: the median (and the minimum) of --repeats
+passes after one warm-up, each followed by an untimed rollback to `context`, the engines'
+passes interleaved so that load from elsewhere on a shared machine hits them alike. Engines:
+
+- `old`: the engine before issue #17, frozen in `bench/_legacy_kv.py` (a DynamicCache per
+  session, the pasts copied into a padded batch every pass);
+- `new`: `specdec.runtime.kv` (in-place buffers, packed pass);
+- `new_one_by_one` (sessions > 1): the new engine scoring the same rows one `score` at a time.
+
+Each figure also appears as a multiple of its floor: (weight bytes + every row's K/V bytes read)
+/ the read bandwidth this script measures (sum of a ~500 MB float32 tensor, median of several).
+Caches are filled with random keys/values, not prefilled: a pass costs the same whatever they
+hold, and prefilling 16 x 8000 tokens would take longer than the benchmark. A cell whose
+warm-up pass takes over --max-seconds is recorded as skipped, with every larger cell of that
+engine; so is a cell whose caches would need more than --max-gb.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench import _legacy_kv as legacy
+from specdec.runtime import kv as current
+from specdec.runtime.models import DEFAULT_MODEL, load_model
+from specdec.runtime.packed import kv_geometry
+
+GRID = {"positions": [1, 3, 5, 9], "contexts": [64, 1024, 4096, 8000], "sessions": [1, 4, 8, 16]}
+QUICK = {"positions": [1, 5], "contexts": [64, 4096], "sessions": [1, 8]}
+QUICK_EXTRA = [(3, 4096, 8), (3, 4096, 1), (3, 64, 1)]  # the figures the issue quotes
+
+
+def read_bandwidth(repeats: int = 7) -> float:
+    """Bytes per second that summing a ~500 MB float32 tensor reads (median of `repeats`)."""
+    x = torch.ones(125_000_000, dtype=torch.float32)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - start)
+    return x.numel() * 4 / statistics.median(times)
+
+
+def weight_bytes(model) -> int:
+    seen, total = set(), 0
+    for p in model.parameters():  # a tied embedding counts once
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total
+
+
+class Cell:
+    """The sessions of one cell, cached to `context`, for one engine."""
+
+    def __init__(self, engine: str, model, context: int, sessions: int, positions: int, vocab: int) -> None:
+        module = legacy if engine == "old" else current
+        self.caches = module.SessionCaches(model, max_context=context + positions + 1, max_sessions=sessions + 1)
+        gen = torch.Generator().manual_seed(0)
+        layers, heads, dim = kv_geometry(model)
+        dtype = next(model.parameters()).dtype
+        self.history = [int(t) for t in torch.randint(3, vocab, (context + 1,), generator=gen)]
+        self.new = [int(t) for t in torch.randint(3, vocab, (positions - 1,), generator=gen)]
+        self.context, self.ids = context, [f"s{i}" for i in range(sessions)]
+        for sid in self.ids:
+            data = torch.randn((2, layers, heads, context, dim), generator=gen, dtype=torch.float32).to(dtype)
+            if engine == "old":
+                cache = DynamicCache(config=model.config)
+                for layer in range(layers):
+                    cache.update(data[0, layer][None].clone(), data[1, layer][None].clone(), layer)
+            else:
+                cache = self.caches._new_cache(capacity=context + positions)
+                cache.load([(data[0, i][None], data[1, i][None]) for i in range(layers)], context)
+            self.caches._entries[sid] = module._Entry(tokens=self.history[:-1], cache=cache)
+
+    def requests(self):
+        return [current.ScoreRequest(sid, self.history, self.new) for sid in self.ids]
+
+    def batched(self) -> float:
+        start = time.perf_counter()
+        self.caches.score_batch(self.requests())
+        elapsed = time.perf_counter() - start
+        for sid in self.ids:
+            self.caches.rollback(sid, self.context)
+        return elapsed
+
+    def one_by_one(self) -> float:
+        start = time.perf_counter()
+        for sid in self.ids:
+            self.caches.score(sid, self.history, self.new)
+        elapsed = time.perf_counter() - start
+        for sid in self.ids:
+            self.caches.rollback(sid, self.context)
+        return elapsed
+
+
+def measure(runs: dict[str, object], repeats: int, max_seconds: float) -> dict[str, dict]:
+    """Time each of `runs` (name -> a pass) `repeats` times, the runs interleaved so that a burst
+    of load from elsewhere on the machine hits them alike; each warmed up once first."""
+    out: dict[str, dict] = {}
+    live = {}
+    for name, run in runs.items():
+        warm = run()  # type: ignore[operator]
+        if warm > max_seconds:
+            out[name] = {"skipped": f"warm-up pass took {warm:.1f} s > --max-seconds", "warmup_s": warm}
+        else:
+            live[name], out[name] = run, {"times_s": []}
+    for _ in range(repeats):
+        for name, run in live.items():
+            out[name]["times_s"].append(run())  # type: ignore[operator]
+    for name in live:
+        times = out[name]["times_s"]
+        out[name].update(median_s=statistics.median(times), min_s=min(times))
+    return out
+
+
+def cells(args) -> list[tuple[int, int, int]]:
+    grid = QUICK if args.quick else GRID
+    if args.positions:
+        grid = {**grid, "positions": [int(x) for x in args.positions.split(",")]}
+    if args.contexts:
+        grid = {**grid, "contexts": [int(x) for x in args.contexts.split(",")]}
+    if args.sessions:
+        grid = {**grid, "sessions": [int(x) for x in args.sessions.split(",")]}
+    out = [(p, c, s) for s in grid["sessions"] for c in grid["contexts"] for p in grid["positions"]]
+    if args.quick:
+        out += [cell for cell in QUICK_EXTRA if cell not in out]
+    return sorted(out, key=lambda cell: (cell[1] * cell[2], cell[0]))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=DEFAULT_MODEL)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--quick", action="store_true",
+                    help="positions {1,5} x contexts {64,4096} x sessions {1,8}, plus the cells the issue quotes")
+    ap.add_argument("--positions", help="comma-separated, overrides the grid's")
+    ap.add_argument("--contexts", help="comma-separated, overrides the grid's")
+    ap.add_argument("--sessions", help="comma-separated, overrides the grid's")
+    ap.add_argument("--engines", default="old,new")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--max-seconds", type=float, default=15.0, help="skip a cell (and larger ones) past this")
+    ap.add_argument("--max-gb", type=float, default=6.0, help="skip a cell whose caches need more memory")
+    ap.add_argument("--out", default="bench/results/engine.json")
+    args = ap.parse_args()
+
+    torch.set_num_threads(args.threads)
+    loaded = load_model(args.model, dtype=args.dtype, progress=True)
+    model = loaded.model
+    bandwidth = read_bandwidth()
+    layers, heads, dim = kv_geometry(model)
+    kv_token_bytes = layers * heads * dim * 2 * next(model.parameters()).element_size()
+    weights = weight_bytes(model)
+    print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s, weights {weights / 1e6:.0f} MB, "
+          f"K/V {kv_token_bytes / 1e3:.1f} KB a token", flush=True)
+    engines = args.engines.split(",")
+    too_big: dict[str, list[tuple[int, int, int]]] = {e: [] for e in engines}
+    rows = []
+    for positions, context, sessions in cells(args):
+        floor_s = (weights + sessions * (context + positions) * kv_token_bytes) / bandwidth
+        row = {"positions": positions, "context": context, "sessions": sessions, "floor_s": floor_s}
+        runs = {}
+        for engine in engines:
+            copies = 2 if engine == "old" else 1  # the old pass copies every past into a padded batch
+            if copies * sessions * (context + positions) * kv_token_bytes > args.max_gb * 1e9:
+                row[engine] = {"skipped": "over --max-gb"}
+            elif any(positions >= p and context >= c and sessions >= s for p, c, s in too_big[engine]):
+                row[engine] = {"skipped": "a smaller cell took over --max-seconds"}
+            else:
+                cell = Cell(engine, model, context, sessions, positions, loaded.vocab_size)
+                runs[engine] = cell.batched
+                if engine == "new" and sessions > 1:
+                    runs["new_one_by_one"] = cell.one_by_one
+        row.update(measure(runs, args.repeats, args.max_seconds))
+        for engine in engines:
+            if "warmup_s" in row.get(engine, {}):
+                too_big[engine].append((positions, context, sessions))
+        del runs
+        for key in ("old", "new", "new_one_by_one"):
+            if "median_s" in row.get(key, {}):
+                row[key]["over_floor"] = row[key]["median_s"] / floor_s
+        rows.append(row)
+        print(" ".join([f"pos {positions} ctx {context:5d} sessions {sessions:2d}: floor {floor_s * 1e3:7.1f} ms"]
+                       + [f"{key} {row[key]['median_s'] * 1e3:7.1f} ms ({row[key]['over_floor']:.1f}x)"
+                          if "median_s" in row.get(key, {}) else f"{key} skipped"
+                          for key in ("old", "new", "new_one_by_one") if key in row]), flush=True)
+    result = {"model": loaded.name, "dtype": args.dtype, "threads": args.threads, "repeats": args.repeats,
+              "read_bandwidth_gb_s": bandwidth / 1e9, "weight_bytes": weights, "kv_bytes_per_token": kv_token_bytes,
+              "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
+              "summary": summary(rows), "cells": rows}
+    for line in result["summary"]:
+        print(line)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {out}")
+    plot(rows, out.with_suffix(".png"))
+
+
+def summary(rows: list[dict]) -> list[str]:
+    """The figures the issue quotes, where the grid has them."""
+    def ms(positions: int, context: int, sessions: int, key: str, stat: str = "median_s") -> float | None:
+        for r in rows:
+            if (r["positions"], r["context"], r["sessions"]) == (positions, context, sessions):
+                return r.get(key, {}).get(stat, None) if key != "floor_s" else r["floor_s"]
+        return None
+
+    def both(positions: int, context: int, sessions: int, key: str) -> str | None:
+        median, best = ms(positions, context, sessions, key), ms(positions, context, sessions, key, "min_s")
+        if key == "floor_s":
+            return None if median is None else f"floor {median * 1e3:.0f} ms"
+        return None if median is None or best is None else f"{key} {median * 1e3:.0f} ms (min {best * 1e3:.0f})"
+
+    lines = []
+    for positions, context, sessions in ((1, 64, 1), (5, 64, 1), (3, 4096, 1), (3, 4096, 8)):
+        got = [both(positions, context, sessions, key) for key in ("old", "new", "new_one_by_one", "floor_s")]
+        if got[-1] is not None:
+            lines.append(f"{sessions} session(s) x context {context} x {positions} positions: "
+                         + ", ".join(part for part in got if part is not None))
+    for key in ("old", "new"):
+        one, five = ms(1, 64, 1, key), ms(5, 64, 1, key)
+        if one and five:
+            lines.append(f"{key}: 5 positions cost {five / one:.2f}x a decode step (1 session, context 64; medians)")
+    return lines
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot")
+        return
+    sessions = sorted({r["sessions"] for r in rows})
+    fig, axes = plt.subplots(1, len(sessions), figsize=(4.5 * len(sessions), 4), squeeze=False)
+    for ax, s in zip(axes[0], sessions):
+        for positions in sorted({r["positions"] for r in rows}):
+            cells = sorted((r for r in rows if r["sessions"] == s and r["positions"] == positions),
+                           key=lambda r: r["context"])
+            for key, style in (("old", "--"), ("new", "-")):
+                points = [(r["context"], r[key]["median_s"] * 1e3) for r in cells if "median_s" in r.get(key, {})]
+                if points:
+                    ax.plot(*zip(*points), style, marker="o", label=f"{key}, {positions} pos")
+            ax.plot([r["context"] for r in cells], [r["floor_s"] * 1e3 for r in cells], ":", color="grey",
+                    label=f"floor, {positions} pos")
+        ax.set(xscale="log", yscale="log", xlabel="context (tokens)", ylabel="one pass (ms)",
+               title=f"{s} session{'s' if s > 1 else ''}")
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,196 @@
+"""One forward pass over several sessions' new tokens, packed into one sequence, no padding.
+
+Every session (row) of a pass brings `n_i` new tokens after a past of `L_i` cached ones. The
+pass lays all new tokens end to end, `[1, T = sum n_i, hidden]`, with explicit positions
+(`L_i .. L_i + n_i - 1` for row i), so every linear layer (projections, MLP) runs ONCE over all
+rows. Only attention is per row, and it reads the row's keys/values where they lie:
+
+    per layer, per row i:   write k_i, v_i  [Hkv, n_i, D] into the row's buffer at L_i (in place)
+                            q_i [Hq, n_i, D] viewed as [Hkv, G * n_i, D]   (G = Hq / Hkv)
+                            attend to keys/values [Hkv, L_i + n_i, D] (a view of the buffer)
+
+so grouped-query attention needs no repeated K/V heads, and the causal mask only concerns the
+new block (query j of row i sees keys 0 .. L_i + j). Long blocks (a prefill) attend in chunks
+of `QUERY_CHUNK` positions so the score matrix stays small. Logits are computed only for the
+positions a row asks for.
+
+This wires the model's own modules (embeddings, norms, projections, rotary embedding, MLP, LM
+head) for the Llama layer structure (`supports` checks it); the attention and the cache are
+ours. We call the modules rather than hooking transformers' attention interface because that
+interface is chosen by the model's config (shared with every other user of the model object) and
+its forward builds a 4-D mask over the padded batch that a packed pass does not need.
+Other architectures take `forward_generic`: one session at a time through transformers.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache, PreTrainedModel
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from specdec.runtime.kv_buffer import SessionKV
+
+QUERY_CHUNK = 256
+"""A row's new positions attend in chunks of at most this many (bounds the score matrix)."""
+
+_MODULES = ("input_layernorm", "post_attention_layernorm", "mlp", "self_attn")
+_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj", "scaling", "head_dim")
+
+
+@dataclass
+class PackedRow:
+    """One session's part of a pass: its cache, the tokens it feeds, how many last logits it wants."""
+
+    kv: SessionKV
+    tokens: list[int]
+    keep: int
+
+
+def supports(model: PreTrainedModel) -> bool:
+    """Whether `PackedForward` can run `model`: a Llama-structured decoder with full attention only."""
+    config = model.config
+    base = getattr(model, "model", None)
+    if getattr(config, "model_type", None) != "llama" or base is None:
+        return False
+    if not all(hasattr(base, name) for name in ("embed_tokens", "layers", "norm", "rotary_emb")):
+        return False
+    if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or []):
+        return False
+    for layer in base.layers:
+        if not all(hasattr(layer, name) for name in _MODULES):
+            return False
+        attn = layer.self_attn
+        if not all(hasattr(attn, name) for name in _ATTENTION) or hasattr(attn, "q_norm"):
+            return False
+    return getattr(model, "lm_head", None) is not None
+
+
+def kv_geometry(model: PreTrainedModel) -> tuple[int, int, int]:
+    """(layers, kv_heads, head_dim) of a model's cache."""
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return config.num_hidden_layers, kv_heads, head_dim
+
+
+class PackedForward:
+    """`__call__(rows)`: feed every row's tokens into its `SessionKV`; each row's last `keep` logits."""
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        if not supports(model):
+            raise TypeError(f"{type(model).__name__} is not a Llama-structured model")
+        self.model = model
+        self.base = model.model
+        _, self.kv_heads, self.head_dim = kv_geometry(model)
+        self.heads = model.config.num_attention_heads
+        self.groups = self.heads // self.kv_heads
+
+    def __call__(self, rows: list[PackedRow]) -> list[torch.Tensor]:
+        device = self.model.lm_head.weight.device
+        for row in rows:
+            row.kv.reserve(row.kv.length + len(row.tokens))
+        ids = torch.tensor([t for row in rows for t in row.tokens], dtype=torch.long)  # [T]
+        positions = torch.cat([torch.arange(row.kv.length, row.kv.length + len(row.tokens)) for row in rows])
+        ends = torch.tensor([len(row.tokens) for row in rows]).cumsum(0)
+        picks = torch.cat([torch.arange(int(end) - row.keep, int(end)) for row, end in zip(rows, ends)])
+        ids, positions, picks = (t.to(device) for t in (ids, positions, picks))
+        x = self.base.embed_tokens(ids)[None]  # [1, T, hidden]
+        cos, sin = self.base.rotary_emb(x, positions[None])  # [1, T, D] each
+        for index, layer in enumerate(self.base.layers):
+            x = x + self._attention(index, layer.self_attn, layer.input_layernorm(x), cos, sin, rows)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        logits = self.model.lm_head(self.base.norm(x[:, picks]))[0]  # [sum keep, V]
+        for row in rows:
+            row.kv.length += len(row.tokens)
+        return list(logits.split([row.keep for row in rows]))
+
+    def _attention(self, index: int, attn: Any, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   rows: list[PackedRow]) -> torch.Tensor:
+        """The attention block of layer `index` (`attn`: its Llama-shaped attention module) for the
+        packed hidden states `h` [1, T, hidden]."""
+        t, d, hkv, g = h.shape[1], self.head_dim, self.kv_heads, self.groups
+        q = attn.q_proj(h).view(1, t, self.heads, d)
+        k = attn.k_proj(h).view(1, t, hkv, d)
+        v = attn.v_proj(h).view(t, hkv, d)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)  # [1, T, H, D]
+        out = h.new_empty((t, hkv, g, d))  # query head kv * G + g lives at [:, kv, g]
+        start = 0
+        for row in rows:
+            n, past = len(row.tokens), row.kv.length
+            span = slice(start, start + n)
+            row.kv.write(index, past, k[0, span].transpose(0, 1), v[span].transpose(0, 1))
+            queries = q[0, span].view(n, hkv, g, d).permute(1, 2, 0, 3)  # [Hkv, G, n, D]
+            o = attend(queries, row.kv.keys(index, past + n), row.kv.values(index, past + n), past, attn.scaling)
+            out[span] = o.permute(2, 0, 1, 3)  # [n, Hkv, G, D]
+            start += n
+        return attn.o_proj(out.view(1, t, self.heads * d))
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int, scale: float) -> torch.Tensor:
+    """Causal attention of one row's new block without repeating K/V heads.
+
+    q `[Hkv, G, n, D]` (query j is position past + j), k and v `[Hkv, past + n, D]` (views of
+    the row's buffer, read in place); returns `[Hkv, G, n, D]`. Query j sees keys 0 .. past + j,
+    so only the last n key columns need a mask. In float32/float64, plain matmuls: on the CPU
+    they beat `scaled_dot_product_attention` at these few query rows (measured) and take the
+    strided views without a copy. In half precision, `scaled_dot_product_attention`, which
+    accumulates in float32 as transformers' own path does.
+    """
+    hkv, g, n, d = q.shape
+    assert k.shape == v.shape == (hkv, past + n, d), (q.shape, k.shape, v.shape, past)
+    low = q.dtype in (torch.float16, torch.bfloat16)
+    out = q.new_empty(q.shape)
+    for lo in range(0, n, QUERY_CHUNK):
+        hi = min(n, lo + QUERY_CHUNK)
+        c, seen = hi - lo, past + hi  # queries in the chunk; keys the chunk's last query sees
+        chunk = q[:, :, lo:hi].reshape(hkv, g * c, d)
+        if low:
+            mask = None
+            if c > 1:
+                mask = chunk.new_zeros((g * c, seen))
+                mask[:, seen - c:] = _future_mask(c, g, chunk.dtype, chunk.device)
+            o = F.scaled_dot_product_attention(chunk, k[:, :seen], v[:, :seen], attn_mask=mask, scale=scale)
+        else:
+            scores = torch.matmul(chunk * scale, k[:, :seen].transpose(1, 2))  # [Hkv, G * c, seen]
+            if c > 1:  # query lo + i must not see the chunk's keys after its own
+                scores[:, :, seen - c:] += _future_mask(c, g, scores.dtype, scores.device)
+            o = torch.matmul(scores.softmax(-1), v[:, :seen])
+        out[:, :, lo:hi] = o.view(hkv, g, c, d)
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def _future_mask(c: int, g: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`[G * c, c]`: -inf where key j comes after query i (j > i) within a chunk, else 0."""
+    upper = torch.ones((c, c), dtype=torch.bool, device=device).triu(1)
+    return torch.zeros((c, c), dtype=dtype, device=device).masked_fill(upper, float("-inf")).repeat(g, 1)
+
+
+def forward_generic(model: PreTrainedModel, row: PackedRow) -> torch.Tensor:
+    """One row through transformers' own forward (any full-attention architecture); its last `keep` logits.
+
+    The row's past is handed over as a `DynamicCache` (a copy: this path is the fallback for
+    architectures `PackedForward` does not know), and the new keys/values are written back.
+    """
+    kv, n, past = row.kv, len(row.tokens), row.kv.length
+    kv.reserve(past + n)
+    device = model.lm_head.weight.device if hasattr(model, "lm_head") else kv.data.device
+    cache = DynamicCache(config=model.config)
+    if past:
+        for index in range(kv.data.shape[1]):
+            cache.update(kv.keys(index, past)[None], kv.values(index, past)[None], index)
+    ids = torch.tensor([row.tokens], dtype=torch.long, device=device)
+    positions = torch.arange(past, past + n, device=device)[None]
+    out = model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=row.keep)
+    for index, layer in enumerate(cache.layers):
+        keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+        if keys is None or values is None or keys.shape[-2] != past + n:
+            raise TypeError(f"layer {index} of {type(model).__name__} is not a full-attention cache layer")
+        kv.write(index, past, keys[0, :, past:], values[0, :, past:])
+    kv.length = past + n
+    return out.logits[0, -row.keep:]
