@@ -12,13 +12,13 @@ class DraftConfig(ModelServiceConfig):
     """specdec draft service: streams draft-token proposals for the orchestrator.
 
     The --snapshot-* options keep the model proposer's KV caches in Redis under the draft's own
-    keys; prompt lookup has no KV cache, so it refuses them.
+    keys; prompt lookup and suffix speculation have no KV cache, so they refuse them.
     """
 
     port: int = Field(50052, ge=0, le=65535, description="Port to listen on (0 picks a free one).")
-    proposer: Literal["model", "ngram"] = Field(
-        "ngram", description="Draft source: a causal LM ('model') or prompt lookup ('ngram', no model; the measured "
-        "default on CPU)."
+    proposer: Literal["model", "ngram", "suffix"] = Field(
+        "ngram", description="Draft source: a causal LM ('model'), prompt lookup ('ngram', no model; the measured "
+        "default on CPU) or suffix speculation ('suffix', no model: the session's history and earlier outputs)."
     )
     model: str = Field(
         DEFAULT_MODEL, description="Draft model: the packaged default name, a local directory or a transformers id."
@@ -38,9 +38,37 @@ class DraftConfig(ModelServiceConfig):
     )
     ngram_max: int = Field(3, ge=1, description="Longest suffix n-gram prompt lookup matches.")
     ngram_min: int = Field(2, ge=1, description="Shortest suffix n-gram prompt lookup matches.")
+    suffix_max_depth: int = Field(
+        32, ge=1, le=256, description="Suffix speculation: longest match of the history's end looked for."
+    )
+    suffix_min_match: int = Field(
+        2, ge=1, description="Suffix speculation: shortest match that may propose anything."
+    )
+    suffix_min_prob: float = Field(
+        0.1, gt=0, le=1, description="Suffix speculation: a proposal goes on while the product of its tokens' "
+        "empirical probabilities stays at least this (higher: shorter, surer drafts)."
+    )
+    suffix_max_tokens: int = Field(
+        1_000_000, ge=1, description="Suffix speculation: most tokens of earlier outputs (and of each session's "
+        "history) indexed; the oldest outputs are dropped first."
+    )
+    suffix_redis_url: str = Field(
+        "", description="Suffix speculation: Redis whose stream of finished outputs (specdec:v1:suffix:outputs) "
+        "feeds the corpus, shared by every draft replica; empty: each session's output joins this replica's "
+        "corpus when the session is released."
+    )
+    suffix_backlog: int = Field(
+        1000, ge=0, description="Suffix speculation: newest entries of the outputs stream read at start (0: only "
+        "those added later)."
+    )
 
     @model_validator(mode="after")
     def _snapshots_need_a_model(self):
-        if self.proposer == "ngram" and self.snapshot_redis_url:
-            raise ValueError("--snapshot-redis-url needs --proposer model: prompt lookup keeps no KV cache to snapshot")
+        if self.proposer != "model" and self.snapshot_redis_url:
+            raise ValueError(f"--snapshot-redis-url needs --proposer model: {self.proposer} keeps no KV cache to "
+                             "snapshot")
+        if self.suffix_redis_url and self.proposer != "suffix":
+            raise ValueError("--suffix-redis-url needs --proposer suffix")
+        if self.suffix_min_match > self.suffix_max_depth:
+            raise ValueError("--suffix-min-match must be <= --suffix-max-depth")
         return self

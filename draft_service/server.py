@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -13,7 +15,7 @@ from specdec.runtime.grammars import SessionGrammars
 from specdec.runtime.info import model_info
 from specdec.runtime.latency import LatencyProfile
 from specdec.runtime.models import load_model, load_tokenizer, tokenizer_fingerprint
-from specdec.runtime.proposers import ModelProposer, NgramProposer, Proposer
+from specdec.runtime.proposers import ModelProposer, NgramProposer, Proposer, SuffixProposer
 from specdec.server.metrics import ServiceMetrics
 from specdec.server.model_service import admission_and_metrics, batcher_for, serve_model_service, session_caches
 from specdec.server.serving import run_main
@@ -21,22 +23,97 @@ from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
 
+log = logging.getLogger(__name__)
+
 
 def build_proposer(config: DraftConfig) -> tuple[Proposer, common_pb2.ModelInfo, LatencyProfile, SessionGrammars]:
     if config.threads:
         torch.set_num_threads(config.threads)
     profile = LatencyProfile(per_token_s=config.emulate_draft_per_token_ms / 1e3)
-    if config.proposer == "ngram":
+    if config.proposer in ("ngram", "suffix"):
         tokenizer = load_tokenizer(config.model)
-        info = common_pb2.ModelInfo(model=config.model, dtype="none", kind="ngram", device="cpu",
+        info = common_pb2.ModelInfo(model=config.model, dtype="none", kind=config.proposer, device="cpu",
                                     tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
                                     vocab_size=len(tokenizer))
         grammars = SessionGrammars(tokenizer, len(tokenizer), [tokenizer.eos_token_id], config.max_sessions)
-        return NgramProposer(config.ngram_max, config.ngram_min), info, profile, grammars
+        return model_free_proposer(config), info, profile, grammars
     loaded = load_model(config.model, dtype=config.dtype, threads=config.threads, device=config.device)
     caches = session_caches(config, loaded, "draft")
     grammars = SessionGrammars(loaded.tokenizer, loaded.vocab_size, loaded.eos_token_ids, config.max_sessions)
     return ModelProposer(caches, profile), model_info(loaded, "model", profile, config.max_batch), profile, grammars
+
+
+def model_free_proposer(config: DraftConfig) -> Proposer:
+    if config.proposer == "ngram":
+        return NgramProposer(config.ngram_max, config.ngram_min)
+    return SuffixProposer(config.suffix_max_depth, config.suffix_min_match, config.suffix_min_prob,
+                          config.suffix_max_tokens, config.max_sessions,
+                          learn_on_release=not config.suffix_redis_url)
+
+
+class SuffixStreamReader:
+    """Feeds a `SuffixProposer`'s corpus from the shared Redis stream of finished outputs.
+
+    A daemon thread: first the newest `backlog` entries, then XREAD blocking (1 s at a time) for
+    new ones. Each entry's `tokens` field holds uint32 little-endian ids (`encode_output`); an
+    entry whose optional `tokenizer` field names another tokenizer is skipped. Redis going away
+    is logged and retried; the proposer keeps what it has.
+    """
+
+    def __init__(self, proposer: SuffixProposer, url: str, fingerprint: str, backlog: int = 1000) -> None:
+        self.proposer = proposer
+        self.url = url
+        self.fingerprint = fingerprint
+        self.backlog = backlog
+        self.entries = 0  # entries added to the corpus
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="suffix-stream", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        import redis
+
+        from specdec.server.keys import suffix_outputs_key
+
+        key = suffix_outputs_key()
+        client = redis.Redis.from_url(self.url, socket_timeout=10)
+        last = None
+        while not self._stop.is_set():
+            try:
+                if last is None:
+                    backlog = client.xrevrange(key, count=self.backlog) if self.backlog else []
+                    last = backlog[0][0] if backlog else client.xinfo_stream(key)["last-generated-id"]
+                    for _, fields in reversed(backlog):
+                        self._add(fields)
+                for _, entries in client.xread({key: last}, block=1000, count=256) or []:
+                    for entry_id, fields in entries:
+                        self._add(fields)
+                        last = entry_id
+            except redis.ResponseError:  # no stream yet: start from its beginning once it exists
+                last = b"0-0"
+            except redis.RedisError as exc:
+                log.warning("suffix outputs stream at %s: %s; retrying", self.url, exc)
+                self._stop.wait(1.0)
+
+    def _add(self, fields: dict[bytes, bytes]) -> None:
+        from specdec.core.suffix import FINGERPRINT_FIELD, OUTPUT_FIELD, decode_output
+
+        fingerprint = fields.get(FINGERPRINT_FIELD, b"").decode()
+        if fingerprint and fingerprint != self.fingerprint:
+            return
+        try:
+            tokens = decode_output(fields.get(OUTPUT_FIELD, b""))
+        except ValueError as exc:
+            log.warning("suffix outputs stream: entry skipped: %s", exc)
+            return
+        self.proposer.add_output(tokens)
+        self.entries += 1
 
 
 def build_servicer(config: DraftConfig) -> tuple[DraftServicer, ServiceMetrics]:
@@ -55,9 +132,18 @@ def build_servicer(config: DraftConfig) -> tuple[DraftServicer, ServiceMetrics]:
 async def serve(config: DraftConfig) -> None:
     servicer, metrics = build_servicer(config)
     info = servicer.info
-    await serve_model_service(config, servicer, metrics,
-                              lambda s: draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, s), SERVICE_NAME,
-                              f"draft service ({info.kind}, {info.model} {info.dtype})")
+    reader = None
+    if config.suffix_redis_url:
+        reader = SuffixStreamReader(servicer.drafter.proposer, config.suffix_redis_url, info.tokenizer_fingerprint,
+                                    config.suffix_backlog)
+        reader.start()
+    try:
+        await serve_model_service(config, servicer, metrics,
+                                  lambda s: draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, s),
+                                  SERVICE_NAME, f"draft service ({info.kind}, {info.model} {info.dtype})")
+    finally:
+        if reader is not None:
+            reader.stop()
 
 
 def main(argv: Sequence[str] | None = None) -> None:

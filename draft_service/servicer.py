@@ -37,3 +37,11 @@ class DraftServicer(ModelServicer, draft_pb2_grpc.DraftServiceServicer):
                     probs=b"" if draft.probs is None else probs_to_bytes(draft.probs),
                 )
                 index += 1
+
+    @grpc_errors
+    async def Release(self, request: common_pb2.ReleaseRequest, context) -> common_pb2.ReleaseResponse:
+        """A model-free proposer may hold per-session state too (suffix speculation: the session's index)."""
+        reply = await super().Release(request, context)
+        if self.drafter.batcher is None and self.drafter.proposer.release(request.session_id):
+            return common_pb2.ReleaseResponse(released=True)
+        return reply

@@ -38,6 +38,7 @@ from redis.exceptions import (
     TryAgainError,
 )
 
+from specdec.core.suffix import encode_output
 from specdec.errors import Aborted, Unavailable
 from specdec.server.keys import PRIOR_KEY, session_meta_key, session_tokens_key, suffix_outputs_key
 
@@ -257,7 +258,7 @@ class RedisSessionStore:
 
     async def publish_output(self, tokens: list[int]) -> None:
         """Append to the capped stream the suffix-speculation draft replicas read (suffix_outputs_key)."""
-        data = b"".join(int(t).to_bytes(4, "little") for t in tokens)
+        data = encode_output(tokens)
         await self._call(lambda: self.redis.xadd(suffix_outputs_key(), {"tokens": data},
                                                  maxlen=SHARED_OUTPUTS_MAXLEN, approximate=True))
 

@@ -27,7 +27,7 @@ def _add_plan_flags(parser: argparse.ArgumentParser) -> None:
         "draft_dtype": "draft weight dtype", "draft_threads": "torch threads of the draft process",
         "target_device": "where the target runs: auto (a CUDA GPU if any, else the CPU), cpu, cuda or cuda:N",
         "draft_device": "where the draft model runs (auto, cpu, cuda or cuda:N); on one GPU both may share it",
-        "proposer": "draft source: model, ngram (prompt lookup) or none (plain decoding)",
+        "proposer": "draft source: model, ngram (prompt lookup), suffix (suffix speculation) or none (plain decoding)",
         "draft_length": "default draft length: auto (the controller picks k per round) "
                         "or a fixed k (0 = plain decoding)",
         "ngram_min": "shortest suffix n-gram prompt lookup matches", "ngram_max": "longest suffix n-gram it matches",

@@ -14,7 +14,9 @@ change what is proposed.
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
@@ -26,6 +28,7 @@ from specdec.core.grammar import GrammarState, apply_mask
 from specdec.core.ngram import propose_ngram
 from specdec.core.processors import process_block
 from specdec.core.sampling import DRAFT_STREAM, SamplingParams, derive_generator, logits_to_probs, sample
+from specdec.core.suffix import SuffixIndex, best_speculation
 from specdec.runtime.batching import Job
 from specdec.runtime.kv import Scored, ScoreRequest, SessionCaches
 from specdec.runtime.latency import LatencyProfile
@@ -149,3 +152,75 @@ class NgramProposer:
     def release(self, session_id: str) -> bool:
         return False
 
+
+
+class SuffixProposer:
+    """Suffix speculation: the most frequent continuation of the longest match of the history's end,
+    in the session's own history or in a corpus of earlier outputs (`specdec.core.suffix`).
+
+    A session's index follows its history: each request carries the whole history and only what
+    is new gets indexed (a history that does not extend the indexed one is indexed afresh). At most
+    `max_sessions` are kept, least recently used dropped first. The corpus is shared by every
+    session; `add_output` feeds it (the draft service's reader of the shared Redis stream, or this
+    proposer itself on `release` when `learn_on_release`). Thread-safe: one lock guards the indexes.
+    """
+
+    kind = "suffix"
+
+    def __init__(self, max_depth: int = 32, min_match: int = 2, min_prob: float = 0.1,
+                 max_tokens: int = 1_000_000, max_sessions: int = 256, learn_on_release: bool = False) -> None:
+        self._new_index = lambda: SuffixIndex(max_depth, min_match, max_tokens)
+        self.min_prob = min_prob
+        self.max_sessions = max_sessions
+        self.learn_on_release = learn_on_release
+        self.corpus = SuffixIndex(max_depth, min_match, max_tokens)
+        self._sessions: OrderedDict[str, _SuffixSession] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def propose(self, session_id: str, history: list[int], k: int, params: SamplingParams,
+                seed: int) -> Iterator[DraftToken]:
+        start = time.perf_counter_ns()
+        with self._lock:
+            session = self._session(session_id, history, params.output_start)
+            own = session.index.speculate(history, k, self.min_prob, own=True)
+            shared = self.corpus.speculate(history, k, self.min_prob)
+        tokens = best_speculation(own, shared).tokens
+        elapsed = time.perf_counter_ns() - start
+        for token in tokens:
+            yield DraftToken(token, None, elapsed // max(len(tokens), 1))
+
+    def _session(self, session_id: str, history: list[int], output_start: int) -> _SuffixSession:
+        session = self._sessions.get(session_id)
+        if session is None or not session.extended_by(history):
+            session = self._sessions[session_id] = _SuffixSession(self._new_index())
+            while len(self._sessions) > self.max_sessions:
+                self._sessions.popitem(last=False)
+        self._sessions.move_to_end(session_id)
+        session.index.extend(history[session.indexed:])
+        session.indexed, session.last = len(history), history[-1] if history else -1
+        session.output = history[output_start:]
+        return session
+
+    def add_output(self, tokens: list[int]) -> None:
+        """A finished generation's output joins the corpus."""
+        if tokens:
+            with self._lock:
+                self.corpus.add(tokens)
+
+    def release(self, session_id: str) -> bool:
+        with self._lock:
+            session = self._sessions.pop(session_id, None)
+        if session is not None and self.learn_on_release:
+            self.add_output(session.output or [])
+        return session is not None
+
+
+@dataclass
+class _SuffixSession:
+    index: SuffixIndex  # of the session's history
+    indexed: int = 0  # history tokens indexed
+    last: int = -1  # the last of them: a cheap check that a new history extends the indexed one
+    output: list[int] | None = None  # the current output (history[output_start:]), for the corpus on release
+
+    def extended_by(self, history: list[int]) -> bool:
+        return len(history) >= self.indexed and (self.indexed == 0 or history[self.indexed - 1] == self.last)

@@ -30,7 +30,7 @@ def _loaded_after(statement: str) -> set[str]:
 
 
 @pytest.mark.parametrize("package", ["specdec.core", "specdec.core.acceptance", "specdec.core.sampling",
-                                     "specdec.core.policy", "specdec.core.ngram"])
+                                     "specdec.core.policy", "specdec.core.ngram", "specdec.core.suffix"])
 def test_the_pure_core_loads_no_grpc_client_or_server_code(package):
     loaded = _loaded_after(f"import {package}")
     assert package in loaded

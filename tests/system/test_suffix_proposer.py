@@ -1,0 +1,96 @@
+"""Suffix speculation through the whole pipeline: lossless, and fed by the shared outputs stream."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import redis
+
+from specdec import Client
+from specdec.core.sampling import SamplingParams
+from specdec.core.suffix import OUTPUT_FIELD, encode_output
+from specdec.runtime.proposers import SuffixProposer
+from specdec.server.keys import suffix_outputs_key
+from tests.conftest import orchestrator_address, start_tiny_pipeline
+from tests.reference import Reference
+
+PROMPTS = ["The quick brown fox", "Once upon a time", "Hello, world!", "abcabcabc", "The answer is",
+           "Roses are red,"]
+MAX_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_models) -> Reference:
+    return Reference(str(tiny_models["target"]))
+
+
+@pytest.fixture(scope="module")
+def suffix_pipeline(tiny_models, tmp_path_factory):
+    """The launcher points a suffix draft at the pipeline's Redis (--suffix-redis-url)."""
+    pipeline = start_tiny_pipeline(tmp_path_factory.mktemp("logs-suffix"), tiny_models, "target", proposer="suffix")
+    yield pipeline
+    pipeline.stop()
+
+
+def test_suffix_draft_greedy_equals_target_generate(suffix_pipeline, reference):
+    proposed = 0
+    with Client(orchestrator_address(suffix_pipeline)) as client:
+        for prompt in PROMPTS:
+            out = client.generate(prompt, max_new_tokens=MAX_NEW, draft_length=4)
+            assert out.token_ids == reference.greedy(prompt, MAX_NEW), prompt
+            proposed += out.stats["draft_tokens"]
+    assert proposed > 0, "suffix speculation never proposed anything: the test would not exercise verification"
+
+
+def test_a_repeating_output_is_mostly_accepted(suffix_pipeline, reference):
+    prompt = "x y z x y z x y z x y z x y z"  # the tiny target settles into a short loop
+    with Client(orchestrator_address(suffix_pipeline)) as client:
+        out = client.generate(prompt, max_new_tokens=32, draft_length=4)
+    assert out.token_ids == reference.greedy(prompt, 32)
+    assert out.stats["draft_tokens"] >= 8
+    assert out.stats["accepted_tokens"] >= 0.7 * out.stats["draft_tokens"]
+
+
+def own_history_proposes_nothing(prompt_ids: list[int], output: list[int], k: int) -> bool:
+    """Along the greedy trajectory, a suffix proposer without a corpus never proposes (checked in-process)."""
+    proposer = SuffixProposer()
+    return not any(list(proposer.propose("s", prompt_ids + output[:i], k, SamplingParams(), 0))
+                   for i in range(len(output)))
+
+
+def generate_fresh_until_drafted(client: Client, prompt: str, n: int, expected: list[int]):
+    """A fresh session each time (only the corpus can propose), until it drafts or 15 s pass."""
+    deadline = time.monotonic() + 15
+    while True:
+        out = client.generate(prompt, max_new_tokens=n, draft_length=4)
+        assert out.token_ids == expected
+        if out.stats["draft_tokens"] > 0 or time.monotonic() > deadline:
+            return out
+        time.sleep(0.2)
+
+
+def test_an_entry_added_to_the_shared_stream_serves_a_later_request(suffix_pipeline, reference):
+    prompt, n = "In the beginning", 8  # a short output that does not repeat itself: nothing to look up
+    expected = reference.greedy(prompt, n)
+    assert own_history_proposes_nothing(reference.encode(prompt), expected, 4)
+    # Another replica's finished output, as the orchestrator appends it.
+    plan = suffix_pipeline.plan
+    redis.Redis(host=plan.host, port=plan.redis_port).xadd(
+        suffix_outputs_key(), {OUTPUT_FIELD: encode_output(expected)}, maxlen=10_000, approximate=True)
+    time.sleep(0.5)  # the draft's reader is blocked on XREAD: the entry reaches it at once
+    with Client(orchestrator_address(suffix_pipeline)) as client:
+        after = generate_fresh_until_drafted(client, prompt, n, expected)
+    # From the third token on, the history's end matches the entry and its tokens are proposed and accepted.
+    assert after.stats["accepted_tokens"] >= n // 2, after.stats
+
+
+def test_a_published_output_serves_a_later_session(suffix_pipeline, reference):
+    """End to end with the orchestrator's --share-outputs: one session's output, the next one's draft."""
+    prompt, n = "SELECT * FROM", 8
+    expected = reference.greedy(prompt, n)
+    with Client(orchestrator_address(suffix_pipeline)) as client:
+        before = client.generate(prompt, max_new_tokens=n, draft_length=4)
+        assert before.token_ids == expected
+        after = generate_fresh_until_drafted(client, prompt, n, expected)
+    assert after.stats["accepted_tokens"] >= max(n // 2, before.stats["accepted_tokens"] + 1), after.stats

@@ -1,0 +1,156 @@
+"""Suffix speculation: the pure index (`specdec.core.suffix`) and the proposer around it."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from specdec.core.sampling import SamplingParams
+from specdec.core.suffix import Speculation, SuffixIndex, best_speculation, decode_output, encode_output
+from specdec.runtime.proposers import SuffixProposer
+
+
+def index_of(*sequences: list[int], **kwargs) -> SuffixIndex:
+    index = SuffixIndex(**kwargs)
+    for seq in sequences:
+        index.add(seq)
+    return index
+
+
+def test_follows_the_most_frequent_continuation():
+    index = index_of([1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 3, 9], [7, 2, 3, 5])
+    spec = index.speculate([8, 1, 2, 3], k=3, min_prob=0.1)
+    assert spec.tokens == [4]  # after "1 2 3": 4 twice, 9 once; the sequences end there
+    assert spec.match_length == 3  # "1 2 3", not just "2 3" (which 5 also followed)
+    assert spec.score == pytest.approx(2 / 3)
+
+
+def test_the_running_product_decides_the_length():
+    # After "5 6": 7 four times in five; after "5 6 7": 8 three times in four, then 9 once in three.
+    index = index_of([5, 6, 7, 8, 1], [5, 6, 7, 8, 1], [5, 6, 7, 8, 2], [5, 6, 7, 9, 3], [5, 6, 0])
+    assert index.speculate([5, 6], 4, min_prob=0.1).tokens == [7, 8, 1]  # 0.8, 0.6, 0.4
+    assert index.speculate([5, 6], 4, min_prob=0.5).tokens == [7, 8]
+    assert index.speculate([5, 6], 4, min_prob=0.7).tokens == [7]
+    assert index.speculate([5, 6], 4, min_prob=0.9).tokens == []  # nothing confident: no draft
+    assert index.speculate([5, 6], 2, min_prob=0.1).tokens == [7, 8]  # at most k
+
+
+def test_a_single_occurrence_proposes_up_to_k_or_its_end():
+    index = index_of([1, 2, 3, 4, 5, 6, 7, 8])
+    assert index.speculate([9, 2, 3], 3, 0.3).tokens == [4, 5, 6]
+    assert index.speculate([9, 6, 7], 5, 0.3).tokens == [8]  # the sequence ends: no more
+    assert index.speculate([9, 7, 8], 5, 0.3).tokens == []
+
+
+def test_min_match_and_no_match():
+    index = index_of([1, 2, 3, 4], min_match=3)
+    assert index.speculate([2, 3], 2, 0.1).tokens == []  # a 2-token match is too short
+    assert index.speculate([1, 2, 3], 2, 0.1).tokens == [4]
+    assert index.speculate([4, 4, 4], 2, 0.1).tokens == []
+    assert index.speculate([1, 2, 3], 0, 0.1).tokens == []
+
+
+def test_matches_do_not_cross_sequences():
+    index = index_of([1, 2], [3, 4, 5])
+    assert index.match([2, 3, 4])[0] == 2  # "2 3 4" never occurred: the sentinel between stops it
+    assert index.speculate([9, 1, 2], 2, 0.1).tokens == []  # nothing followed "1 2" in its sequence
+
+
+def test_own_history_excludes_its_own_end_and_extends_incrementally():
+    index = SuffixIndex()
+    history = [1, 2, 3, 4, 1, 2]
+    index.extend(history[:3])
+    index.extend(history[3:])  # keys spanning the two appends are found
+    assert index.speculate(history, 3, 0.1, own=True).tokens == [3, 4, 1]
+    history += [3, 4, 1, 2]
+    index.extend(history[6:])
+    assert index.speculate(history, 2, 0.1, own=True).tokens == [3, 4]
+
+
+def test_eviction_drops_oldest_sequences_and_holds_the_bound():
+    index = SuffixIndex(max_tokens=50)
+    rng = random.Random(0)
+    for i in range(40):
+        index.add([100 + i, 200 + i] + [rng.randrange(50) for _ in range(rng.randrange(1, 12))])
+        assert index.tokens_held <= 50 + index.sequences
+    assert index.speculate([100, 200], 2, 0.1).tokens == []  # the first sequence is gone
+    assert index.speculate([139, 239], 1, 0.1).tokens != []  # the last one is there
+    assert all(p >= index._cut for positions in index._index.values() for p in positions)
+
+
+def test_a_single_long_sequence_keeps_its_newest_tokens():
+    index = SuffixIndex(max_tokens=100)
+    for start in range(0, 1000, 7):
+        index.extend(list(range(start, start + 7)))
+    assert index.tokens_held <= 100
+    assert index.speculate([5, 6], 1, 0.1).tokens == []
+    assert index.speculate([990, 991], 2, 0.1).tokens == [992, 993]
+
+
+def test_best_speculation_prefers_more_expected_accepted_tokens():
+    a, b = Speculation([1], 0.9, 5), Speculation([2, 3], 1.5, 2)
+    assert best_speculation(a, b) is b
+    assert best_speculation(Speculation([], 0, 0), Speculation([], 0, 0)).tokens == []
+
+
+def test_encode_decode_round_trip():
+    tokens = [0, 1, 151_643, 2**32 - 1]
+    data = encode_output(tokens)
+    assert len(data) == 16 and data[:4] == b"\x00\x00\x00\x00"
+    assert decode_output(data) == tokens
+    with pytest.raises(ValueError):
+        decode_output(b"\x00\x01\x02")
+
+
+def test_large_index_stays_correct_at_speed():
+    """10^5 tokens indexed; many queries answer as a naive scan would (no timing asserted)."""
+    rng = random.Random(1)
+    corpus = [rng.randrange(30) for _ in range(100_000)]
+    index = index_of(corpus, max_depth=6, min_match=2, max_candidates=10**6)
+    for _ in range(8):
+        context = [rng.randrange(30) for _ in range(10)]
+        length, ends = index.match(context)
+        best = 0
+        for end in range(len(corpus)):
+            n = 0
+            while n < 6 and n <= end and corpus[end - n] == context[-1 - n]:
+                n += 1
+            best = max(best, n)
+        assert length == (best if best >= 2 else 0)
+        assert len(index.speculate(context, 8, 0.1).tokens) <= 8
+
+
+# -- the proposer ----------------------------------------------------------------------------------
+
+
+def propose(proposer: SuffixProposer, session: str, history: list[int], k: int, output_start: int = 0) -> list[int]:
+    drafts = list(proposer.propose(session, history, k, SamplingParams(output_start=output_start), seed=0))
+    assert all(d.probs is None for d in drafts)
+    return [d.token_id for d in drafts]
+
+
+def test_proposer_uses_the_session_history_then_the_corpus():
+    proposer = SuffixProposer(min_prob=0.3)
+    assert propose(proposer, "a", [1, 2, 3, 4], 3) == []
+    assert propose(proposer, "a", [1, 2, 3, 4, 1, 2], 3) == [3, 4, 1]  # its own history
+    assert propose(proposer, "b", [9, 1, 2], 3) == []  # another session does not see it
+    proposer.add_output([7, 1, 2, 8, 8, 8])
+    assert propose(proposer, "b", [9, 1, 2], 3) == [8, 8, 8]  # the corpus
+    assert propose(proposer, "a", [1, 2, 3, 4, 1, 2], 3) == [3, 4, 1]  # own: "4 1 2" is a longer match
+
+
+def test_proposer_reindexes_a_history_that_does_not_extend_the_last():
+    proposer = SuffixProposer()
+    assert propose(proposer, "a", [1, 2, 3, 1, 2], 2) == [3, 1]
+    assert propose(proposer, "a", [5, 6, 7, 5, 6], 2) == [7, 5]  # not [3, ...]: indexed afresh
+
+
+def test_proposer_sessions_are_bounded_and_released():
+    proposer = SuffixProposer(max_sessions=2, learn_on_release=True)
+    for s in "abc":
+        propose(proposer, s, [1, 2, 3], 1)
+    assert list(proposer._sessions) == ["b", "c"]
+    propose(proposer, "c", [1, 2, 3, 4, 5, 6], 1, output_start=3)
+    assert proposer.release("c") is True and proposer.release("c") is False
+    assert propose(proposer, "d", [0, 4, 5], 1) == [6]  # c's output joined the corpus on release
