@@ -172,8 +172,11 @@ def test_malformed_bodies_and_routes(http_pipeline, model):
     status, _, reply = http("POST", url + "/chat/completions", {"model": model, "messages": []})
     assert status == 400 and reply["error"]["param"] == "messages"
     status, _, reply = http("POST", url + "/chat/completions",
-                            {"model": model, "messages": [{"role": "tool", "content": "x"}]})
+                            {"model": model, "messages": [{"role": "robot", "content": "x"}]})
     assert status == 400 and reply["error"]["param"] == "messages[0].role"
+    status, _, reply = http("POST", url + "/chat/completions",
+                            {"model": model, "messages": [{"role": "tool", "content": "x"}]})
+    assert status == 400 and reply["error"]["param"] == "messages[0].tool_call_id"  # which call it answers
     status, _, reply = http("POST", url + "/completions", b"{not json")
     assert status == 400 and reply["error"]["type"] == "invalid_request_error"
     status, _, reply = http("GET", url + "/engines")
