@@ -81,7 +81,8 @@ def test_backend_status_measures_the_round_trip():
             return common_pb2.ModelInfo(model="m")
 
     out = asyncio.run(backend_status("target", Slow("t:1"), 1.0))
-    assert out.healthy and out.rtt_ms >= 50
+    # asyncio may wake a sleep up to its clock's resolution early (seen in CI: 49.95 ms for 50)
+    assert out.healthy and 45 <= out.rtt_ms < 1000
 
 
 def test_status_dict_keeps_64_bit_numbers_as_ints():
