@@ -49,13 +49,22 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
 
 
 def start_pipeline(log_dir: Path, **plan_fields) -> Pipeline:
-    plan = Plan(
-        orchestrator_port=free_port(), draft_port=free_port(), target_port=free_port(),
-        redis_port=free_port(), log_dir=str(log_dir), **plan_fields,
-    )
-    pipeline = Pipeline(plan)
-    pipeline.start(timeout_s=300, echo=lambda *_: None)
-    return pipeline
+    """A pipeline on free ports. A port `free_port` found free can be taken before the service binds
+    it (another process's outgoing connection, seen once in CI): then it starts again on new ports."""
+    for attempt in range(3):
+        plan = Plan(
+            orchestrator_port=free_port(), draft_port=free_port(), target_port=free_port(),
+            redis_port=free_port(), log_dir=str(log_dir), **plan_fields,
+        )
+        pipeline = Pipeline(plan)
+        try:
+            pipeline.start(timeout_s=300, echo=lambda *_: None)  # stops whatever it started if it fails
+            return pipeline
+        except Exception:
+            logs = " ".join(f.read_text(errors="replace") for f in Path(log_dir).glob("*.log"))
+            if attempt == 2 or ("Failed to bind" not in logs and "could not bind" not in logs):
+                raise
+    raise AssertionError("unreachable")
 
 
 def start_tiny_pipeline(log_dir: Path, tiny_models: dict[str, Path], draft: str, **plan_fields) -> Pipeline:
