@@ -176,6 +176,21 @@ class TargetBackend(_ModelBackend):
     def __init__(self, address: str, timeout_s: float, tls: ClientTLS | None = None) -> None:
         super().__init__(address, timeout_s, target_pb2_grpc.TargetServiceStub, tls)
 
+    def _call_failure(self, exc: grpc.aio.AioRpcError, remaining: float | None, limit_s: float | None,
+                      doing: str) -> Exception:
+        """What a failed Verify or ScoreTokens means: Busy (maybe only loaded), Released (the session's
+        caches were released after it was sent), the request's own error, or Unavailable."""
+        busy = self._busy(exc, remaining, limit_s)
+        if busy is not None:
+            return busy
+        error = self._failure(exc, (grpc.StatusCode.INVALID_ARGUMENT,), remaining, doing)
+        if isinstance(error, Cancelled):
+            return Released(str(error))
+        if isinstance(error, Unavailable):
+            return Unavailable(f"target service at {self.address} failed ({error}); "
+                               "the session is kept, retry the request")
+        return error
+
     async def verify(self, session_id: str, history: list[int], proposal: DraftReply, params: SamplingParams,
                      seed: int, timeout: float | None = None, top_logprobs: int | None = None,
                      limit_s: float | None = None) -> VerifyReply:
@@ -190,16 +205,7 @@ class TargetBackend(_ModelBackend):
         try:
             reply = await self.stub.Verify(request, timeout=self._timeout(timeout, limit_s))
         except grpc.aio.AioRpcError as exc:
-            busy = self._busy(exc, timeout, limit_s)
-            if busy is not None:
-                raise busy from exc
-            error = self._failure(exc, (grpc.StatusCode.INVALID_ARGUMENT,), timeout, "the target verified")
-            if isinstance(error, Cancelled):
-                raise Released(str(error)) from exc
-            if isinstance(error, Unavailable):
-                raise Unavailable(f"target service at {self.address} failed ({error}); "
-                                  "the session is kept, retry the request") from exc
-            raise error from exc
+            raise self._call_failure(exc, timeout, limit_s, "the target verified") from exc
         return VerifyReply(reply.num_accepted, reply.token_id, reply.bonus,
                        time.perf_counter_ns() - start, reply.compute_ns, reply.queue_ns, max(1, reply.batch_size),
                        reply.batch_positions, reply.prefill_tokens, list(reply.logprobs))
@@ -216,14 +222,5 @@ class TargetBackend(_ModelBackend):
         try:
             reply = await self.stub.ScoreTokens(request, timeout=self._timeout(timeout, limit_s))
         except grpc.aio.AioRpcError as exc:
-            busy = self._busy(exc, timeout, limit_s)
-            if busy is not None:
-                raise busy from exc
-            error = self._failure(exc, (grpc.StatusCode.INVALID_ARGUMENT,), timeout, "the target scored")
-            if isinstance(error, Cancelled):
-                raise Released(str(error)) from exc
-            if isinstance(error, Unavailable):
-                raise Unavailable(f"target service at {self.address} failed ({error}); "
-                                  "the session is kept, retry the request") from exc
-            raise error from exc
+            raise self._call_failure(exc, timeout, limit_s, "the target scored") from exc
         return ScoreReply(list(reply.logprobs), time.perf_counter_ns() - begin, reply.compute_ns)

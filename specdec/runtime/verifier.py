@@ -36,6 +36,19 @@ def accept_block(logits: torch.Tensor, history_length: int, draft_tokens: list[i
     return verify(logits, draft_tokens, q, params, generator)
 
 
+def target_rows(logits: torch.Tensor, session_id: str, context: list[int], block: list[int], params: SamplingParams,
+                grammars: SessionGrammars | None) -> torch.Tensor:
+    """Rows `[N, V]` of the target's logits as the target alone would sample them: row i after
+    `context + block[:i]`, through the processors and, when the request has one, the grammar (over the
+    output part: it starts at `params.output_start`, within `context`)."""
+    logits = process_block(logits, context, block, params)
+    spec = grammar_of(params)
+    if spec is None or grammars is None or len(context) < params.output_start:
+        return logits
+    masks = grammars.block_masks(session_id, spec, context[params.output_start:], block)  # [len(block) + 1, V]
+    return apply_mask(logits, masks[:logits.shape[0]])
+
+
 @dataclass(frozen=True)
 class LogprobRequest:
     """What a verify call wants back besides its verdict: the emitted tokens' log-probabilities."""
@@ -70,12 +83,8 @@ class VerifyJob(Job):
         return ScoreRequest(self.session_id, self.history, self.draft_tokens)
 
     def advance(self, scored: Scored, caches: SessionCaches) -> tuple[Verified, bool]:
-        # Row i sees the history and the draft tokens before it, as the target alone would.
-        logits = process_block(scored.logits, self.history, self.draft_tokens, self.params)  # [k+1, V]
-        spec = grammar_of(self.params)
-        if spec is not None and self.grammars is not None:  # row i: what the grammar allows after draft[:i]
-            output = self.history[self.params.output_start:]
-            logits = apply_mask(logits, self.grammars.block_masks(self.session_id, spec, output, self.draft_tokens))
+        logits = target_rows(scored.logits, self.session_id, self.history, self.draft_tokens, self.params,
+                             self.grammars)  # [k+1, V]
         verdict = accept_block(logits, len(self.history), self.draft_tokens, self.draft_probs, self.params,
                                self.seed)
         # Keep only the accepted prefix; the emitted token is fed at the start of the next round.
@@ -118,12 +127,8 @@ class ScoreJob(Job):
         if self.params is None or self.logprobs.mode == "raw":
             table = log_distribution(rows, None)
         else:
-            processed = process_block(rows, self.tokens[:self.start], scored_tokens, self.params)
-            spec = grammar_of(self.params)
-            if spec is not None and self.grammars is not None and self.start >= self.params.output_start:
-                output = self.tokens[self.params.output_start:self.start]
-                masks = self.grammars.block_masks(self.session_id, spec, output, scored_tokens)[:len(scored_tokens)]
-                processed = apply_mask(processed, masks)
+            processed = target_rows(rows, self.session_id, self.tokens[:self.start], scored_tokens, self.params,
+                                    self.grammars)
             table = log_distribution(processed, self.params)
         return token_logprobs(table, scored_tokens, self.logprobs.top), True
 
