@@ -317,7 +317,7 @@ def tool_mode(req: ChatRequest) -> ToolMode | None:
         names = tuple(functions(req.tools))
     except ToolError as exc:
         raise ApiError(400, str(exc), param=exc.param, code="invalid_value") from None
-    return ToolMode(names, forced=choice != "auto")
+    return ToolMode(names, forced=choice != "auto", parallel=req.parallel_tool_calls is not False)
 
 
 def _chat_message(i: int, m: Message) -> dict[str, Any]:

@@ -33,6 +33,7 @@ class ToolMode:
 
     names: tuple[str, ...]
     forced: bool  # the grammar makes the whole answer one call
+    parallel: bool = True  # parallel_tool_calls: with auto, more than one call may come back
 
 
 def functions(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -94,5 +95,7 @@ def parse_calls(text: str, mode: ToolMode) -> tuple[str | None, list[dict[str, A
             calls.append(_call(call["name"], call["arguments"]))
     if not calls:
         return text, []
+    if not mode.parallel:
+        calls = calls[:1]
     rest = _TAGGED.sub("", text).strip()
     return rest or None, calls

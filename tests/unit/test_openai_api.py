@@ -313,3 +313,14 @@ def test_tool_choice_forces_a_call_through_the_grammar_and_replies_carry_tool_ca
     assert json.loads(last["delta"]["tool_calls"][0]["function"]["arguments"]) == {"city": "Rome"}
     plain = free.whole([Generation("s", "Sunny, I think.", [1], "eos", {})])["choices"][0]
     assert plain["message"] == {"role": "assistant", "content": "Sunny, I think."} and plain["finish_reason"] == "stop"
+
+
+def test_parallel_tool_calls_false_keeps_one_call():
+    messages = [{"role": "user", "content": "Weather in Oslo and Rome?"}]
+    said = ('<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
+            '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>')
+    both = Reply("chat", "m", tools=tool_mode(ChatRequest(model="m", messages=messages, tools=[TOOL])))
+    one = Reply("chat", "m", tools=tool_mode(ChatRequest(model="m", messages=messages, tools=[TOOL],
+                                                             parallel_tool_calls=False)))
+    assert len(both.whole([Generation("s", said, [1], "eos", {})])["choices"][0]["message"]["tool_calls"]) == 2
+    assert len(one.whole([Generation("s", said, [1], "eos", {})])["choices"][0]["message"]["tool_calls"]) == 1
