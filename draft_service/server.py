@@ -6,6 +6,7 @@ import logging
 import threading
 from collections.abc import Sequence
 
+import redis
 import torch
 
 from draft_service.config import DraftConfig
@@ -16,6 +17,7 @@ from specdec.runtime.info import model_info
 from specdec.runtime.latency import LatencyProfile
 from specdec.runtime.models import load_model, load_tokenizer, tokenizer_fingerprint
 from specdec.runtime.proposers import ModelProposer, NgramProposer, Proposer, SuffixProposer
+from specdec.server.keys import suffix_outputs_key
 from specdec.server.metrics import ServiceMetrics
 from specdec.server.model_service import admission_and_metrics, batcher_for, serve_model_service, session_caches
 from specdec.server.serving import run_main
@@ -77,10 +79,6 @@ class SuffixStreamReader:
         self._thread.join(timeout=5)
 
     def _run(self) -> None:
-        import redis
-
-        from specdec.server.keys import suffix_outputs_key
-
         key = suffix_outputs_key()
         client = redis.Redis.from_url(self.url, socket_timeout=10)
         last = None
