@@ -14,6 +14,14 @@ end with no padding, each session attending to its own keys/values where they li
 shares the pass with the others' decode steps at the cost of its own tokens only, and nothing
 copies a session's past on a round. Models that are not Llama-structured are scored one session
 at a time through transformers' own forward (`packed.forward_generic`).
+
+Shared prefixes (`specdec.runtime.prefix_cache`): a new session whose history begins with blocks
+another session computed views them instead of prefilling them, and a row that prefilled a long
+block publishes its whole blocks for the next. Memory: every byte of keys/values (sessions' own
+buffers and shared prefix segments) counts against `budget_bytes`; when a pass needs more, prefix
+segments no session uses go first, then idle sessions, least recently used first (snapshotted
+first when a snapshot store is configured); a row that still does not fit is refused with
+`ResourceExhausted` (the orchestrator retries a busy replica), its session losing nothing.
 """
 
 from __future__ import annotations
@@ -28,9 +36,10 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel
 
-from specdec.errors import FailedPrecondition, InvalidArgument
+from specdec.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from specdec.runtime.kv_buffer import SessionKV
 from specdec.runtime.packed import PackedForward, PackedRow, forward_generic, kv_geometry, supports
+from specdec.runtime.prefix_cache import NO_MATCH, Match, PrefixCache
 from specdec.runtime.snapshot_codec import decode_layers, encode_layers
 from specdec.runtime.snapshot_store import SnapshotPolicy
 
@@ -41,12 +50,44 @@ PREFILL_ALONE_ABOVE = 16
 more decoding position (`batching._pass_positions` reports such steps as unknown). Packed passes
 no longer prefill such rows on their own."""
 
+PUBLISH_ABOVE = PREFILL_ALONE_ABOVE
+"""A row that fed more than this many tokens in a pass (a prompt's prefill, a new chat turn)
+publishes its history's new whole blocks to the prefix cache; decode rounds publish nothing, so a
+session's prefix stays a handful of segments."""
+
+CPU_BUDGET_FRACTION = 0.5
+"""Default KV budget on a CPU: this fraction of the memory available when the service starts."""
+GPU_BUDGET_FRACTION = 0.9
+"""Default KV budget on a GPU: this fraction of the device memory free after the weights loaded."""
+
+
+def default_budget_bytes(device: torch.device | str) -> int:
+    """The KV budget a service gets when none is configured, from the machine it runs on."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * GPU_BUDGET_FRACTION)
+    available = None
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+                    break
+    except OSError:
+        pass
+    if available is None:  # not Linux: the physical memory
+        import os
+        available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+    return int(available * CPU_BUDGET_FRACTION)
+
 
 @dataclass
 class _Entry:
     tokens: list[int]  # tokens whose keys/values the cache holds, in order
     cache: SessionKV
     last_used: float = field(default_factory=time.monotonic)
+    prefix: Match = NO_MATCH  # the shared prefix blocks the cache views (cache.offset positions)
 
 
 @dataclass(frozen=True)
@@ -100,7 +141,10 @@ class SessionCaches:
     """A bounded LRU of per-session KV caches for `model` (thread-safe; one forward at a time)."""
 
     def __init__(self, model: PreTrainedModel, max_context: int, max_sessions: int = 64,
-                 idle_ttl_s: float = 900.0, snapshots: SnapshotPolicy | None = None) -> None:
+                 idle_ttl_s: float = 900.0, snapshots: SnapshotPolicy | None = None,
+                 budget_bytes: int | None = None, prefix_cache: PrefixCache | None = None) -> None:
+        """`budget_bytes`: the most keys/values held (None: `default_budget_bytes` of the model's
+        device); `prefix_cache`: share prefix blocks between sessions (None: no sharing)."""
         self.model = model
         head = _head_weight(model)  # [V, hidden]
         self.device = head.device  # inputs go where the weights are
@@ -112,6 +156,10 @@ class SessionCaches:
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
         self._tokens = 0  # sum of len(entry.tokens) over _entries; readable without the lock
         self.snapshots = snapshots
+        self.budget_bytes = default_budget_bytes(self.device) if budget_bytes is None else budget_bytes
+        self.prefix = prefix_cache
+        self.evictions = 0  # sessions evicted to make room under the budget
+        self._own_bytes = 0  # bytes of the sessions' own buffers
         self._packed = PackedForward(model) if supports(model) else None
         self._lock = threading.Lock()
 
@@ -122,6 +170,11 @@ class SessionCaches:
     def cached_tokens(self) -> int:
         """Tokens whose keys/values are held, over all sessions (for GetInfo and metrics)."""
         return self._tokens
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of keys/values held: sessions' own buffers and shared prefix segments."""
+        return self._own_bytes + (self.prefix.nbytes if self.prefix is not None else 0)
 
     # -- scoring ----------------------------------------------------------------------------
 
@@ -151,10 +204,12 @@ class SessionCaches:
         with self._lock:
             self._evict_idle()
             rows: list[tuple[int, _Row]] = []
+            pinned: set[str] = set()  # sessions of this pass: never evicted to make room for another
             for i, request in enumerate(requests):
+                pinned.add(request.session_id)
                 try:
-                    rows.append((i, self._prepare(request)))
-                except InvalidArgument as exc:
+                    rows.append((i, self._prepare(request, pinned)))
+                except (InvalidArgument, ResourceExhausted) as exc:
                     results[i] = exc
             try:
                 with torch.inference_mode():
@@ -169,12 +224,15 @@ class SessionCaches:
                 row.entry.last_used = now
                 self._entries.move_to_end(row.request.session_id)
                 results[i] = Scored(logits, len(row.request.history) - 1 - row.keep)
+                if self.prefix is not None and len(row.feed) > PUBLISH_ABOVE:
+                    self._publish(row.entry, row.request.history, pinned)
             while len(self._entries) > self.max_sessions:
                 self._remove(next(iter(self._entries)))
         return results  # type: ignore[return-value]
 
-    def _prepare(self, request: ScoreRequest) -> _Row:
-        """Validate, find or create the entry, cut it back to the common prefix; what to feed."""
+    def _prepare(self, request: ScoreRequest, pinned: set[str]) -> _Row:
+        """Validate, find or create the entry, cut it back to the common prefix, make room for
+        what it will hold; what to feed. `pinned`: sessions not to evict for room."""
         history, new_tokens = request.history, request.new_tokens
         if not history:
             raise InvalidArgument("history is empty: send at least one token (the prompt)")
@@ -192,13 +250,121 @@ class SessionCaches:
         top = max(feed)
         if top >= self.vocab_size:
             raise InvalidArgument(f"token id {top} is outside the vocabulary (size {self.vocab_size})")
+        if entry is not None and keep < entry.cache.offset:  # diverged inside its shared prefix
+            self._remove(request.session_id)
+            entry = None
+        created = entry is None
         if entry is None:
-            entry = self._restore(request.session_id, needed) or _Entry(tokens=[], cache=self._new_cache())
+            entry = self._restore(request.session_id, needed) or self._shared(needed)
             self._entries[request.session_id] = entry
+            self._own_bytes += entry.cache.nbytes
             keep = common_prefix_length(entry.tokens, needed)
             feed = history[keep:] + new_tokens
         self._crop(entry, keep)
+        try:
+            self._reserve(entry, keep + len(feed), pinned)
+        except ResourceExhausted:
+            if created:  # nothing of a refused new session stays behind
+                self._remove(request.session_id)
+            raise
         return _Row(request, entry, feed, keep)
+
+    def _shared(self, needed: list[int]) -> _Entry:
+        """A new entry starting with the shared prefix blocks of `needed`, if any."""
+        match = self.prefix.match(needed) if self.prefix is not None else NO_MATCH
+        if not match.length:
+            return _Entry(tokens=[], cache=self._new_cache())
+        self.prefix.acquire(match)  # type: ignore[union-attr]
+        entry = _Entry(tokens=needed[: match.length], cache=self._new_cache(prefix=match.views(self.prefix.block_tokens)),  # type: ignore[union-attr]
+                       prefix=match)
+        self._tokens += match.length
+        return entry
+
+    # -- memory ---------------------------------------------------------------------------------
+
+    def _reserve(self, entry: _Entry, length: int, pinned: set[str]) -> None:
+        """Make the entry's own buffer hold `length` positions within the budget (a new entry's
+        first buffer included): the usual doubling if it fits, else just what is needed, evicting
+        for room; ResourceExhausted if even that does not fit."""
+        cache = entry.cache
+        want = cache.grown_capacity(length)
+        need = max(length - cache.offset, cache.capacity)
+        if self.used_bytes + cache.bytes_for(want) - cache.nbytes > self.budget_bytes:
+            self._make_room(cache.bytes_for(need) - cache.nbytes, pinned)
+            free = self.budget_bytes - self.used_bytes + cache.nbytes  # for this entry's buffer
+            if cache.bytes_for(need) > free:
+                raise ResourceExhausted(
+                    f"KV cache full: this session's {length} positions need {cache.bytes_for(need)} bytes, "
+                    f"{self.used_bytes - cache.nbytes} of the {self.budget_bytes}-byte budget are held by the "
+                    "sessions of this pass and the shared prefixes they use; retry later, or raise the budget "
+                    "(--kv-cache-bytes)")
+            want = max(need, min(want, free // max(1, cache.bytes_for(1))))
+        if want > cache.capacity:
+            before = cache.nbytes
+            cache.reserve(length, want)
+            self._own_bytes += cache.nbytes - before
+
+    def _make_room(self, need: int, pinned: set[str]) -> None:
+        """Evict until `need` more bytes fit the budget, if possible: unused prefix segments first,
+        then idle sessions (not `pinned`), least recently used first."""
+        if self.prefix is not None:
+            for seg in self.prefix.idle():
+                if self.used_bytes + need <= self.budget_bytes:
+                    return
+                self.prefix.evict(seg)
+        for sid in list(self._entries):
+            if self.used_bytes + need <= self.budget_bytes:
+                return
+            if sid in pinned:
+                continue
+            self._evict(sid)
+
+    def _evict(self, session_id: str) -> None:
+        """Drop a session's cache for room, snapshotting it first when snapshots are configured."""
+        entry = self._entries.get(session_id)
+        policy = self.snapshots
+        if entry is not None and policy is not None and len(entry.tokens) >= policy.min_tokens:
+            try:
+                layers = [(layer.keys, layer.values) for layer in entry.cache.layers]
+                policy.store.put(session_id, encode_layers(layers, entry.tokens, policy.identity), len(entry.tokens))
+                policy.saves += 1
+            except Exception as exc:  # noqa: BLE001 - the session re-prefills instead
+                log.warning("snapshot of evicted session %s not saved (%s)", session_id, exc)
+        self._remove(session_id)
+        self.evictions += 1
+
+    def _publish(self, entry: _Entry, history: list[int], pinned: set[str]) -> None:
+        """Share the whole blocks of `history` the entry holds beyond its prefix: take those another
+        session published meanwhile, publish the rest (one copy into the prefix cache), and keep
+        only the tail in the entry's own buffer. Not when that does not fit the budget (after
+        evicting for it): the session then keeps its own copy."""
+        prefix = self.prefix
+        assert prefix is not None
+        block = prefix.block_tokens
+        aligned = min(len(history), len(entry.tokens)) // block * block
+        if aligned < entry.cache.offset + block:
+            return
+        tokens = history[:aligned]
+        found = prefix.match(tokens, count=False)
+        if found.length < entry.prefix.length:  # cannot happen: the entry's own chain is registered
+            return
+        cache = entry.cache
+        extra = cache.bytes_for(aligned - found.length + cache.rebased_capacity(aligned)) - cache.nbytes
+        if self.used_bytes + extra > self.budget_bytes:
+            self._make_room(extra, pinned)
+            if self.used_bytes + extra > self.budget_bytes:
+                return
+        match = found
+        if found.length < aligned:
+            with torch.inference_mode(False):  # storage of its own, usable by any later pass
+                data = entry.cache.own(found.length, aligned).clone()
+            match = prefix.publish(tokens, found, data)
+        before = entry.cache.nbytes
+        prefix.acquire(match)
+        prefix.release(entry.prefix)
+        entry.prefix = match
+        entry.cache.rebase(match.views(block))
+        self._own_bytes += entry.cache.nbytes - before
 
     def _forward(self, rows: list[_Row]) -> list[torch.Tensor]:
         """Feed every row's tokens into its cache; each row's last `len(new_tokens) + 1` logits."""
@@ -209,10 +375,10 @@ class SessionCaches:
             return [logits.clone() for logits in self._packed(packed)]  # not views of one pass's tensor
         return [forward_generic(self.model, row) for row in packed]
 
-    def _new_cache(self, capacity: int | None = None) -> SessionKV:
+    def _new_cache(self, capacity: int | None = None, prefix: tuple[torch.Tensor, ...] = ()) -> SessionKV:
         layers, kv_heads, head_dim = kv_geometry(self.model)
         return SessionKV(layers, kv_heads, head_dim, self.max_context, self.dtype, self.device,
-                         **({} if capacity is None else {"capacity": capacity}))
+                         prefix=prefix, **({} if capacity is None else {"capacity": capacity}))
 
     # -- snapshots ----------------------------------------------------------------------------
 
@@ -269,6 +435,14 @@ class SessionCaches:
 
     def _crop(self, entry: _Entry, length: int) -> None:
         if length < len(entry.tokens):
+            if length < entry.cache.offset:  # into the shared prefix: start over without it
+                if self.prefix is not None:
+                    self.prefix.release(entry.prefix)
+                entry.prefix = NO_MATCH
+                self._own_bytes -= entry.cache.nbytes
+                entry.cache = self._new_cache()
+                self._own_bytes += entry.cache.nbytes
+                length = 0
             entry.cache.crop(length)
             self._tokens -= len(entry.tokens) - length
             del entry.tokens[length:]
@@ -282,6 +456,9 @@ class SessionCaches:
         if entry is None:
             return False
         self._tokens -= len(entry.tokens)
+        self._own_bytes -= entry.cache.nbytes
+        if self.prefix is not None:
+            self.prefix.release(entry.prefix)
         return True
 
     def _evict_idle(self) -> None:

@@ -125,41 +125,64 @@ class PackedForward:
             span = slice(start, start + n)
             row.kv.write(index, past, k[0, span].transpose(0, 1), v[span].transpose(0, 1))
             queries = q[0, span].view(n, hkv, g, d).permute(1, 2, 0, 3)  # [Hkv, G, n, D]
-            o = attend(queries, row.kv.keys(index, past + n), row.kv.values(index, past + n), past, attn.scaling)
+            o = attend(queries, row.kv.segments(index, past + n), past, attn.scaling)
             out[span] = o.permute(2, 0, 1, 3)  # [n, Hkv, G, D]
             start += n
         return attn.o_proj(out.view(1, t, self.heads * d))
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int, scale: float) -> torch.Tensor:
+def attend(q: torch.Tensor, segments: list[tuple[torch.Tensor, torch.Tensor]], past: int,
+           scale: float) -> torch.Tensor:
     """Causal attention of one row's new block without repeating K/V heads.
 
-    q `[Hkv, G, n, D]` (query j is position past + j), k and v `[Hkv, past + n, D]` (views of
-    the row's buffer, read in place); returns `[Hkv, G, n, D]`. Query j sees keys 0 .. past + j,
-    so only the last n key columns need a mask. In float32/float64, plain matmuls: on the CPU
-    they beat `scaled_dot_product_attention` at these few query rows (measured) and take the
-    strided views without a copy. In half precision, `scaled_dot_product_attention`, which
-    accumulates in float32 as transformers' own path does.
+    q `[Hkv, G, n, D]` (query j is position past + j); `segments`: the row's keys and values
+    `[Hkv, m_i, D]` in position order (shared prefix segments, then the row's own buffer: views,
+    read in place) covering positions 0 .. past + n - 1; returns `[Hkv, G, n, D]`. Query j sees
+    keys 0 .. past + j, so only the last n key columns (in the last segment) need a mask.
+
+    One segment, in float32/float64: plain matmuls (on the CPU they beat
+    `scaled_dot_product_attention` at these few query rows, measured, and take strided views
+    without a copy); in half precision, `scaled_dot_product_attention`, which accumulates in
+    float32 as transformers' own path does. Several segments (a shared prefix): the scores of
+    every segment side by side, one softmax over them (exact, no copy of any key or value; the
+    score matrix is the only thing joined), and the output summed segment by segment; in half
+    precision the softmax runs in float32.
     """
     hkv, g, n, d = q.shape
-    assert k.shape == v.shape == (hkv, past + n, d), (q.shape, k.shape, v.shape, past)
+    widths = [k.shape[1] for k, _ in segments]
+    assert sum(widths) == past + n and widths[-1] >= n, (q.shape, widths, past)
     low = q.dtype in (torch.float16, torch.bfloat16)
     out = q.new_empty(q.shape)
     for lo in range(0, n, QUERY_CHUNK):
         hi = min(n, lo + QUERY_CHUNK)
         c, seen = hi - lo, past + hi  # queries in the chunk; keys the chunk's last query sees
         chunk = q[:, :, lo:hi].reshape(hkv, g * c, d)
-        if low:
-            mask = None
-            if c > 1:
-                mask = chunk.new_zeros((g * c, seen))
-                mask[:, seen - c:] = _future_mask(c, g, chunk.dtype, chunk.device)
-            o = F.scaled_dot_product_attention(chunk, k[:, :seen], v[:, :seen], attn_mask=mask, scale=scale)
+        cut = seen - (past + n - widths[-1])  # own-buffer keys the chunk sees
+        k_own, v_own = segments[-1][0][:, :cut], segments[-1][1][:, :cut]
+        mask = _future_mask(c, g, torch.float32 if low else q.dtype, q.device) if c > 1 else None
+        if len(segments) == 1 and low:
+            full = None
+            if mask is not None:
+                full = chunk.new_zeros((g * c, seen))
+                full[:, seen - c:] = mask.to(chunk.dtype)
+            o = F.scaled_dot_product_attention(chunk, k_own, v_own, attn_mask=full, scale=scale)
+        elif len(segments) == 1:
+            scores = torch.matmul(chunk * scale, k_own.transpose(1, 2))  # [Hkv, G * c, seen]
+            if mask is not None:  # query lo + i must not see the chunk's keys after its own
+                scores[:, :, seen - c:] += mask
+            o = torch.matmul(scores.softmax(-1), v_own)
         else:
-            scores = torch.matmul(chunk * scale, k[:, :seen].transpose(1, 2))  # [Hkv, G * c, seen]
-            if c > 1:  # query lo + i must not see the chunk's keys after its own
-                scores[:, :, seen - c:] += _future_mask(c, g, scores.dtype, scores.device)
-            o = torch.matmul(scores.softmax(-1), v[:, :seen])
+            keys = [k for k, _ in segments[:-1]] + [k_own]
+            values = [v for _, v in segments[:-1]] + [v_own]
+            scores = torch.cat([torch.matmul(chunk * scale, k.transpose(1, 2)) for k in keys], dim=-1)
+            if low:
+                scores = scores.float()
+            if mask is not None:
+                scores[:, :, seen - c:] += mask
+            probs = scores.softmax(-1).to(q.dtype).split([k.shape[1] for k in keys], dim=-1)
+            o = torch.matmul(probs[0], values[0])
+            for p, v in zip(probs[1:], values[1:]):
+                o.add_(torch.matmul(p, v))
         out[:, :, lo:hi] = o.view(hkv, g, c, d)
     return out
 
@@ -183,7 +206,8 @@ def forward_generic(model: PreTrainedModel, row: PackedRow) -> torch.Tensor:
     cache = DynamicCache(config=model.config)
     if past:
         for index in range(kv.data.shape[1]):
-            cache.update(kv.keys(index, past)[None], kv.values(index, past)[None], index)
+            keys, values = kv.joined(index, past)
+            cache.update(keys[None], values[None], index)
     ids = torch.tensor([row.tokens], dtype=torch.long, device=device)
     positions = torch.arange(past, past + n, device=device)[None]
     out = model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=row.keep)

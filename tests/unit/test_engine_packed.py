@@ -58,7 +58,7 @@ def test_attend_equals_repeated_heads_with_a_causal_mask():
     scores = torch.einsum("hgnd,htd->hgnt", q, k) * d**-0.5
     visible = torch.arange(past + n)[None, :] <= (past + torch.arange(n))[:, None]  # [n, past + n]
     expected = torch.einsum("hgnt,htd->hgnd", scores.masked_fill(~visible, float("-inf")).softmax(-1), v)
-    torch.testing.assert_close(packed.attend(q, k, v, past, d**-0.5), expected, rtol=0, atol=1e-12)
+    torch.testing.assert_close(packed.attend(q, [(k, v)], past, d**-0.5), expected, rtol=0, atol=1e-12)
 
 
 def test_rollback_then_refeed_equals_a_fresh_pass(model):
@@ -184,8 +184,8 @@ def test_attend_in_half_precision_stays_close_to_float64():
     hkv, g, n, past, d = 3, 3, 4, 50, 64
     q = torch.randn(hkv, g, n, d, generator=gen, dtype=torch.float64)
     k, v = (torch.randn(hkv, past + n, d, generator=gen, dtype=torch.float64) for _ in range(2))
-    exact = packed.attend(q, k, v, past, d**-0.5)
-    half = packed.attend(q.bfloat16(), k.bfloat16(), v.bfloat16(), past, d**-0.5)
+    exact = packed.attend(q, [(k, v)], past, d**-0.5)
+    half = packed.attend(q.bfloat16(), [(k.bfloat16(), v.bfloat16())], past, d**-0.5)
     torch.testing.assert_close(half.double(), exact, rtol=0, atol=3e-2)
 
 
