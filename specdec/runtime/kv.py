@@ -271,11 +271,12 @@ class SessionCaches:
 
     def _shared(self, needed: list[int]) -> _Entry:
         """A new entry starting with the shared prefix blocks of `needed`, if any."""
-        match = self.prefix.match(needed) if self.prefix is not None else NO_MATCH
-        if not match.length:
+        prefix = self.prefix
+        match = prefix.match(needed) if prefix is not None else NO_MATCH
+        if prefix is None or not match.length:
             return _Entry(tokens=[], cache=self._new_cache())
-        self.prefix.acquire(match)  # type: ignore[union-attr]
-        entry = _Entry(tokens=needed[: match.length], cache=self._new_cache(prefix=match.views(self.prefix.block_tokens)),  # type: ignore[union-attr]
+        prefix.acquire(match)
+        entry = _Entry(tokens=needed[: match.length], cache=self._new_cache(prefix=match.views(prefix.block_tokens)),
                        prefix=match)
         self._tokens += match.length
         return entry

@@ -206,8 +206,8 @@ def forward_generic(model: PreTrainedModel, row: PackedRow) -> torch.Tensor:
     cache = DynamicCache(config=model.config)
     if past:
         for index in range(kv.data.shape[1]):
-            keys, values = kv.joined(index, past)
-            cache.update(keys[None], values[None], index)
+            past_keys, past_values = kv.joined(index, past)
+            cache.update(past_keys[None], past_values[None], index)
     ids = torch.tensor([row.tokens], dtype=torch.long, device=device)
     positions = torch.arange(past, past + n, device=device)[None]
     out = model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=row.keep)

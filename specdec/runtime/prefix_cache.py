@@ -111,7 +111,7 @@ class PrefixCache:
         """The longest run of `tokens`' leading full blocks held here (`count`: into queries/hits)."""
         runs: list[tuple[Segment, int, int]] = []
         name = b""
-        for i, block_name in self._names(tokens):
+        for _, block_name in self._names(tokens):
             found = self._blocks.get(block_name)
             if found is None:
                 break
