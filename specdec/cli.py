@@ -15,6 +15,8 @@ from specdec.errors import SpecdecError, Unauthenticated, Unavailable
 DEFAULT_ADDRESS = os.environ.get("SPECDEC_ADDRESS", "127.0.0.1:50051")
 # Flags of `specdec up` whose default differs from the Plan's (a Plan made in code starts no gateway).
 UP_DEFAULTS = {"http_port": 8000}
+# Flags of `specdec up` refused at once, before anything starts, unless one of these.
+PLAN_CHOICES = {"proposer": ("model", "ngram", "suffix", "hybrid", "none")}
 
 
 def _add_plan_flags(parser: argparse.ArgumentParser) -> None:
@@ -23,11 +25,12 @@ def _add_plan_flags(parser: argparse.ArgumentParser) -> None:
     helps = {
         "target_model": "target model: packaged default name, local directory or transformers id",
         "target_dtype": "target weight dtype", "target_threads": "torch threads of the target process",
-        "draft_model": "draft model (for --proposer model); its tokenizer must match the target's",
+        "draft_model": "draft model (for --proposer model or hybrid); its tokenizer must match the target's",
         "draft_dtype": "draft weight dtype", "draft_threads": "torch threads of the draft process",
         "target_device": "where the target runs: auto (a CUDA GPU if any, else the CPU), cpu, cuda or cuda:N",
         "draft_device": "where the draft model runs (auto, cpu, cuda or cuda:N); on one GPU both may share it",
-        "proposer": "draft source: model, ngram (prompt lookup), suffix (suffix speculation) or none (plain decoding)",
+        "proposer": "draft source: model, ngram (prompt lookup), suffix (suffix speculation), hybrid (suffix "
+                    "speculation when it is confident, the draft model otherwise) or none (plain decoding)",
         "draft_length": "default draft length: auto (the controller picks k per round) "
                         "or a fixed k (0 = plain decoding)",
         "ngram_min": "shortest suffix n-gram prompt lookup matches", "ngram_max": "longest suffix n-gram it matches",
@@ -44,6 +47,7 @@ def _add_plan_flags(parser: argparse.ArgumentParser) -> None:
         kind = int if f.type in ("int", "int | None") else str
         default = UP_DEFAULTS.get(f.name, f.default)
         parser.add_argument("--" + f.name.replace("_", "-"), type=kind, default=default,
+                            choices=PLAN_CHOICES.get(f.name),
                             help=f"{helps.get(f.name, f.name.replace('_', ' '))} (default: {default!r})")
 
 
@@ -263,6 +267,19 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
+def _kv_summary(backend: dict) -> str:
+    """`  kv 1.2 of 9.8 GiB, prefix hits 40%` for a replica that holds KV caches, else ""."""
+    budget = int(backend.get("kv_cache_bytes_budget") or 0)
+    if not budget:
+        return ""
+    used = int(backend.get("kv_cache_bytes_used") or 0)
+    text = f"  kv {used / 2**30:.2f} of {budget / 2**30:.2f} GiB"
+    queries = int(backend.get("prefix_cache_queries") or 0)
+    if queries:
+        text += f", prefix hits {int(backend.get('prefix_cache_hits') or 0) / queries:.0%}"
+    return text
+
+
 def _format_status(status: dict) -> list[str]:
     uptime = int(status["uptime_s"])
     lines = [
@@ -278,7 +295,7 @@ def _format_status(status: dict) -> list[str]:
         if b["healthy"]:
             lines.append(f"  {b['role']:<7} {b['address']:<22} healthy  {b['model']} ({b['kind']}, {b['dtype']}, "
                          f"{b.get('device') or 'cpu'})  "
-                         f"rtt {b['rtt_ms']:.1f} ms")
+                         f"rtt {b['rtt_ms']:.1f} ms{_kv_summary(b)}")
         else:
             lines.append(f"  {b['role']:<7} {b['address']:<22} DOWN     {b['error']}")
     return lines

@@ -137,6 +137,16 @@ class ModelServiceConfig(ServiceConfig, DeviceOption):
     threads: int | None = Field(None, ge=1, description="torch intra-op threads (default: torch's choice).")
     max_sessions: int = Field(256, ge=1, description="KV caches kept at most (least recently used evicted first).")
     idle_ttl_s: float = Field(900.0, gt=0, description="Seconds an unused session cache is kept.")
+    kv_cache_bytes: int = Field(
+        0, ge=0, description="Bytes of keys/values held at most, sessions' and shared prefixes' (0: derived from the "
+        "machine: half the memory available at start on a CPU, 0.9 of the GPU memory free after loading). When full, "
+        "unused prefixes and idle sessions are evicted (least recently used first), else RESOURCE_EXHAUSTED."
+    )
+    prefix_cache: bool = Field(
+        True, description="Share the keys/values of common prompt prefixes between sessions (blocks of "
+        "--prefix-block-tokens, content-addressed)."
+    )
+    prefix_block_tokens: int = Field(32, ge=1, le=4096, description="Tokens per shared prefix block.")
     max_batch: MaxBatch
     batch_window_ms: BatchWindowMs
     max_concurrent: int = Field(64, ge=1, description="Admission: requests served at once; more wait in the queue.")

@@ -20,6 +20,7 @@ from specdec.runtime.grammars import SessionGrammars
 from specdec.runtime.kv import SessionCaches
 from specdec.runtime.latency import LatencyProfile
 from specdec.runtime.models import LoadedModel
+from specdec.runtime.prefix_cache import PrefixCache
 from specdec.runtime.snapshot_codec import SnapshotIdentity
 from specdec.runtime.snapshot_store import RedisSnapshotStore, SnapshotPolicy
 from specdec.server.admission import Admission
@@ -77,6 +78,12 @@ class ModelServicer:
         info.cached_sessions, info.cached_tokens = len(caches), caches.cached_tokens
         if caches.snapshots is not None:
             info.snapshot_saves, info.snapshot_restores = caches.snapshots.saves, caches.snapshots.restores
+        info.kv_cache_bytes_used, info.kv_cache_bytes_budget = caches.used_bytes, caches.budget_bytes
+        info.kv_cache_evictions = caches.evictions
+        if caches.prefix is not None:
+            info.prefix_cache_queries, info.prefix_cache_hits = caches.prefix.queries, caches.prefix.hits
+            info.prefix_cache_blocks = caches.prefix.blocks
+            info.prefix_cache_shared_blocks = caches.prefix.shared_blocks
         info.running_requests = batcher.running
         info.waiting_requests = self.admission.waiting + batcher.waiting
         return info
@@ -112,7 +119,8 @@ def snapshot_policy(config: ModelServiceConfig, loaded: LoadedModel, role: str) 
 def session_caches(config: ModelServiceConfig, loaded: LoadedModel, role: str) -> SessionCaches:
     """The per-session KV caches of a loaded model, bounded and snapshotted as the config says."""
     return SessionCaches(loaded.model, loaded.max_context, config.max_sessions, config.idle_ttl_s,
-                         snapshot_policy(config, loaded, role))
+                         snapshot_policy(config, loaded, role), budget_bytes=config.kv_cache_bytes or None,
+                         prefix_cache=PrefixCache(config.prefix_block_tokens) if config.prefix_cache else None)
 
 
 def admission_and_metrics(config: ModelServiceConfig, role: str) -> tuple[Admission, ServiceMetrics]:
@@ -131,6 +139,7 @@ def batcher_for(config: ModelServiceConfig, caches: SessionCaches, profile: Late
     batcher = Batcher(caches, BatchConfig(config.max_batch, config.batch_window_ms / 1e3), profile, metrics)
     metrics.track(running=lambda: batcher.running, waiting=lambda: admission.waiting + batcher.waiting,
                   kv_sessions=lambda: len(caches), kv_tokens=lambda: caches.cached_tokens)
+    metrics.track_kv(caches)
     return batcher
 
 
