@@ -14,12 +14,14 @@ from specdec.core.policy import (
     Observation,
     PolicyState,
     best_k,
+    choose_k,
     goodput_curve,
     initial_state,
     merge_prior,
     pass_line,
     update,
 )
+from specdec.core.policy.cost import verify_times
 from tests.unit.policy_helpers import CONFIG, next_k, obs, round_time
 
 
@@ -130,8 +132,8 @@ class SharedTarget:
     rho: float = 1.0  # chance that a draft proposes its whole block (else nothing, like prompt lookup)
 
     def pass_time(self, proposed: list[int]) -> float:
-        """Rows padded to the widest, as the target's batched pass does."""
-        return self.base_s + self.per_token_s * len(proposed) * (1 + max(proposed))
+        """Rows packed end to end, as the target's pass does: a row that proposed n scores n + 1 positions."""
+        return self.base_s + self.per_token_s * positions(proposed)
 
     def throughput(self, ks: list[int]) -> float:
         """Expected aggregate tokens/s of one round at these k (the draft time is the longest draft)."""
@@ -147,6 +149,11 @@ class SharedTarget:
 
     def best_common_k(self, k_max: int) -> int:
         return max(range(k_max + 1), key=lambda k: self.throughput([k] * self.sessions))
+
+
+def positions(proposed: list[int]) -> int:
+    """What the target reports for a pass (`batching._pass_positions`): its rows' positions added up."""
+    return sum(1 + n for n in proposed)
 
 
 def run_shared(world: SharedTarget, rounds: int = 300, seed: int = 0) -> list[list[int]]:
@@ -165,7 +172,7 @@ def run_shared(world: SharedTarget, rounds: int = 300, seed: int = 0) -> list[li
                 accepted += 1
             draft = n * world.draft_token_s
             o = Observation(k, n, accepted, world.rtt_s + draft if k else 0.0, draft, world.rtt_s + t_pass, t_pass,
-                            batch_size=world.sessions, batch_positions=len(proposed) * (1 + max(proposed)))
+                            batch_size=world.sessions, batch_positions=positions(proposed))
             _, states[i] = next_k(state, o, CONFIG)
     return history
 
@@ -175,21 +182,23 @@ def run_shared(world: SharedTarget, rounds: int = 300, seed: int = 0) -> list[li
 def test_sessions_sharing_a_target_find_the_best_common_k(sessions: int, per_token: float, rho: float) -> None:
     """The aggregate throughput of independent policies, each seeing only its own measurements,
     against that of the best k all sessions could share (exploration rounds included), in passes
-    padded to the widest row. The last world is prompt lookup on this CPU: a draft that proposes
-    its block 30 % of the time.
+    that pack their rows end to end (a pass costs its rows' positions added up). The last world is
+    prompt lookup on this CPU: a draft that proposes its block 30 % of the time.
 
-    Alone, and wherever the best shared k is 0, the policies reach 0.9 of it. Where it is above 0
-    with several sessions, their noisy acceptance estimates disagree, and the most eager session
-    widens every padded pass: 0.74-0.94 of the best here, a known limit of per-session choices."""
+    The policies reach 0.96-0.99 of the best shared k in every world here: their noisy acceptance
+    estimates still disagree, but in a packed pass the most eager session adds only its own
+    positions. (Over passes padded to the widest row they reached 0.74-0.94 where the best shared k
+    was above 0 with several sessions.) Pricing a packed pass as padded to its widest row
+    (`1 + k(1 - (1 - rho)^B)` positions a row instead of `1 + rho k`) keeps prompt lookup too short:
+    0.92 of the best at 4 sessions, which the floor catches; with rho = 1 both forms agree."""
     world = SharedTarget(sessions, alpha=0.7 if rho == 1.0 else 0.77, base_s=0.030 if per_token < 0.001 else 0.078,
                          per_token_s=per_token, rho=rho)
-    history = run_shared(world, rounds=400)
+    history = run_shared(world, rounds=600)
     tail = history[150:]
     got = statistics_mean([world.throughput(ks) for ks in tail])
     best_k_shared = world.best_common_k(CONFIG.k_max)
     best = world.throughput([best_k_shared] * sessions)
-    floor = 0.9 if sessions == 1 or best_k_shared == 0 else 0.7
-    assert got >= floor * best, (got / best, best_k_shared, collections.Counter(sum(tail, [])))
+    assert got >= 0.95 * best, (got / best, best_k_shared, collections.Counter(sum(tail, [])))
 
 
 def statistics_mean(values: list[float]) -> float:
@@ -204,12 +213,14 @@ def test_a_draft_that_often_proposes_nothing_is_priced_for_it() -> None:
     assert update(state, obs(0, 0), CONFIG).proposal_rate == state.proposal_rate  # k = 0 asks for nothing
 
 
-@pytest.mark.parametrize("rho, loaded_k_positive", [(1.0, True), (0.15, False)])
-def test_prompt_lookup_under_load_falls_to_plain_decoding(rho: float, loaded_k_positive: bool) -> None:
+@pytest.mark.parametrize("rho, loaded_k_positive", [(1.0, True), (0.15, True), (0.02, False)])
+def test_prompt_lookup_under_load_is_priced_per_proposed_position(rho: float, loaded_k_positive: bool) -> None:
     """What a 16-client run of the default pair measured (pass 0.24 s + 6.3 ms a position, B ~ 9.4,
-    q ~ 0.14, alpha 0.77 when it proposes): with prompt lookup proposing 15 % of the time the
-    padded passes cost every row the widest block, and k = 0 wins; a draft that always proposes
-    still pays. Alone, prompt lookup keeps paying."""
+    q ~ 0.14, alpha 0.77 when it proposes): in a packed pass a row that proposes nothing scores one
+    position, so prompt lookup proposing 15 % of the time still pays under load (priced as padded to
+    the widest row, every row paid for the widest block and it fell to k = 0). A draft that always
+    proposes pays; one that proposes 2 % of the time no longer repays its round trip. Alone, prompt
+    lookup keeps paying."""
     xs = [20.0, 40.0, 60.0, 80.0]
     ys = [0.24 + 0.0063 * x for x in xs]
     moments = tuple(sum(v) / 4 for v in (xs, ys, [x * x for x in xs], [x * y for x, y in zip(xs, ys)]))
@@ -220,3 +231,26 @@ def test_prompt_lookup_under_load_falls_to_plain_decoding(rho: float, loaded_k_p
     alone = replace(loaded, batch_ewma=1.0, queue_ratio=0.0, rtt_draft_s=0.001, rtt_target_s=0.001,
                     verify_s=tuple(0.1 + 0.02 * j for j in range(CONFIG.k_max + 1)))
     assert best_k(alone, CONFIG) > 0
+
+
+@pytest.mark.parametrize("rho", [1.0, 0.3, 0.05])
+def test_a_loaded_pass_is_priced_by_its_packed_positions(rho: float) -> None:
+    """Every one of the B rows scores 1 + rho * k positions on average, none padded to the widest:
+    t_v'(k) = (1 + q)(c0 + c1 * B * (1 + rho * k))."""
+    state = _loaded_state(0.078, 0.02, batch=4, queue_ratio=0.5, k=2)
+    state = replace(state, proposal_rate=rho)
+    c0, c1 = pass_line(state.pass_moments, None)
+    assert (c0, c1) == (pytest.approx(0.058), pytest.approx(0.02))
+    expected = [1.5 * (0.058 + 0.02 * 4 * (1 + rho * k)) for k in range(CONFIG.k_max + 1)]
+    assert verify_times(state, CONFIG) == pytest.approx(expected, rel=1e-9)
+
+
+def test_under_load_probes_keep_their_schedule_and_go_both_ways() -> None:
+    """A probe adds only its own positions to a packed pass: no rarer, no only-downward probes."""
+    state = replace(_loaded_state(0.030, 0.0005, batch=16, queue_ratio=0.0, k=3), speculating=True)
+    best = best_k(state, CONFIG)
+    assert 0 < best < CONFIG.k_max
+    up = replace(state, rounds=CONFIG.explore_every - 1)
+    down = replace(state, rounds=2 * CONFIG.explore_every - 1)
+    assert (choose_k(up, CONFIG), choose_k(down, CONFIG)) == (best + 1, best - 1)
+    assert choose_k(replace(state, rounds=CONFIG.explore_every), CONFIG) == best

@@ -85,8 +85,9 @@ def pass_line(moments: Sequence[float], fallback_slope: float | None) -> tuple[f
     """`(c0, c1)` of the pass-cost line `compute = c0 + c1 * positions`, or None if unknown.
 
     Least squares on the EWMA moments, the slope clamped at >= 0 (scoring more never costs
-    less); with too little spread in the positions, `fallback_slope` (the per-`k` table's, i.e.
-    one more draft token of one session) through the mean point.
+    less); with too little spread in the positions, `fallback_slope` (the per-`k` table's: one
+    more draft token of one session, which is one more position of a packed pass) through the
+    mean point.
     """
     if len(moments) != 4:
         return None
@@ -105,8 +106,9 @@ def verify_times(state: PolicyState, config: PolicyConfig, k_max: int | None = N
     """The verify term of `T(k)` for `k = 0..max(k_max, config.k_max)`.
 
     Alone, the per-`k` table, blended by `rho` with the cost of verifying nothing; under load,
-    the pass-cost line priced for every session choosing `k` (see docs/policy.md); both scaled
-    by the queue wait `1 + q`.
+    the pass-cost line read at the positions of a packed pass in which every one of the `B`
+    sessions chooses `k`: `c0 + c1 * B * (1 + rho * k)` (see docs/policy.md); both scaled by the
+    queue wait `1 + q`.
     """
     line = verify_line(state.verify_s)
     ks = range(max(config.k_max, 0 if k_max is None else k_max) + 1)
@@ -117,8 +119,11 @@ def verify_times(state: PolicyState, config: PolicyConfig, k_max: int | None = N
     fit = pass_line(state.pass_moments, None if line is None else line[2]) if is_loaded(state) else None
     if fit is not None:
         c0, c1 = fit
-        full = 1.0 - (1.0 - rho) ** batch  # some row of the pass proposes its whole block
-        return [queue * max(0.0, c0 + c1 * batch * (1.0 + k * full)) for k in ks]
+        # The pass packs its rows end to end, so it costs c0 + c1 * (the sum of their positions);
+        # a row that asks for k scores 1 + rho * k of them on average. Every session makes this
+        # choice on the same kind of measurements, so the others' rows are priced at k too: that
+        # charges a session's extra positions to all B rows that wait for them.
+        return [queue * max(0.0, c0 + c1 * batch * (1.0 + rho * k)) for k in ks]
     # Alone: a round verifies the full block with probability rho, else none.
     base = table[0]
     times: list[float | None] = []

@@ -5,11 +5,10 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import replace
 
-from specdec.core.policy.cost import curve_at, is_loaded, verify_times
+from specdec.core.policy.cost import curve_at, verify_times
 from specdec.core.policy.estimators import alpha_upper, update
 from specdec.core.policy.state import Observation, PolicyConfig, PolicyState
 
@@ -17,12 +16,12 @@ Best = tuple[int | None, int | None]
 """`(best_k, best positive k)` of one goodput fit; None where nothing is known."""
 
 
-def is_exploration_round(rounds: int, config: PolicyConfig, batch: float = 1.0) -> bool:
-    """True on the rounds that probe a neighbour of the best `k`: the last of every `explore_every`
-    (times the batch size `batch` when sessions share passes, so that the batch as a whole probes
-    about once every `explore_every` passes: a probe that widens a padded pass costs all of it)."""
-    every = config.explore_every * max(1, math.ceil(batch - 1e-9))
-    return rounds % every == every - 1
+def is_exploration_round(rounds: int, config: PolicyConfig) -> bool:
+    """True on the rounds that probe a neighbour of the best `k`: the last of every `explore_every`.
+
+    The same under load: the target packs a pass's rows end to end, so a probe adds only its
+    own positions to the pass, not a wider row for every session in it."""
+    return rounds % config.explore_every == config.explore_every - 1
 
 
 def best_k(state: PolicyState, config: PolicyConfig) -> int | None:
@@ -81,8 +80,6 @@ def choose_k(state: PolicyState, config: PolicyConfig) -> int:
        (`(rounds // explore_every) % 2`), the other one at the ends of `[0, k_max]`; when the
        best is `0`, the best `k > 0` by estimated goodput (`1` while that is unknown), so a
        dead, unknown or unhelpful draft keeps being retried at the length that would replace 0;
-       under load (`B` sessions per pass, a pass-cost line known) probes come `B` times rarer
-       and only go down, since a longer block widens every row of a padded pass;
     4. otherwise the best `k` (`best_k`).
     """
     return choose(state, config)[0]
@@ -100,14 +97,11 @@ def choose(state: PolicyState, config: PolicyConfig, best: Best | None = None) -
     k, best_positive = best_ks(state, config) if best is None else best
     if k is None:
         return min(state.k, config.k_max), None
-    loaded = is_loaded(state)
-    if not is_exploration_round(state.rounds, config, (state.batch_ewma or 1.0) if loaded else 1.0):
+    if not is_exploration_round(state.rounds, config):
         return k, k > 0
     if k == 0:
         return best_positive or 1, None
-    # Under load a longer block widens the whole padded pass, for every session in it; the
-    # pass-cost line already prices longer blocks, so probes only go down there.
-    up = (state.rounds // config.explore_every) % 2 == 0 and not loaded
+    up = (state.rounds // config.explore_every) % 2 == 0
     if k == config.k_max or not up:
         return k - 1, None
     return k + 1, None

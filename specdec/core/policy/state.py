@@ -87,7 +87,8 @@ class Observation:
     batch_size: int = 1
     """Sessions verified in the same forward pass (1: alone)."""
     batch_positions: int = 0
-    """Positions that forward pass scored over all its sessions (0: not reported)."""
+    """Positions that forward pass scored over all its sessions, the sum of its rows' (a packed
+    pass: a row that verifies `n` draft tokens scores `n + 1`); 0: not reported."""
     drafted: int = 0
     """Tokens the draft computed for the block: the proposed ones, plus the bonus token it
     guessed when it drafted the block ahead, during the previous verify (0: as many as proposed)."""
