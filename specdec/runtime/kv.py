@@ -40,6 +40,7 @@ from specdec.errors import FailedPrecondition, InvalidArgument, ResourceExhauste
 from specdec.runtime.kv_buffer import SessionKV
 from specdec.runtime.packed import PackedForward, PackedRow, forward_generic, kv_geometry, supports
 from specdec.runtime.prefix_cache import NO_MATCH, Match, PrefixCache
+from specdec.runtime.prefix_store import RedisPrefixStore
 from specdec.runtime.snapshot_codec import decode_layers, encode_layers
 from specdec.runtime.snapshot_store import SnapshotPolicy
 
@@ -142,9 +143,11 @@ class SessionCaches:
 
     def __init__(self, model: PreTrainedModel, max_context: int, max_sessions: int = 64,
                  idle_ttl_s: float = 900.0, snapshots: SnapshotPolicy | None = None,
-                 budget_bytes: int | None = None, prefix_cache: PrefixCache | None = None) -> None:
+                 budget_bytes: int | None = None, prefix_cache: PrefixCache | None = None,
+                 prefix_store: RedisPrefixStore | None = None) -> None:
         """`budget_bytes`: the most keys/values held (None: `default_budget_bytes` of the model's
-        device); `prefix_cache`: share prefix blocks between sessions (None: no sharing)."""
+        device); `prefix_cache`: share prefix blocks between sessions (None: no sharing);
+        `prefix_store`: also share them with other replicas through Redis (needs `prefix_cache`)."""
         self.model = model
         head = _head_weight(model)  # [V, hidden]
         self.device = head.device  # inputs go where the weights are
@@ -158,6 +161,9 @@ class SessionCaches:
         self.snapshots = snapshots
         self.budget_bytes = default_budget_bytes(self.device) if budget_bytes is None else budget_bytes
         self.prefix = prefix_cache
+        if prefix_store is not None and prefix_cache is None:
+            raise ValueError("a prefix store shares the prefix cache's blocks: it needs a prefix cache")
+        self.prefix_store = prefix_store
         self.evictions = 0  # sessions evicted to make room under the budget
         self._own_bytes = 0  # bytes of the sessions' own buffers
         self._packed = PackedForward(model) if supports(model) else None
@@ -273,6 +279,10 @@ class SessionCaches:
         """A new entry starting with the shared prefix blocks of `needed`, if any."""
         prefix = self.prefix
         match = prefix.match(needed) if prefix is not None else NO_MATCH
+        store = self.prefix_store
+        whole = len(needed) // prefix.block_tokens * prefix.block_tokens if prefix is not None else 0
+        if store is not None and whole - match.length >= store.min_tokens:
+            match = self._fetch(needed, match, store)
         if prefix is None or not match.length:
             return _Entry(tokens=[], cache=self._new_cache())
         prefix.acquire(match)
@@ -280,6 +290,33 @@ class SessionCaches:
                        prefix=match)
         self._tokens += match.length
         return entry
+
+    def _fetch(self, needed: list[int], match: Match, store: RedisPrefixStore) -> Match:
+        """Extend a local prefix match with the blocks other replicas published to Redis, if that
+        covers at least `store.min_tokens` more tokens; registered locally as if computed here."""
+        prefix = self.prefix
+        assert prefix is not None
+        block = prefix.block_tokens
+        names = [name for _, name in prefix.chain(needed, match)]
+        try:
+            runs = store.lookup(names)
+            if sum(run.blocks for run in runs) * block < store.min_tokens:
+                return match
+            for run in runs:
+                start = match.length
+                data = store.fetch(run, block, needed[start : start + run.blocks * block])
+                if data is None:
+                    break
+                if self.used_bytes + data.numel() * data.element_size() > self.budget_bytes:
+                    self._make_room(data.numel() * data.element_size(), set())
+                    if self.used_bytes + data.numel() * data.element_size() > self.budget_bytes:
+                        break
+                match = prefix.publish(needed, match, data.to(self.device))
+                store.fetches += 1
+                store.fetched_tokens += run.blocks * block
+        except Exception as exc:  # noqa: BLE001 - a fetch is an optimisation: what is missing gets prefilled
+            log.warning("shared prefix not fetched from Redis (%s); prefilling it", exc)
+        return match
 
     # -- memory ---------------------------------------------------------------------------------
 
@@ -360,6 +397,8 @@ class SessionCaches:
             with torch.inference_mode(False):  # storage of its own, usable by any later pass
                 data = entry.cache.own(found.length, aligned).clone()
             match = prefix.publish(tokens, found, data)
+            if self.prefix_store is not None:
+                self.prefix_store.upload(match.runs[-1][0].names, tokens[found.length:], data)
         before = entry.cache.nbytes
         prefix.acquire(match)
         prefix.release(entry.prefix)

@@ -105,6 +105,10 @@ class PrefixCache:
             previous = self.name(previous, tokens[i * b : (i + 1) * b])
             yield i, previous
 
+    def chain(self, tokens: list[int], after: Match) -> Iterator[tuple[int, bytes]]:
+        """(block index, name) of `tokens`' whole blocks after those `after` matched."""
+        return self._names(tokens, after.length // self.block_tokens, after.name)
+
     # -- lookup -----------------------------------------------------------------------------------
 
     def match(self, tokens: list[int], count: bool = True) -> Match:

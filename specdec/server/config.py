@@ -147,6 +147,22 @@ class ModelServiceConfig(ServiceConfig, DeviceOption):
         "--prefix-block-tokens, content-addressed)."
     )
     prefix_block_tokens: int = Field(32, ge=1, le=4096, description="Tokens per shared prefix block.")
+    prefix_redis_url: str = Field(
+        "", description="Redis URL through which replicas share prefix blocks (empty: each replica keeps its own): "
+        "blocks a replica computes are written there, and a replica missing a prefix fetches it instead of "
+        "prefilling it. May be the session store's Redis."
+    )
+    prefix_min_fetch_tokens: int = Field(
+        256, ge=1, description="A prefix is fetched from Redis only when that saves prefilling at least this many "
+        "tokens (below it a prefill is about as cheap: see bench/snapshot.py)."
+    )
+    prefix_ttl_s: int = Field(3600, ge=1, description="Seconds a shared prefix block is kept in Redis.")
+
+    @model_validator(mode="after")
+    def _prefix_store_needs_the_cache(self):
+        if self.prefix_redis_url and not self.prefix_cache:
+            raise ValueError("--prefix-redis-url shares the prefix cache's blocks: drop --no-prefix-cache")
+        return self
     max_batch: MaxBatch
     batch_window_ms: BatchWindowMs
     max_concurrent: int = Field(64, ge=1, description="Admission: requests served at once; more wait in the queue.")

@@ -38,3 +38,10 @@ def suffix_outputs_key() -> str:
     little-endian token ids (`specdec.core.suffix.encode_output`), read by every suffix-speculation
     draft replica into its corpus. Shared by all sessions; evictable (only speed depends on it)."""
     return f"{PREFIX}:suffix:outputs"
+
+
+def prefix_block_key(role: str, identity: str, name: str) -> str:
+    """Where a shared prefix block lies: `<segment>:<block index>` of the segment blob holding it
+    (stored as a KV snapshot of role `<role>-prefix` under the segment's id). `identity`: a hash of
+    the model, dtype and tokenizer the keys/values belong to; `name`: the block's chained hash."""
+    return f"{PREFIX}:prefix:{role}:{identity}:{name}"

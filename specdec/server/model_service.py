@@ -21,6 +21,7 @@ from specdec.runtime.kv import SessionCaches
 from specdec.runtime.latency import LatencyProfile
 from specdec.runtime.models import LoadedModel
 from specdec.runtime.prefix_cache import PrefixCache
+from specdec.runtime.prefix_store import RedisPrefixStore
 from specdec.runtime.snapshot_codec import SnapshotIdentity
 from specdec.runtime.snapshot_store import RedisSnapshotStore, SnapshotPolicy
 from specdec.server.admission import Admission
@@ -84,6 +85,8 @@ class ModelServicer:
             info.prefix_cache_queries, info.prefix_cache_hits = caches.prefix.queries, caches.prefix.hits
             info.prefix_cache_blocks = caches.prefix.blocks
             info.prefix_cache_shared_blocks = caches.prefix.shared_blocks
+        if caches.prefix_store is not None:
+            info.prefix_fetched_tokens = caches.prefix_store.fetched_tokens
         info.running_requests = batcher.running
         info.waiting_requests = self.admission.waiting + batcher.waiting
         return info
@@ -110,17 +113,26 @@ def snapshot_policy(config: ModelServiceConfig, loaded: LoadedModel, role: str) 
     """The snapshot policy of a service's config (None when it has no --snapshot-redis-url)."""
     if not config.snapshot_redis_url:
         return None
+    return SnapshotPolicy(RedisSnapshotStore(config.snapshot_redis_url, role, config.snapshot_ttl_s),
+                          model_identity(loaded), config.snapshot_min_tokens)
+
+
+def model_identity(loaded: LoadedModel) -> SnapshotIdentity:
+    """What keys/values written by one replica must match to be read by another."""
     dtype = str(loaded.dtype).removeprefix("torch.")  # "float32", as --dtype names it
-    identity = SnapshotIdentity(loaded.name, dtype, loaded.fingerprint, loaded.model.config.num_hidden_layers)
-    return SnapshotPolicy(RedisSnapshotStore(config.snapshot_redis_url, role, config.snapshot_ttl_s), identity,
-                          config.snapshot_min_tokens)
+    return SnapshotIdentity(loaded.name, dtype, loaded.fingerprint, loaded.model.config.num_hidden_layers)
 
 
 def session_caches(config: ModelServiceConfig, loaded: LoadedModel, role: str) -> SessionCaches:
-    """The per-session KV caches of a loaded model, bounded and snapshotted as the config says."""
+    """The per-session KV caches of a loaded model, bounded, shared and snapshotted as the config says."""
+    store = None
+    if config.prefix_redis_url:
+        store = RedisPrefixStore(config.prefix_redis_url, role, model_identity(loaded), config.prefix_ttl_s,
+                                 config.prefix_min_fetch_tokens)
     return SessionCaches(loaded.model, loaded.max_context, config.max_sessions, config.idle_ttl_s,
                          snapshot_policy(config, loaded, role), budget_bytes=config.kv_cache_bytes or None,
-                         prefix_cache=PrefixCache(config.prefix_block_tokens) if config.prefix_cache else None)
+                         prefix_cache=PrefixCache(config.prefix_block_tokens) if config.prefix_cache else None,
+                         prefix_store=store)
 
 
 def admission_and_metrics(config: ModelServiceConfig, role: str) -> tuple[Admission, ServiceMetrics]:
