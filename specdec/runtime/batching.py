@@ -49,10 +49,16 @@ class BatchConfig:
     """Most jobs in one forward pass; 1 disables batching."""
     window_s: float = 0.05
     """The longest a waiting job waits for the sessions of the previous batch to come back."""
+    prefill_chunk_tokens: int = 512
+    """Most prefill tokens one pass feeds, over all its rows (0: no limit). A longer prefill is fed
+    in chunks over several passes, each shared with the other sessions' decode and verify rows, so
+    a long prompt's arrival delays the running sessions by a bounded amount per pass."""
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
+        if self.prefill_chunk_tokens < 0:
+            raise ValueError(f"prefill_chunk_tokens must be >= 0, got {self.prefill_chunk_tokens}")
         if self.window_s < 0:
             raise ValueError(f"window_s must be >= 0, got {self.window_s}")
 
@@ -288,6 +294,8 @@ class Batcher:
                 self._active = [j for j in self._active if j not in batch]
                 continue
             for job, item, finished, step in outcomes:
+                if item is _PREFILLING and not job.cancelled:
+                    continue  # fed a chunk of its prefill (or waited for the pass's prefill budget)
                 if isinstance(item, BaseException):
                     job.finish(item)
                 elif job.cancelled:  # during its step (its session released, or its caller gone)
@@ -371,6 +379,30 @@ class Batcher:
 
     # -- worker thread --------------------------------------------------------------------------
 
+    def _chunk(self, requests: list[ScoreRequest]) -> list[ScoreRequest | None]:
+        """What each row runs this pass under the prefill budget: its request as it is; a request
+        for the next chunk of its history only (no logits wanted); or None (no budget left: it
+        waits for the next pass). Rows with little to prefill (decode and verify steps) always
+        run whole; the budget goes to prefilling rows in order, so the first always progresses."""
+        budget = self.config.prefill_chunk_tokens
+        if not budget:
+            return list(requests)
+        plan: list[ScoreRequest | None] = []
+        for request in requests:
+            covered = self.caches.covered(request.session_id, request.history)
+            pending = len(request.history) - covered
+            if pending <= PREFILL_ALONE_ABOVE:
+                plan.append(request)
+            elif pending <= budget:
+                budget -= pending
+                plan.append(request)
+            elif budget > 0:
+                plan.append(ScoreRequest(request.session_id, request.history[: covered + budget], []))
+                budget = 0
+            else:
+                plan.append(None)
+        return plan
+
     def _step(self, batch: list[Job]) -> list[tuple[Job, Any, bool, StepInfo]]:
         start_ns = time.perf_counter_ns()
         now = time.monotonic()
@@ -381,25 +413,35 @@ class Batcher:
                 queue_ns[id(job)] = int((now - job.enqueued) * 1e9)
                 self.observer.on_start(now - job.enqueued)
         requests = [job.request() for job in batch]
-        scored = self.caches.score_batch(requests)
+        plan = self._chunk(requests)
+        ran = [request for request in plan if request is not None]
+        scored_ran = iter(self.caches.score_batch(ran))
+        scored: list[Scored | Exception | None] = [None if r is None else next(scored_ran) for r in plan]
         self.batches += 1
         results: list[tuple[Job, Any, bool]] = []
-        for job, one in zip(batch, scored):
+        for job, request, run, one in zip(batch, requests, plan, scored):
             if isinstance(one, Exception):
                 results.append((job, one, True))
+                continue
+            if run is not request or one is None:  # a chunk of its prefill, or none this pass
+                results.append((job, _PREFILLING, False))
                 continue
             try:
                 item, finished = job.advance(one, self.caches)
             except Exception as exc:  # noqa: BLE001 - one job's bad input fails that job only
                 item, finished = exc, True
             results.append((job, item, finished))
-        positions = _pass_positions(requests, scored)
-        self.profile.pad(start_ns, max(len(r.new_tokens) + 1 for r in requests))
+        positions = _pass_positions(ran, [one for one in scored if one is not None])
+        self.profile.pad(start_ns, max((len(r.new_tokens) + 1 for r in ran), default=1))
         compute_ns = time.perf_counter_ns() - start_ns
         self.observer.on_step(len(batch), compute_ns / 1e9)
         return [(job, item, finished, StepInfo(len(batch), compute_ns, queue_ns.get(id(job), 0),
                                                     positions))
                 for job, item, finished in results]
+
+
+_PREFILLING = object()
+"""A job's outcome for a pass that fed part of its prefill (nothing to deliver yet)."""
 
 
 def _pass_positions(requests: list[ScoreRequest], scored: list[Scored | Exception]) -> int:

@@ -182,6 +182,18 @@ class SessionCaches:
         """Bytes of keys/values held: sessions' own buffers and shared prefix segments."""
         return self._own_bytes + (self.prefix.nbytes if self.prefix is not None else 0)
 
+    def covered(self, session_id: str, history: list[int]) -> int:
+        """Tokens of `history` whose keys/values are at hand for the session: its own cache's, or
+        for a new session the shared prefix blocks it would view (a session with a snapshot store
+        and no cache counts as covered: its restore, if any, needs the whole history at once)."""
+        with self._lock:
+            entry = self._entries.get(session_id)
+            if entry is not None:
+                return common_prefix_length(entry.tokens, history)
+            if self.snapshots is not None:
+                return len(history)
+            return self.prefix.match(history, count=False).length if self.prefix is not None else 0
+
     # -- scoring ----------------------------------------------------------------------------
 
     def score(self, session_id: str, history: list[int], new_tokens: list[int]) -> tuple[torch.Tensor, int]:

@@ -147,6 +147,11 @@ class ModelServiceConfig(ServiceConfig, DeviceOption):
         "--prefix-block-tokens, content-addressed)."
     )
     prefix_block_tokens: int = Field(32, ge=1, le=4096, description="Tokens per shared prefix block.")
+    prefill_chunk_tokens: int = Field(
+        512, ge=0, description="Most prompt tokens one forward pass prefills, over all its sessions (0: no limit); a "
+        "longer prompt is prefilled over several passes, each shared with the running sessions' steps, so its "
+        "arrival delays them by a bounded amount."
+    )
     prefix_redis_url: str = Field(
         "", description="Redis URL through which replicas share prefix blocks (empty: each replica keeps its own): "
         "blocks a replica computes are written there, and a replica missing a prefix fetches it instead of "

@@ -148,7 +148,8 @@ def admission_and_metrics(config: ModelServiceConfig, role: str) -> tuple[Admiss
 def batcher_for(config: ModelServiceConfig, caches: SessionCaches, profile: LatencyProfile, admission: Admission,
             metrics: ServiceMetrics) -> Batcher:
     """The batcher that runs the model on `caches` (call inside the event loop), read by the gauges."""
-    batcher = Batcher(caches, BatchConfig(config.max_batch, config.batch_window_ms / 1e3), profile, metrics)
+    batch = BatchConfig(config.max_batch, config.batch_window_ms / 1e3, config.prefill_chunk_tokens)
+    batcher = Batcher(caches, batch, profile, metrics)
     metrics.track(running=lambda: batcher.running, waiting=lambda: admission.waiting + batcher.waiting,
                   kv_sessions=lambda: len(caches), kv_tokens=lambda: caches.cached_tokens)
     metrics.track_kv(caches)

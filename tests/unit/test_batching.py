@@ -335,3 +335,41 @@ async def test_closed_loop_clients_share_passes_and_a_lone_client_never_waits(mo
     assert batcher.batches - before == 3
     assert all(s.queue_ns < 0.01e9 for s in alone[1:])
     await batcher.close()
+
+
+async def test_a_long_prefill_is_fed_in_chunks_between_the_other_sessions_steps(model):
+    """Chunked prefill: a 300-token prompt under a 40-token budget runs over 8 passes, each feeding at
+    most 40 prompt tokens, while a decoding session goes on getting verdicts; both sessions' verdicts
+    equal the plain verifier's."""
+    rng, params = random.Random(9), SamplingParams()
+    long_history, short_history = tokens(rng, 300), tokens(rng, 10)
+    alone = Verifier(SessionCaches(model, 512), V)
+    expected_long = verify_alone(alone, "long", long_history, [5, 6], None, params, seed=1)
+
+    verifier = Verifier(SessionCaches(model, 512), V)
+    batcher = Batcher(verifier.caches, BatchConfig(max_batch=4, window_s=0.0, prefill_chunk_tokens=40))
+    fed: list[int] = []  # prompt tokens each pass fed
+    score_batch = verifier.caches.score_batch
+
+    def spy(requests):
+        fed.append(sum(len(r.history) - verifier.caches.covered(r.session_id, r.history) for r in requests
+                       if len(r.history) - verifier.caches.covered(r.session_id, r.history) > PREFILL_ALONE_ABOVE))
+        return score_batch(requests)
+
+    verifier.caches.score_batch = spy
+    await batcher.run(verifier.job("short", short_history, [], None, params, seed=1))  # its cache exists
+    long_job = asyncio.ensure_future(batcher.run(verifier.job("long", long_history, [5, 6], None, params, seed=1)))
+    short_steps = 0
+    history = short_history
+    while not long_job.done():
+        verified, _ = await batcher.run(verifier.job("short", history, [7], None, params, seed=1))
+        expected = verify_alone(alone, "short", history, [7], None, params, seed=1)
+        assert verified.verdict == expected
+        history = history + [7][: verified.verdict.num_accepted] + [verified.verdict.token]
+        short_steps += 1
+    long_verified, _ = long_job.result()
+    await batcher.close()
+    assert long_verified.verdict == expected_long
+    assert max(fed) <= 40 and sum(fed) >= 300 - 1 - 40  # the prompt went in chunks of the budget
+    assert len([n for n in fed if n]) >= 7  # 299 prompt tokens at most 40 a pass
+    assert short_steps >= 3  # the decoding session went on stepping while the prompt was fed
