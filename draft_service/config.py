@@ -12,13 +12,16 @@ class DraftConfig(ModelServiceConfig):
     """specdec draft service: streams draft-token proposals for the orchestrator.
 
     The --snapshot-* options keep the model proposer's KV caches in Redis under the draft's own
-    keys; prompt lookup and suffix speculation have no KV cache, so they refuse them.
+    keys; prompt lookup and suffix speculation have no KV cache, so they refuse them. `--proposer
+    hybrid` runs the model and suffix speculation side by side: each call takes the suffix proposal
+    when it is confident and the model's otherwise (it takes the --suffix-* and the model's options).
     """
 
     port: int = Field(50052, ge=0, le=65535, description="Port to listen on (0 picks a free one).")
-    proposer: Literal["model", "ngram", "suffix"] = Field(
+    proposer: Literal["model", "ngram", "suffix", "hybrid"] = Field(
         "ngram", description="Draft source: a causal LM ('model'), prompt lookup ('ngram', no model; the measured "
-        "default on CPU) or suffix speculation ('suffix', no model: the session's history and earlier outputs)."
+        "default on CPU), suffix speculation ('suffix', no model: the session's history and earlier outputs) or "
+        "both ('hybrid': suffix speculation when it is confident, the model otherwise)."
     )
     model: str = Field(
         DEFAULT_MODEL, description="Draft model: the packaged default name, a local directory or a transformers id."
@@ -64,11 +67,15 @@ class DraftConfig(ModelServiceConfig):
 
     @model_validator(mode="after")
     def _snapshots_need_a_model(self):
-        if self.proposer != "model" and self.snapshot_redis_url:
-            raise ValueError(f"--snapshot-redis-url needs --proposer model: {self.proposer} keeps no KV cache to "
-                             "snapshot")
-        if self.suffix_redis_url and self.proposer != "suffix":
-            raise ValueError("--suffix-redis-url needs --proposer suffix")
+        if self.proposer not in ("model", "hybrid") and self.snapshot_redis_url:
+            raise ValueError(f"--snapshot-redis-url needs --proposer model or hybrid: {self.proposer} keeps no KV "
+                             "cache to snapshot")
+        suffix_options = sorted(name for name in self.model_fields_set if name.startswith("suffix_"))
+        if suffix_options and self.proposer not in ("suffix", "hybrid"):
+            flags = ", ".join("--" + name.replace("_", "-") for name in suffix_options)
+            raise ValueError(f"{flags} configure suffix speculation, which --proposer {self.proposer} does not run: "
+                             "use --proposer suffix (suffix speculation alone) or --proposer hybrid (a draft model "
+                             "with suffix speculation)")
         if self.suffix_min_match > self.suffix_max_depth:
             raise ValueError("--suffix-min-match must be <= --suffix-max-depth")
         return self

@@ -16,7 +16,7 @@ from specdec.runtime.grammars import SessionGrammars
 from specdec.runtime.info import model_info
 from specdec.runtime.latency import LatencyProfile
 from specdec.runtime.models import load_model, load_tokenizer, tokenizer_fingerprint
-from specdec.runtime.proposers import ModelProposer, NgramProposer, Proposer, SuffixProposer
+from specdec.runtime.proposers import HybridProposer, ModelProposer, NgramProposer, Proposer, SuffixProposer, model_of
 from specdec.server.keys import suffix_outputs_key
 from specdec.server.metrics import ServiceMetrics
 from specdec.server.model_service import admission_and_metrics, batcher_for, serve_model_service, session_caches
@@ -42,15 +42,32 @@ def build_proposer(config: DraftConfig) -> tuple[Proposer, common_pb2.ModelInfo,
     loaded = load_model(config.model, dtype=config.dtype, threads=config.threads, device=config.device)
     caches = session_caches(config, loaded, "draft")
     grammars = SessionGrammars(loaded.tokenizer, loaded.vocab_size, loaded.eos_token_ids, config.max_sessions)
-    return ModelProposer(caches, profile), model_info(loaded, "model", profile, config.max_batch), profile, grammars
+    proposer: Proposer = ModelProposer(caches, profile)
+    if config.proposer == "hybrid":  # the model, and suffix speculation whenever it is confident
+        proposer = HybridProposer(proposer, suffix_proposer(config))
+    return proposer, model_info(loaded, proposer.kind, profile, config.max_batch), profile, grammars
 
 
 def model_free_proposer(config: DraftConfig) -> Proposer:
     if config.proposer == "ngram":
         return NgramProposer(config.ngram_max, config.ngram_min)
+    return suffix_proposer(config)
+
+
+def suffix_proposer(config: DraftConfig) -> SuffixProposer:
+    """Suffix speculation as configured (alone, or beside the model of a hybrid draft)."""
     return SuffixProposer(config.suffix_max_depth, config.suffix_min_match, config.suffix_min_prob,
                           config.suffix_max_tokens, config.max_sessions,
                           learn_on_release=not config.suffix_redis_url)
+
+
+def suffix_of(proposer: Proposer) -> SuffixProposer | None:
+    """The suffix speculation of a suffix or hybrid proposer (what the outputs stream feeds)."""
+    if isinstance(proposer, SuffixProposer):
+        return proposer
+    if isinstance(proposer, HybridProposer):
+        return proposer.suffix
+    return None
 
 
 class SuffixStreamReader:
@@ -118,9 +135,10 @@ def build_servicer(config: DraftConfig) -> tuple[DraftServicer, ServiceMetrics]:
     """Build the proposer and wire batcher (model proposer), admission and metrics (call inside the event loop)."""
     proposer, info, profile, grammars = build_proposer(config)
     admission, metrics = admission_and_metrics(config, "draft")
-    batcher = None  # prompt lookup computes nothing to batch
-    if isinstance(proposer, ModelProposer):
-        batcher = batcher_for(config, proposer.caches, profile, admission, metrics)
+    batcher = None  # prompt lookup and suffix speculation compute nothing to batch
+    model = model_of(proposer)
+    if model is not None:  # a model or hybrid proposer: the model's steps are batched
+        batcher = batcher_for(config, model.caches, profile, admission, metrics)
     drafter = Drafter(proposer, info.tokenizer_fingerprint, info.model, batcher, grammars=grammars)
     servicer = DraftServicer(drafter, info, admission)
     servicer.grammars = grammars
@@ -131,8 +149,9 @@ async def serve(config: DraftConfig) -> None:
     servicer, metrics = build_servicer(config)
     info = servicer.info
     reader = None
-    if config.suffix_redis_url:
-        reader = SuffixStreamReader(servicer.drafter.proposer, config.suffix_redis_url, info.tokenizer_fingerprint,
+    suffix = suffix_of(servicer.drafter.proposer)
+    if config.suffix_redis_url and suffix is not None:  # suffix or hybrid: every finished output joins the corpus
+        reader = SuffixStreamReader(suffix, config.suffix_redis_url, info.tokenizer_fingerprint,
                                     config.suffix_backlog)
         reader.start()
     try:

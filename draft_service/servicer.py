@@ -6,10 +6,15 @@ import time
 
 from specdec.errors import grpc_errors
 from specdec.runtime.drafting import Drafter
+from specdec.runtime.proposers import HybridProposer
 from specdec.server.admission import Admission, deadline_of
 from specdec.server.model_service import ModelServicer
 from specdec.server.wire import probs_to_bytes, sampling_from_pb
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
+
+# `DraftToken.source` on the wire (`Proposal.source`).
+SOURCES = {"model": draft_pb2.DRAFT_SOURCE_MODEL, "ngram": draft_pb2.DRAFT_SOURCE_NGRAM,
+           "suffix": draft_pb2.DRAFT_SOURCE_SUFFIX}
 
 
 class DraftServicer(ModelServicer, draft_pb2_grpc.DraftServiceServicer):
@@ -35,13 +40,19 @@ class DraftServicer(ModelServicer, draft_pb2_grpc.DraftServiceServicer):
                     token_id=draft.token_id, index=index, compute_ns=step.compute_ns,
                     prefill_tokens=draft.prefill_tokens, batch_size=step.batch_size, queue_ns=step.queue_ns,
                     probs=b"" if draft.probs is None else probs_to_bytes(draft.probs),
+                    source=SOURCES.get(draft.source, draft_pb2.DRAFT_SOURCE_UNSPECIFIED),
                 )
                 index += 1
 
     @grpc_errors
     async def Release(self, request: common_pb2.ReleaseRequest, context) -> common_pb2.ReleaseResponse:
-        """A model-free proposer may hold per-session state too (suffix speculation: the session's index)."""
+        """A model-free proposer may hold per-session state too (suffix speculation: the session's index);
+        a hybrid one holds both the model's KV cache (released through the batcher) and a suffix index."""
         reply = await super().Release(request, context)
-        if self.drafter.batcher is None and self.drafter.proposer.release(request.session_id):
+        proposer = self.drafter.proposer
+        if isinstance(proposer, HybridProposer):
+            if proposer.suffix.release(request.session_id):
+                return common_pb2.ReleaseResponse(released=True)
+        elif self.drafter.batcher is None and proposer.release(request.session_id):
             return common_pb2.ReleaseResponse(released=True)
         return reply

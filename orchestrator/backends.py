@@ -15,6 +15,10 @@ from specdec.server.tls import ClientTLS
 from specdec.server.wire import sampling_to_pb
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
+# `Proposal.source` as the orchestrator names it (metrics labels, per-source controller state).
+SOURCE_NAMES = {draft_pb2.DRAFT_SOURCE_MODEL: "model", draft_pb2.DRAFT_SOURCE_NGRAM: "ngram",
+                draft_pb2.DRAFT_SOURCE_SUFFIX: "suffix"}
+
 
 @dataclass
 class DraftReply:
@@ -26,6 +30,7 @@ class DraftReply:
     compute_ns: int = 0
     prefill_tokens: int = 0  # history tokens the draft (re-)prefilled before proposing
     drafted: int = 0  # tokens the draft computed (more than `tokens` when drafted ahead)
+    source: str = ""  # the proposer that drafted them (`SOURCE_NAMES`; "" when unknown or nothing was proposed)
 
 
 @dataclass
@@ -152,6 +157,7 @@ class DraftBackend(_ModelBackend):
         try:
             async for msg in self.stub.Propose(request, timeout=self._timeout(timeout)):
                 proposal.tokens.append(msg.token_id)
+                proposal.source = SOURCE_NAMES.get(msg.source, "")
                 if msg.probs:
                     proposal.probs.append(msg.probs)
                 proposal.compute_ns += msg.compute_ns

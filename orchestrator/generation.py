@@ -28,6 +28,7 @@ from orchestrator.loop import Round, Speculator
 from orchestrator.replicas import Drafts, Pool, Targets
 from orchestrator.requests import GenerationSpec, RequestParser
 from orchestrator.sessions import Sessions
+from orchestrator.sources import SourcedDraftLength
 from orchestrator.store import SessionState, SessionStore
 from orchestrator.text import TextStream
 from specdec.core.policy import PolicyConfig
@@ -128,7 +129,10 @@ class Orchestrator:
                 yield await self._score_only_end(state, timer)
                 return
         drafting = self.draft is not None
-        lengths = await DraftLength.of(state, drafting, self.store, self.policy_config)
+        # A hybrid draft (model + suffix speculation): one controller state per source (orchestrator.sources).
+        sourced = drafting and getattr(self.draft, "kind", "") == "hybrid"
+        lengths = await (SourcedDraftLength if sourced else DraftLength).of(state, drafting, self.store,
+                                                                            self.policy_config)
         speculator = Speculator(state.session_id, SamplingParams(**state.sampling), state.seed, self.draft,
                                 self.target, self.fingerprint, overlap=self.config.overlap, deadline=deadline,
                                 top_logprobs=gen.top_logprobs)
@@ -142,7 +146,10 @@ class Orchestrator:
                 rnd = await speculator.round(state.tokens, k, k_next)
                 loop_s = round_start - round_end if round_end is not None else 0.0
                 round_end = time.perf_counter()
-                lengths.observe(state, rnd.stats, loop_s)
+                if isinstance(lengths, SourcedDraftLength):
+                    lengths.observe(state, rnd.stats, loop_s, rnd.source)
+                else:
+                    lengths.observe(state, rnd.stats, loop_s)
                 kept, finish = apply_stops(rnd.emitted, remaining, text, ends, stop_ids)
                 record_round(state, rnd.stats, kept, finish, self.config.session_lease_s, time.perf_counter() - start)
                 await self.store.save(state, kept)
@@ -199,13 +206,13 @@ class Orchestrator:
         return [chunk]
 
     async def _round_chunk(self, state: SessionState, rnd: Round, kept: list[int], offset: int, text: TextStream,
-                           timer, lengths: DraftLength) -> pb.GenerateChunk:
+                           timer, lengths: DraftLength | SourcedDraftLength) -> pb.GenerateChunk:
         """A round's chunk; the last one also ends the generation (prior, snapshots, stats)."""
         gen, sent = state.generation, offset + len(kept)
         chunk = pb.GenerateChunk(session_id=state.session_id, token_ids=kept, round=rnd.stats,
                                  finish_reason=gen.finish, offset=offset,
                                  logprobs=[self._named(entry) for entry in rnd.logprobs[:len(kept)]])
-        self.metrics.observe_round(rnd.stats)
+        self.metrics.observe_round(rnd.stats, rnd.source)
         timer.observe_chunk(len(kept))
         if not gen.finish:
             chunk.text = text.release()

@@ -32,6 +32,7 @@ class Round:
     emitted: list[int]  # accepted draft tokens + the target's token
     stats: orchestrator_pb2.RoundStats
     logprobs: list = field(default_factory=list)  # common_pb2.TokenLogprobs per emitted token, when asked
+    source: str = ""  # the proposer that drafted the block ("model", "ngram", "suffix"; "" when none was drafted)
 
 
 @dataclass
@@ -108,7 +109,8 @@ class Speculator:
             verify_batch_positions=reply.batch_positions, draft_prefill_tokens=proposal.prefill_tokens,
             verify_prefill_tokens=reply.prefill_tokens, drafted=proposal.drafted,
         )
-        return Round(reply.emitted(proposal.tokens), stats, reply.logprobs)
+        return Round(reply.emitted(proposal.tokens), stats, reply.logprobs,
+                     proposal.source if proposal.tokens else "")
 
     def _start_ahead(self, history: list[int], block: list[int], k_next: int) -> None:
         self.close()
@@ -145,7 +147,7 @@ class Speculator:
         return DraftReply(tokens=tokens[1:1 + k], probs=proposal.probs[1:1 + k],
                         wall_ns=proposal.wall_ns or time.perf_counter_ns() - ahead.started_ns,
                         compute_ns=proposal.compute_ns, prefill_tokens=proposal.prefill_tokens,
-                        drafted=len(tokens)), k
+                        drafted=len(tokens), source=proposal.source), k
 
     def close(self) -> None:
         """Cancel an overlapped draft still in flight."""

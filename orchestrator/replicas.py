@@ -405,6 +405,7 @@ class DraftPool(ReplicaPool[DraftBackend]):
     """Propose on the session's draft replica; a failure marks it down and the round runs at k = 0."""
 
     role = "draft"
+    kind = ""  # the proposer kind the first replica reported at start-up (ModelInfo.kind: "hybrid", ...)
 
     async def propose(self, session_id: str, history: list[int], k: int, params: SamplingParams, seed: int,
                       fingerprint: str, into: DraftReply | None = None,

@@ -120,6 +120,7 @@ async def start_draft(draft: DraftPool, config: OrchestratorConfig, target_info:
             "speculative decoding needs a draft that shares the target's tokenizer"
         )
     draft.expected_fingerprint = target_info.tokenizer_fingerprint
+    draft.kind = draft_info.kind  # "hybrid": the controller keeps one state per draft source (orchestrator.sources)
     await draft.refresh()  # now with the fingerprint: a mismatched replica is left out
     log.info("draft %s: %s (%s, %s)", config.draft, draft_info.model, draft_info.kind, draft_info.dtype)
 

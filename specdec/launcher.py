@@ -44,7 +44,7 @@ class Plan:
     draft_dtype: str = "bfloat16"
     draft_threads: int | None = None
     draft_device: str = "auto"
-    proposer: str = "ngram"  # "model", "ngram", "suffix" or "none" (plain decoding, no draft service)
+    proposer: str = "ngram"  # "model", "ngram", "suffix", "hybrid" (model + suffix) or "none" (no draft service)
     draft_length: str = "auto"  # "auto" or a fixed k
     ngram_min: int = 2
     ngram_max: int = 3
@@ -92,7 +92,7 @@ class Plan:
                              "--proposer", self.proposer, "--model", self.draft_model, "--dtype", self.draft_dtype,
                              "--device", self.draft_device,
                              "--ngram-min", str(self.ngram_min), "--ngram-max", str(self.ngram_max)]
-            if self.proposer == "suffix":  # the corpus of earlier outputs is shared through the pipeline's Redis
+            if self.proposer in ("suffix", "hybrid"):  # the corpus of earlier outputs is shared through the Redis
                 cmds["draft"] += ["--suffix-redis-url", f"redis://{self.host}:{self.redis_port}/0"]
             if self.draft_threads:
                 cmds["draft"] += ["--threads", str(self.draft_threads)]

@@ -1,4 +1,5 @@
-"""Draft sources behind one interface: a causal LM, or model-free prompt lookup.
+"""Draft sources behind one interface: a causal LM, model-free prompt lookup or suffix speculation,
+or a hybrid of a causal LM and suffix speculation.
 
 A proposer yields draft tokens one at a time so the draft service can stream each as soon as it
 exists. With sampling, a model proposer also yields the processed draft distribution q of each
@@ -40,6 +41,11 @@ class DraftToken:
     probs: np.ndarray | None  # [V] float32 q after temperature/top-k/top-p; None if greedy/deterministic
     compute_ns: int
     prefill_tokens: int = 0
+    source: str = ""  # the proposer that drafted it: "model", "ngram" or "suffix" (`SOURCES`)
+
+
+SOURCES = ("model", "ngram", "suffix")
+"""The draft sources a proposal names (`Proposal.source` on the wire)."""
 
 
 class Proposer(Protocol):
@@ -96,7 +102,7 @@ class DraftJob(Job):
     def advance(self, scored: Scored, caches: SessionCaches) -> tuple[DraftToken, bool]:
         token, q = draft_token(scored.logits, self.context, self.params, self.generator, self.grammar)
         self.context.append(token)
-        return DraftToken(token, q, 0, scored.prefilled), len(self.context) >= self.target_length
+        return DraftToken(token, q, 0, scored.prefilled, "model"), len(self.context) >= self.target_length
 
 
 class ModelProposer:
@@ -120,7 +126,7 @@ class ModelProposer:
             token, q = draft_token(logits, context, params, generator)
             context.append(token)
             self.profile.pad(start, 1)
-            yield DraftToken(token, q, time.perf_counter_ns() - start, prefilled)
+            yield DraftToken(token, q, time.perf_counter_ns() - start, prefilled, "model")
 
     def job(self, session_id: str, history: list[int], k: int, params: SamplingParams, seed: int,
             deadline: float | None = None, grammar: GrammarState | None = None) -> DraftJob:
@@ -147,7 +153,7 @@ class NgramProposer:
         tokens = propose_ngram(history, k, self.max_ngram, self.min_ngram)
         elapsed = time.perf_counter_ns() - start
         for token in tokens:
-            yield DraftToken(token, None, elapsed // max(len(tokens), 1))
+            yield DraftToken(token, None, elapsed // max(len(tokens), 1), source="ngram")
 
     def release(self, session_id: str) -> bool:
         return False
@@ -187,7 +193,7 @@ class SuffixProposer:
         tokens = best_speculation(own, shared).tokens
         elapsed = time.perf_counter_ns() - start
         for token in tokens:
-            yield DraftToken(token, None, elapsed // max(len(tokens), 1))
+            yield DraftToken(token, None, elapsed // max(len(tokens), 1), source="suffix")
 
     def _session(self, session_id: str, history: list[int], output_start: int) -> _SuffixSession:
         session = self._sessions.get(session_id)
@@ -224,3 +230,66 @@ class _SuffixSession:
 
     def extended_by(self, history: list[int]) -> bool:
         return len(history) >= self.indexed and (self.indexed == 0 or history[self.indexed - 1] == self.last)
+
+
+class HybridProposer:
+    """A causal LM and suffix speculation: each call takes the suffix proposal when it is confident
+    and the model's otherwise.
+
+    Suffix speculation is asked first, on every call, so that the session's suffix index follows
+    the history whichever source drafts. It proposes nothing unless the history's end matches
+    (`min_match`) and the continuation is frequent enough (`min_prob`), and chooses how many tokens
+    from the match and its frequencies; any proposal it makes is taken, deterministic (q one-hot,
+    no probs on the wire, as prompt lookup's), and costs no forward pass. Otherwise the model
+    drafts the block as a `ModelProposer` does (through the batcher in the draft service).
+
+    Skipping the model for a round leaves its KV cache behind the history: its cache is keyed by
+    the history each call names (`specdec.runtime.kv`), so the next model round re-prefills the
+    tokens it missed (reported as `prefill_tokens`) and proposes exactly what a model that had
+    drafted every round would.
+    """
+
+    kind = "hybrid"
+
+    def __init__(self, model: ModelProposer, suffix: SuffixProposer) -> None:
+        self.model = model
+        self.suffix = suffix
+
+    @property
+    def caches(self) -> SessionCaches:
+        return self.model.caches
+
+    def suffix_proposal(self, session_id: str, history: list[int], k: int, params: SamplingParams,
+                        seed: int) -> list[DraftToken]:
+        """The suffix proposer's confident proposal (up to `k` tokens; empty: the model drafts)."""
+        return list(self.suffix.propose(session_id, history, k, params, seed))
+
+    def propose(self, session_id: str, history: list[int], k: int, params: SamplingParams,
+                seed: int) -> Iterator[DraftToken]:
+        drafts = self.suffix_proposal(session_id, history, k, params, seed)
+        if drafts:
+            yield from drafts
+            return
+        yield from self.model.propose(session_id, history, k, params, seed)
+
+    def job(self, session_id: str, history: list[int], k: int, params: SamplingParams, seed: int,
+            deadline: float | None = None, grammar: GrammarState | None = None) -> DraftJob:
+        """The model's block as a batcher job (once `suffix_proposal` came back empty)."""
+        return self.model.job(session_id, history, k, params, seed, deadline, grammar)
+
+    def add_output(self, tokens: list[int]) -> None:
+        """A finished generation's output joins the suffix corpus."""
+        self.suffix.add_output(tokens)
+
+    def release(self, session_id: str) -> bool:
+        suffix = self.suffix.release(session_id)
+        return self.model.release(session_id) or suffix
+
+
+def model_of(proposer: Proposer) -> ModelProposer | None:
+    """The causal LM behind a proposer (a model or hybrid proposer), or None for a model-free one."""
+    if isinstance(proposer, ModelProposer):
+        return proposer
+    if isinstance(proposer, HybridProposer):
+        return proposer.model
+    return None

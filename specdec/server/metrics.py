@@ -13,6 +13,12 @@ Model services (`ServiceMetrics`):
   (admission queue plus batch queue).
 - `specdec_kv_cache_sessions`, `specdec_kv_cache_tokens` (gauges): session caches held and the
   tokens they cover; both return to 0 once every session is released.
+- `specdec_kv_cache_used_bytes`, `specdec_kv_cache_free_bytes`, `specdec_kv_cache_usage_ratio`
+  (gauges): keys/values held (own buffers and shared prefixes) against the `--kv-cache-bytes`
+  budget (as vLLM's `kv_cache_usage_perc`); `specdec_kv_cache_evictions_total` (counter):
+  sessions evicted for room.
+- `specdec_prefix_cache_queries_total`, `specdec_prefix_cache_hits_total` (counters, tokens, as
+  vLLM's), `specdec_prefix_cache_blocks`, `specdec_prefix_cache_shared_blocks` (gauges).
 - `specdec_admission_rejections_total` (counter): RESOURCE_EXHAUSTED refusals.
 - `specdec_requests_dropped_total{reason="deadline"|"cancelled"}` (counter): dropped before compute.
 
@@ -24,6 +30,10 @@ Orchestrator (`OrchestratorMetrics`; the orchestrator calls `observe_round` and 
   (`(e2e - ttft) / (tokens - 1)`), `specdec_e2e_request_latency_seconds` (histograms).
 - `specdec_spec_decode_num_drafts_total`, `..._num_draft_tokens_total`,
   `..._num_accepted_tokens_total`, `..._num_accepted_tokens_per_pos_total{position}` (counters).
+- `specdec_spec_decode_num_drafts_by_source_total{source}`,
+  `..._num_draft_tokens_by_source_total{source}`, `..._num_accepted_tokens_by_source_total{source}`
+  (counters): the same by the proposer that drafted the block (`model`, `ngram`, `suffix`;
+  `unspecified` from a draft service that does not say): a hybrid draft's two sources apart.
 - `specdec_spec_decode_draft_length` (histogram): the k chosen each round.
 - `specdec_round_trip_seconds{backend}`, `specdec_backend_compute_seconds{backend}`
   (histograms): a call's wall time minus the compute the service reports, and that compute.
@@ -38,6 +48,9 @@ Useful PromQL::
     # mean acceptance rate and mean accepted tokens per draft
     rate(specdec_spec_decode_num_accepted_tokens_total[1m]) / rate(specdec_spec_decode_num_draft_tokens_total[1m])
     1 + rate(specdec_spec_decode_num_accepted_tokens_total[1m]) / rate(specdec_spec_decode_num_drafts_total[1m])
+    # acceptance rate of each draft source (a hybrid draft: model and suffix speculation apart)
+    sum by (source) (rate(specdec_spec_decode_num_accepted_tokens_by_source_total[1m]))
+      / sum by (source) (rate(specdec_spec_decode_num_draft_tokens_by_source_total[1m]))
     # acceptance at draft position 2 (0-based) relative to drafts
     rate(specdec_spec_decode_num_accepted_tokens_per_pos_total{position="2"}[1m])
       / rate(specdec_spec_decode_num_drafts_total[1m])
@@ -54,6 +67,8 @@ import time
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from specdec.errors import CANCELLATIONS
 
@@ -116,6 +131,10 @@ class ServiceMetrics:
         self.waiting.set_function(waiting)
         self.kv_sessions.set_function(kv_sessions)
         self.kv_tokens.set_function(kv_tokens)
+
+    def track_kv(self, caches) -> None:
+        """Export the KV memory and prefix cache figures of `caches` (a `SessionCaches`) at every scrape."""
+        self.registry.register(_KVCollector(self.service, caches))
 
     # -- specdec.runtime.batching.BatchObserver hooks ---------------------------------------------
 
@@ -217,6 +236,14 @@ class OrchestratorMetrics:
         self._accepted_per_pos = Counter("specdec_spec_decode_num_accepted_tokens_per_pos",
                                          "Draft tokens accepted, by 0-based position in the block.",
                                          ["service", "position"], registry=r)
+        by_source = ["service", "source"]
+        self._drafts_by_source = Counter("specdec_spec_decode_num_drafts_by_source",
+                                         "Rounds in which draft tokens were proposed, by draft source.", by_source,
+                                         registry=r)
+        self._draft_tokens_by_source = Counter("specdec_spec_decode_num_draft_tokens_by_source",
+                                               "Draft tokens proposed, by draft source.", by_source, registry=r)
+        self._accepted_by_source = Counter("specdec_spec_decode_num_accepted_tokens_by_source",
+                                           "Draft tokens accepted, by draft source.", by_source, registry=r)
         self.draft_length = histogram("specdec_spec_decode_draft_length", "Draft length k chosen for a round.",
                                       DRAFT_LENGTH_BUCKETS)
         self._round_trip = Histogram("specdec_round_trip_seconds",
@@ -256,8 +283,9 @@ class OrchestratorMetrics:
     def start_request(self) -> RequestTimer:
         return RequestTimer(self)
 
-    def observe_round(self, stats) -> None:
-        """One speculative round (`specdec.v1.orchestrator_pb2.RoundStats`)."""
+    def observe_round(self, stats, source: str = "") -> None:
+        """One speculative round (`specdec.v1.orchestrator_pb2.RoundStats`); `source`: the proposer that
+        drafted its block ("model", "ngram", "suffix"; "" unknown)."""
         self.draft_length.observe(stats.draft_length)
         if stats.draft_fallback:
             self.fallbacks.inc()
@@ -267,6 +295,10 @@ class OrchestratorMetrics:
             self.num_accepted_tokens.inc(stats.accepted)
             for position in range(stats.accepted):
                 self._accepted_per_pos.labels(self.service, str(position)).inc()
+            label = source or "unspecified"
+            self._drafts_by_source.labels(self.service, label).inc()
+            self._draft_tokens_by_source.labels(self.service, label).inc(stats.proposed)
+            self._accepted_by_source.labels(self.service, label).inc(stats.accepted)
         if stats.draft_ns > 0:
             self._observe_call("draft", stats.draft_ns, stats.draft_compute_ns)
         if stats.verify_ns > 0:
@@ -283,3 +315,37 @@ class OrchestratorMetrics:
     def _finished(self) -> None:
         with self._lock:
             self._active -= 1
+
+
+class _KVCollector(Collector):
+    """Reads a `SessionCaches`' memory and prefix cache figures at scrape time (plain attribute
+    reads: no lock, a scrape never waits for a forward pass)."""
+
+    def __init__(self, service: str, caches) -> None:
+        self.service, self.caches = service, caches
+
+    def collect(self):
+        caches, labels = self.caches, [self.service]
+        used, budget = caches.used_bytes, caches.budget_bytes
+        figures = [
+            (GaugeMetricFamily, "specdec_kv_cache_used_bytes", "Bytes of keys/values held.", used),
+            (GaugeMetricFamily, "specdec_kv_cache_free_bytes", "Bytes of the KV budget not held.",
+             max(0, budget - used)),
+            (GaugeMetricFamily, "specdec_kv_cache_usage_ratio", "KV bytes held over the budget.",
+             used / max(1, budget)),
+            (CounterMetricFamily, "specdec_kv_cache_evictions", "Sessions evicted for room.", caches.evictions),
+        ]
+        prefix = caches.prefix
+        if prefix is not None:
+            figures += [
+                (CounterMetricFamily, "specdec_prefix_cache_queries", "Tokens looked up in the prefix cache.",
+                 prefix.queries),
+                (CounterMetricFamily, "specdec_prefix_cache_hits", "Tokens found in the prefix cache.", prefix.hits),
+                (GaugeMetricFamily, "specdec_prefix_cache_blocks", "Prefix blocks held.", prefix.blocks),
+                (GaugeMetricFamily, "specdec_prefix_cache_shared_blocks", "Prefix blocks viewed by 2+ sessions.",
+                 prefix.shared_blocks),
+            ]
+        for family, name, help_text, value in figures:
+            metric = family(name, help_text, labels=["service"])
+            metric.add_metric(labels, value)
+            yield metric

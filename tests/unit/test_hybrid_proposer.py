@@ -1,0 +1,225 @@
+"""Hybrid drafting (a draft model with suffix speculation): which source drafts a block, what it
+streams, the model's KV cache after rounds it skipped, the flags, and the orchestrator's
+per-source controller state and metrics. A real tiny model; no services."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+import pytest
+from pydantic import ValidationError
+
+from draft_service.config import DraftConfig
+from orchestrator.draft_length import DraftLength
+from orchestrator.sources import BY_SOURCE, SourcedDraftLength
+from orchestrator.store import SessionState
+from specdec.core.policy import PolicyConfig, initial_state
+from specdec.core.sampling import SamplingParams
+from specdec.runtime.batching import BatchConfig, Batcher
+from specdec.runtime.drafting import Drafter
+from specdec.runtime.grammars import SessionGrammars
+from specdec.runtime.kv import SessionCaches
+from specdec.runtime.models import load_model
+from specdec.runtime.proposers import HybridProposer, ModelProposer, SuffixProposer
+from specdec.server.metrics import OrchestratorMetrics
+from specdec.v1 import orchestrator_pb2 as pb
+
+REPEATING = [5, 6, 7, 8, 9, 5, 6, 7]  # the end "5 6 7" was followed by "8 9": suffix speculation is sure
+FRESH = [5, 6, 7, 8, 9, 10, 11, 12]  # nothing repeats: suffix speculation proposes nothing
+SAMPLING = SamplingParams(temperature=1.0)
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_models):
+    return load_model(str(tiny_models["poor_draft"]), dtype="float64", progress=False)
+
+
+def hybrid(loaded, grammars: SessionGrammars | None = None) -> tuple[Drafter, SessionCaches]:
+    caches = SessionCaches(loaded.model, 512)
+    proposer = HybridProposer(ModelProposer(caches), SuffixProposer())
+    return Drafter(proposer, "fp", "tiny", Batcher(caches, BatchConfig(max_batch=4, window_s=0.0)),
+                   grammars=grammars), caches
+
+
+async def drafts(drafter: Drafter, session: str, history: list[int], k: int, params: SamplingParams, seed: int = 0):
+    return [d async for d, _ in drafter.stream(session, history, k, params, seed, None, time.monotonic())]
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SAMPLING])
+async def test_a_confident_suffix_drafts_the_block_deterministically_without_the_model(loaded, params):
+    drafter, caches = hybrid(loaded)
+    got = await drafts(drafter, "s", REPEATING, 4, params)
+    assert [d.token_id for d in got] == [8, 9, 5, 6]
+    assert all(d.source == "suffix" and d.probs is None for d in got)  # q one-hot: no probs on the wire
+    assert caches.cached_tokens == 0  # no forward pass
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SAMPLING])
+async def test_otherwise_the_model_drafts_as_a_model_proposer_alone_would(loaded, params):
+    drafter, _ = hybrid(loaded)
+    alone = Drafter(ModelProposer(caches := SessionCaches(loaded.model, 512)), "fp", "tiny",
+                    Batcher(caches, BatchConfig(max_batch=4, window_s=0.0)))
+    got = await drafts(drafter, "s", FRESH, 4, params, seed=3)
+    expected = await drafts(alone, "s", FRESH, 4, params, seed=3)
+    assert [d.token_id for d in got] == [d.token_id for d in expected] and len(got) == 4
+    assert all(d.source == "model" for d in got)
+    assert all((d.probs is None) == params.greedy for d in got)  # q rows when sampling
+
+
+async def test_the_models_cache_catches_up_after_rounds_the_suffix_drafted(loaded):
+    """Skipping the model for a round leaves its cache behind: the next model round re-prefills what
+    it missed and proposes exactly what a fresh model proposes on that history."""
+    drafter, caches = hybrid(loaded)
+    first = await drafts(drafter, "s", FRESH, 3, SAMPLING, seed=1)
+    assert first[0].source == "model"
+    history = FRESH + [first[0].token_id] + FRESH  # the text repeats: the suffix drafts the next rounds
+    suffix_round = await drafts(drafter, "s", history[:-2], 3, SAMPLING, seed=1)
+    assert suffix_round and all(d.source == "suffix" for d in suffix_round)
+    history += [99, 98]  # then it stops repeating: the model again
+    again = await drafts(drafter, "s", history, 3, SAMPLING, seed=1)
+    assert all(d.source == "model" for d in again)
+    assert again[0].prefill_tokens > 1  # it re-prefilled the tokens the suffix rounds added
+    fresh, _ = hybrid(loaded)
+    expected = await drafts(fresh, "other", history, 3, SAMPLING, seed=1)
+    assert [d.token_id for d in again] == [d.token_id for d in expected]
+    for mine, theirs in zip(again, expected):
+        np.testing.assert_allclose(mine.probs, theirs.probs, atol=1e-6)
+    assert caches.release("s")
+
+
+async def test_forced_tokens_leading_a_suffix_block_carry_no_q_either(loaded):
+    """With a grammar, the block is all rows or none: tokens the grammar forces before a suffix proposal
+    are one-hot too (a model block sends q rows for them when sampling)."""
+    schema = json.dumps({"type": "object", "properties": {"t": {"type": "integer"}}, "required": ["t"],
+                         "additionalProperties": False})
+    grammars = SessionGrammars(loaded.tokenizer, loaded.vocab_size, loaded.eos_token_ids)
+    drafter, _ = hybrid(loaded, grammars)
+    encode = loaded.tokenizer.convert_tokens_to_ids
+    prompt = [encode(c) for c in 'x {"t": 42} y ']
+    params = SamplingParams(temperature=1.0, grammar_kind="json_schema", grammar_text=schema,
+                            output_start=len(prompt))
+    got = await drafts(drafter, "g", prompt, 10, params)
+    text = loaded.tokenizer.decode([d.token_id for d in got])
+    assert text.startswith('{"t": 42'), text  # forced, then the suffix's "42}"
+    assert all(d.source == "suffix" and d.probs is None for d in got)
+    model_block = await drafts(drafter, "g2", [encode(c) for c in "y "], 10,
+                               SamplingParams(temperature=1.0, grammar_kind="json_schema", grammar_text=schema,
+                                              output_start=2))
+    assert all(d.source == "model" and d.probs is not None for d in model_block)
+
+
+def test_a_hybrid_proposer_needs_a_batcher(loaded):
+    with pytest.raises(ValueError, match="hybrid proposer needs a batcher"):
+        Drafter(HybridProposer(ModelProposer(SessionCaches(loaded.model, 64)), SuffixProposer()), "fp", "tiny")
+
+
+# -- flags ---------------------------------------------------------------------------------------
+
+def test_hybrid_takes_the_suffix_options_the_stream_and_snapshots():
+    config = DraftConfig(proposer="hybrid", suffix_min_prob=0.5, suffix_redis_url="redis://127.0.0.1:1/0",
+                         snapshot_redis_url="redis://127.0.0.1:1/0")
+    assert config.proposer == "hybrid" and config.suffix_min_prob == 0.5
+
+
+@pytest.mark.parametrize("fields,flags", [
+    (dict(proposer="model", suffix_min_prob=0.5), "--suffix-min-prob"),
+    (dict(proposer="model", suffix_redis_url="redis://127.0.0.1:1/0"), "--suffix-redis-url"),
+    (dict(proposer="ngram", suffix_max_depth=8, suffix_min_match=3), "--suffix-max-depth, --suffix-min-match"),
+])
+def test_suffix_options_without_suffix_speculation_are_refused_naming_hybrid(fields, flags):
+    with pytest.raises(ValidationError, match="use --proposer suffix .* or --proposer hybrid") as caught:
+        DraftConfig(**fields)
+    assert flags in str(caught.value)
+
+
+def test_specdec_up_refuses_an_unknown_proposer(capsys):
+    from specdec.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["up", "--proposer", "hybird"])
+    assert exit_info.value.code == 2
+    assert "invalid choice: 'hybird'" in capsys.readouterr().err
+
+
+def test_the_launcher_feeds_a_hybrid_drafts_suffix_index_from_the_pipelines_redis():
+    from specdec.launcher import Plan
+
+    draft = Plan(proposer="hybrid", redis_port=6399).commands()["draft"]
+    assert draft[draft.index("--proposer") + 1] == "hybrid"
+    assert draft[draft.index("--suffix-redis-url") + 1] == "redis://127.0.0.1:6399/0"
+    assert "--suffix-redis-url" not in Plan(proposer="model").commands()["draft"]
+
+
+# -- the orchestrator: one controller state per source --------------------------------------------
+
+CONFIG = PolicyConfig(k_max=8)
+
+
+def round_stats(k: int, proposed: int, accepted: int) -> pb.RoundStats:
+    return pb.RoundStats(draft_length=k, proposed=proposed, accepted=accepted, draft_ns=2_000_000,
+                         draft_compute_ns=1_000_000, verify_ns=20_000_000, verify_compute_ns=15_000_000,
+                         drafted=proposed)
+
+
+def sourced() -> tuple[SourcedDraftLength, SessionState]:
+    state = SessionState(session_id="s", seed=0, draft_length=-1)
+    main = DraftLength(0, initial_state(CONFIG), CONFIG)
+    lengths = SourcedDraftLength(main, initial_state(CONFIG), CONFIG)
+    return lengths, state
+
+
+def test_each_source_learns_its_own_acceptance_and_prices_the_round_it_is_predicted_to_draft():
+    lengths, state = sourced()
+    for _ in range(12):
+        lengths.observe(state, round_stats(4, 4, 4), 0.001, "suffix")  # a repeated text: all accepted
+        lengths.observe(state, round_stats(4, 4, 0), 0.001, "model")  # a poor model: all rejected
+    alpha = lengths.acceptance()
+    assert alpha["suffix"] > 0.9 and alpha["model"] < 0.1
+    assert lengths.next_source == "model" and lengths.wanted == lengths.main.policy.k
+    lengths.observe(state, round_stats(4, 4, 4), 0.001, "suffix")
+    assert lengths.next_source == "suffix" and lengths.wanted == lengths.suffix.k
+    assert lengths.suffix.k > lengths.main.policy.k  # the sure source gets the longer block
+    # Both travel with the session: the model's as usual, the suffix's beside it.
+    assert state.policy["alpha"] == lengths.main.policy.alpha
+    assert state.policy[BY_SOURCE]["suffix"]["alpha"] == lengths.suffix.alpha
+
+
+def test_a_round_that_drafted_nothing_teaches_every_source():
+    lengths, state = sourced()
+    before = (lengths.main.policy.rounds, lengths.suffix.rounds)
+    lengths.observe(state, pb.RoundStats(draft_length=2, draft_fallback=True, verify_ns=20_000_000,
+                                         verify_compute_ns=15_000_000), 0.001, "")
+    assert (lengths.main.policy.rounds, lengths.suffix.rounds) == (before[0] + 1, before[1] + 1)
+    assert lengths.main.policy.backoff > 0 and lengths.suffix.backoff > 0  # a failed draft backs both off
+    assert lengths.next_source == "model"
+
+
+async def test_a_stored_suffix_state_is_restored_and_a_new_one_starts_from_the_models_costs():
+    class Store:
+        async def load_prior(self):
+            return None
+
+    lengths, state = sourced()
+    for _ in range(3):
+        lengths.observe(state, round_stats(4, 4, 4), 0.001, "suffix")
+    restored = await SourcedDraftLength.of(state, True, Store(), CONFIG)
+    assert restored.suffix == lengths.suffix and restored.main.policy == lengths.main.policy
+    plain = SessionState(session_id="p", seed=0, draft_length=-1, policy=lengths.main.policy.to_dict())
+    fresh = await SourcedDraftLength.of(plain, True, Store(), CONFIG)
+    assert fresh.suffix.alpha is None and fresh.suffix.verify_s == lengths.main.policy.verify_s
+
+
+def test_rounds_are_counted_by_source_in_the_metrics():
+    metrics = OrchestratorMetrics()
+    metrics.observe_round(round_stats(4, 4, 3), "suffix")
+    metrics.observe_round(round_stats(4, 4, 1), "model")
+    metrics.observe_round(round_stats(4, 2, 2), "")
+    value = metrics.registry.get_sample_value
+    assert value("specdec_spec_decode_num_draft_tokens_by_source_total",
+                 {"service": "orchestrator", "source": "suffix"}) == 4
+    assert value("specdec_spec_decode_num_accepted_tokens_by_source_total",
+                 {"service": "orchestrator", "source": "model"}) == 1
+    assert value("specdec_spec_decode_num_drafts_by_source_total",
+                 {"service": "orchestrator", "source": "unspecified"}) == 1
