@@ -144,10 +144,11 @@ class SessionCaches:
     def __init__(self, model: PreTrainedModel, max_context: int, max_sessions: int = 64,
                  idle_ttl_s: float = 900.0, snapshots: SnapshotPolicy | None = None,
                  budget_bytes: int | None = None, prefix_cache: PrefixCache | None = None,
-                 prefix_store: RedisPrefixStore | None = None) -> None:
+                 prefix_store: RedisPrefixStore | None = None, prepack: str = "auto") -> None:
         """`budget_bytes`: the most keys/values held (None: `default_budget_bytes` of the model's
         device); `prefix_cache`: share prefix blocks between sessions (None: no sharing);
-        `prefix_store`: also share them with other replicas through Redis (needs `prefix_cache`)."""
+        `prefix_store`: also share them with other replicas through Redis (needs `prefix_cache`);
+        `prepack`: the engine's weights pre-packed for oneDNN, on/off/auto (`packed.Projection`)."""
         self.model = model
         head = _head_weight(model)  # [V, hidden]
         self.device = head.device  # inputs go where the weights are
@@ -166,7 +167,7 @@ class SessionCaches:
         self.prefix_store = prefix_store
         self.evictions = 0  # sessions evicted to make room under the budget
         self._own_bytes = 0  # bytes of the sessions' own buffers
-        self._packed = PackedForward(model) if supports(model) else None
+        self._packed = PackedForward(model, prepack) if supports(model) else None
         self._lock = threading.Lock()
 
     def __len__(self) -> int:

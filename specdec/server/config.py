@@ -147,6 +147,11 @@ class ModelServiceConfig(ServiceConfig, DeviceOption):
         "--prefix-block-tokens, content-addressed)."
     )
     prefix_block_tokens: int = Field(32, ge=1, le=4096, description="Tokens per shared prefix block.")
+    prepack_weights: Literal["auto", "on", "off"] = Field(
+        "auto", description="Pre-pack the model's projection weights for oneDNN, fused per layer (auto: where that "
+        "path exists, float32 on a CPU; measured faster here for decode and verify passes, see bench/engine.py); "
+        "costs a second copy of the weights in memory."
+    )
     prefill_chunk_tokens: int = Field(
         512, ge=0, description="Most prompt tokens one forward pass prefills, over all its sessions (0: no limit); a "
         "longer prompt is prefilled over several passes, each shared with the running sessions' steps, so its "

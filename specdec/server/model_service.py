@@ -132,7 +132,7 @@ def session_caches(config: ModelServiceConfig, loaded: LoadedModel, role: str) -
     return SessionCaches(loaded.model, loaded.max_context, config.max_sessions, config.idle_ttl_s,
                          snapshot_policy(config, loaded, role), budget_bytes=config.kv_cache_bytes or None,
                          prefix_cache=PrefixCache(config.prefix_block_tokens) if config.prefix_cache else None,
-                         prefix_store=store)
+                         prefix_store=store, prepack=config.prepack_weights)
 
 
 def admission_and_metrics(config: ModelServiceConfig, role: str) -> tuple[Admission, ServiceMetrics]:

@@ -195,3 +195,22 @@ def test_a_buffer_grown_inside_inference_mode_stays_writable_outside_it():
         kv.reserve(10)
     assert not kv.data.is_inference()
     kv.write(0, 0, torch.ones(1, 10, 2), torch.ones(1, 10, 2))
+
+
+def test_prepacked_weights_score_as_the_models_own_modules(model):
+    """float32 on a CPU: the fused, oneDNN-packed projections give the plain path's logits (to float32
+    rounding) for decode, verify and prefill rows in one pass; float64 cannot be packed ("on" refuses)."""
+    import copy
+
+    rng = random.Random(4)
+    lm = copy.deepcopy(model).float()
+    plain, fast = SessionCaches(lm, 512, prepack="off"), SessionCaches(lm, 512, prepack="on")
+    assert fast._packed.prepacked and not plain._packed.prepacked
+    requests = [ScoreRequest("a", _tokens(rng, 30, 100), []), ScoreRequest("b", _tokens(rng, 5, 100), [4, 5, 6, 7]),
+                ScoreRequest("c", _tokens(rng, 70, 100), [9])]
+    for one, other in zip(plain.score_batch(requests), fast.score_batch(requests)):
+        torch.testing.assert_close(other.logits, one.logits, rtol=1e-4, atol=1e-4)
+        assert torch.equal(other.logits.argmax(-1), one.logits.argmax(-1))
+    with pytest.raises(ValueError, match="float32"):
+        SessionCaches(model, 512, prepack="on")
+    assert not SessionCaches(model, 512, prepack="auto")._packed.prepacked  # float64: the plain path
