@@ -138,15 +138,15 @@ def main() -> None:
 
     # one decode step: a session viewing the shared prefix against one holding all of its past
     decode: dict[str, float] = {}
-    for name, caches in engines.items():
-        sid, history = "s1", system + users[1]
-        times = []
-        for _ in range(args.decode_repeats):
+    samples: dict[str, list[float]] = {name: [] for name in engines}
+    sid, history = "s1", system + users[1]
+    for _ in range(args.decode_repeats):  # the engines interleaved
+        for name, caches in engines.items():
             start = time.perf_counter()
             caches.score(sid, history + [13], [])
-            times.append(time.perf_counter() - start)
+            samples[name].append(time.perf_counter() - start)
             caches.rollback(sid, len(history))
-        decode[name] = statistics.median(times)
+    decode = {name: statistics.median(times) for name, times in samples.items()}
 
     info = engines["on"].prefix
     result = {
