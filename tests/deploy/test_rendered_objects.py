@@ -479,7 +479,7 @@ def test_helm_test_generates_through_the_orchestrator_service(render):
 def test_literal_choices_are_read_from_the_configs():
     # Guards the ast reader above: if it silently found nothing, the flag test would prove little.
     fields = config_fields(CONFIG_FILES["draft"])
-    assert fields["proposer"] == ["model", "ngram", "suffix"]
+    assert fields["proposer"] == ["model", "ngram", "suffix", "hybrid"]
     assert "float32" in fields["dtype"]
     assert {"host", "port", "log_level"} <= set(fields)
 
