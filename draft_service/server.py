@@ -16,7 +16,15 @@ from specdec.runtime.grammars import SessionGrammars
 from specdec.runtime.info import model_info
 from specdec.runtime.latency import LatencyProfile
 from specdec.runtime.models import load_model, load_tokenizer, tokenizer_fingerprint
-from specdec.runtime.proposers import HybridProposer, ModelProposer, NgramProposer, Proposer, SuffixProposer, model_of
+from specdec.runtime.proposers import (
+    HybridProposer,
+    ModelProposer,
+    NgramProposer,
+    Proposer,
+    SuffixProposer,
+    model_of,
+    suffix_of,
+)
 from specdec.server.keys import suffix_outputs_key
 from specdec.server.metrics import ServiceMetrics
 from specdec.server.model_service import admission_and_metrics, batcher_for, serve_model_service, session_caches
@@ -59,15 +67,6 @@ def suffix_proposer(config: DraftConfig) -> SuffixProposer:
     return SuffixProposer(config.suffix_max_depth, config.suffix_min_match, config.suffix_min_prob,
                           config.suffix_max_tokens, config.max_sessions,
                           learn_on_release=not config.suffix_redis_url)
-
-
-def suffix_of(proposer: Proposer) -> SuffixProposer | None:
-    """The suffix speculation of a suffix or hybrid proposer (what the outputs stream feeds)."""
-    if isinstance(proposer, SuffixProposer):
-        return proposer
-    if isinstance(proposer, HybridProposer):
-        return proposer.suffix
-    return None
 
 
 class SuffixStreamReader:

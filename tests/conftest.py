@@ -102,3 +102,12 @@ def redis_url(tmp_path_factory):
     yield f"redis://127.0.0.1:{port}/0"
     proc.terminate()
     proc.wait(10)
+
+
+def run_loadtest_cli(argv: list[str]) -> int:
+    """`specdec loadtest ARGV` in-process; its exit status."""
+    from specdec.cli import main as specdec_main
+
+    with pytest.raises(SystemExit) as exit_:
+        specdec_main(["loadtest", *argv])
+    return exit_.value.code

@@ -33,6 +33,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import psutil
 import torch
 from transformers import PreTrainedModel
 
@@ -68,18 +69,7 @@ def default_budget_bytes(device: torch.device | str) -> int:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free * GPU_BUDGET_FRACTION)
-    available = None
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    available = int(line.split()[1]) * 1024
-                    break
-    except OSError:
-        pass
-    if available is None:  # not Linux: the physical memory
-        import os
-        available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+    available = psutil.virtual_memory().available
     return int(available * CPU_BUDGET_FRACTION)
 
 
@@ -167,6 +157,8 @@ class SessionCaches:
         self.prefix_store = prefix_store
         self.evictions = 0  # sessions evicted to make room under the budget
         self._own_bytes = 0  # bytes of the sessions' own buffers
+        if prepack == "on" and not supports(model):
+            raise ValueError(f"pre-packed weights are for the packed pass, which does not run {type(model).__name__}")
         self._packed = PackedForward(model, prepack) if supports(model) else None
         self._lock = threading.Lock()
 
@@ -320,10 +312,8 @@ class SessionCaches:
                 data = store.fetch(run, block, needed[start : start + run.blocks * block])
                 if data is None:
                     break
-                if self.used_bytes + data.numel() * data.element_size() > self.budget_bytes:
-                    self._make_room(data.numel() * data.element_size(), set())
-                    if self.used_bytes + data.numel() * data.element_size() > self.budget_bytes:
-                        break
+                if not self._make_room(data.numel() * data.element_size(), set()):
+                    break
                 match = prefix.publish(needed, match, data.to(self.device))
                 store.fetches += 1
                 store.fetched_tokens += run.blocks * block
@@ -341,34 +331,34 @@ class SessionCaches:
         want = cache.grown_capacity(length)
         need = max(length - cache.offset, cache.capacity)
         if self.used_bytes + cache.bytes_for(want) - cache.nbytes > self.budget_bytes:
-            self._make_room(cache.bytes_for(need) - cache.nbytes, pinned)
-            free = self.budget_bytes - self.used_bytes + cache.nbytes  # for this entry's buffer
-            if cache.bytes_for(need) > free:
+            if not self._make_room(cache.bytes_for(need) - cache.nbytes, pinned):
                 raise ResourceExhausted(
                     f"KV cache full: this session's {length} positions need {cache.bytes_for(need)} bytes, "
                     f"{self.used_bytes - cache.nbytes} of the {self.budget_bytes}-byte budget are held by the "
                     "sessions of this pass and the shared prefixes they use; retry later, or raise the budget "
                     "(--kv-cache-bytes)")
+            free = self.budget_bytes - self.used_bytes + cache.nbytes  # for this entry's buffer
             want = max(need, min(want, free // max(1, cache.bytes_for(1))))
         if want > cache.capacity:
             before = cache.nbytes
             cache.reserve(length, want)
             self._own_bytes += cache.nbytes - before
 
-    def _make_room(self, need: int, pinned: set[str]) -> None:
+    def _make_room(self, need: int, pinned: set[str]) -> bool:
         """Evict until `need` more bytes fit the budget, if possible: unused prefix segments first,
-        then idle sessions (not `pinned`), least recently used first."""
+        then idle sessions (not `pinned`), least recently used first. Whether they fit now."""
         if self.prefix is not None:
             for seg in self.prefix.idle():
                 if self.used_bytes + need <= self.budget_bytes:
-                    return
+                    return True
                 self.prefix.evict(seg)
         for sid in list(self._entries):
             if self.used_bytes + need <= self.budget_bytes:
-                return
+                return True
             if sid in pinned:
                 continue
             self._evict(sid)
+        return self.used_bytes + need <= self.budget_bytes
 
     def _evict(self, session_id: str) -> None:
         """Drop a session's cache for room, snapshotting it first when snapshots are configured."""
@@ -397,14 +387,11 @@ class SessionCaches:
             return
         tokens = history[:aligned]
         found = prefix.match(tokens, count=False)
-        if found.length < entry.prefix.length:  # cannot happen: the entry's own chain is registered
-            return
+        assert found.length >= entry.prefix.length  # the entry's own chain is registered
         cache = entry.cache
         extra = cache.bytes_for(aligned - found.length + cache.rebased_capacity(aligned)) - cache.nbytes
-        if self.used_bytes + extra > self.budget_bytes:
-            self._make_room(extra, pinned)
-            if self.used_bytes + extra > self.budget_bytes:
-                return
+        if not self._make_room(extra, pinned):
+            return
         match = found
         if found.length < aligned:
             with torch.inference_mode(False):  # storage of its own, usable by any later pass

@@ -293,3 +293,12 @@ def model_of(proposer: Proposer) -> ModelProposer | None:
     if isinstance(proposer, HybridProposer):
         return proposer.model
     return None
+
+
+def suffix_of(proposer: Proposer) -> SuffixProposer | None:
+    """The suffix speculation of a suffix or hybrid proposer (what the outputs stream feeds)."""
+    if isinstance(proposer, SuffixProposer):
+        return proposer
+    if isinstance(proposer, HybridProposer):
+        return proposer.suffix
+    return None

@@ -119,6 +119,11 @@ MaxBatch = Annotated[int, Field(ge=1, le=256)]
 BatchWindowMs = Annotated[float, Field(ge=0, le=1000)]
 
 
+KV_OPTIONS = ("kv_cache_bytes", "prefix_cache", "prefix_block_tokens", "prefix_redis_url", "prefix_min_fetch_tokens",
+              "prefix_ttl_s", "prefill_chunk_tokens", "prepack_weights")
+"""Options of a service's model engine (its KV caches and forward pass): meaningless without a model."""
+
+
 class ModelServiceConfig(ServiceConfig, DeviceOption):
     """Base of the services that host a model (draft, target): its KV caches and their snapshots in
     Redis, batching and admission. The fields without a default here get theirs, and their help, from
@@ -169,9 +174,17 @@ class ModelServiceConfig(ServiceConfig, DeviceOption):
     prefix_ttl_s: int = Field(3600, ge=1, description="Seconds a shared prefix block is kept in Redis.")
 
     @model_validator(mode="after")
-    def _prefix_store_needs_the_cache(self):
+    def _prefix_options_need_their_feature(self):
+        def given(*names: str) -> str:
+            return ", ".join("--" + n.replace("_", "-") for n in names if n in self.model_fields_set)
+
         if self.prefix_redis_url and not self.prefix_cache:
             raise ValueError("--prefix-redis-url shares the prefix cache's blocks: drop --no-prefix-cache")
+        if not self.prefix_cache and given("prefix_block_tokens"):
+            raise ValueError("--prefix-block-tokens sizes the prefix cache's blocks: drop --no-prefix-cache")
+        if not self.prefix_redis_url and given("prefix_min_fetch_tokens", "prefix_ttl_s"):
+            raise ValueError(f"{given('prefix_min_fetch_tokens', 'prefix_ttl_s')} configure sharing prefixes "
+                             "through Redis: add --prefix-redis-url URL")
         return self
     max_batch: MaxBatch
     batch_window_ms: BatchWindowMs

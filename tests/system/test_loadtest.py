@@ -12,9 +12,8 @@ import pytest
 from loadtest.chaos import DraftChaos
 from loadtest.clients import GrpcLoadClient
 from loadtest.runner import Load, LoadTestConfig, run_loadtest
-from specdec.cli import main as specdec_main
 from specdec.launcher import free_port
-from tests.conftest import orchestrator_address, start_tiny_pipeline
+from tests.conftest import orchestrator_address, run_loadtest_cli, start_tiny_pipeline
 
 SMALL = ["--max-tokens", "12", "--input-words", "6", "--warmup", "1", "--no-progress"]
 
@@ -28,15 +27,11 @@ def pipeline(tiny_models, tmp_path_factory):
     pipeline.stop()
 
 
-def run_cli(argv: list[str]) -> int:
-    with pytest.raises(SystemExit) as exit_:
-        specdec_main(["loadtest", *argv])
-    return exit_.value.code
 
 
 def test_grpc_closed_loop_comparison_reports_add_up(pipeline, tmp_path):
     out = tmp_path / "grpc"
-    code = run_cli(["--address", orchestrator_address(pipeline), "--modes", "0,4,auto", "--concurrency", "1,2",
+    code = run_loadtest_cli(["--address", orchestrator_address(pipeline), "--modes", "0,4,auto", "--concurrency", "1,2",
                     "--num-requests", "3", "--slo", "ttft=30", "--slo", "tpot=5", "--out", str(out), *SMALL])
     assert code == 0
     result = json.loads(out.with_suffix(".json").read_text())
@@ -78,7 +73,7 @@ def test_grpc_closed_loop_comparison_reports_add_up(pipeline, tmp_path):
 
 def test_http_open_loop_run(pipeline, tmp_path):
     out = tmp_path / "http"
-    code = run_cli(["--api", "http", "--http-url", pipeline.plan.http_url(), "--modes", "0,4", "--rate", "4",
+    code = run_loadtest_cli(["--api", "http", "--http-url", pipeline.plan.http_url(), "--modes", "0,4", "--rate", "4",
                     "--arrival", "gamma", "--burstiness", "0.5", "--num-requests", "3", "--out", str(out),
                     "--no-plot", *SMALL])
     assert code == 0
@@ -100,7 +95,7 @@ def test_http_open_loop_run(pipeline, tmp_path):
 
 def test_a_missing_server_is_named_with_what_to_run(tmp_path, capsys):
     address = f"127.0.0.1:{free_port()}"
-    assert run_cli(["--address", address, "--out", str(tmp_path / "x"), *SMALL]) == 2
+    assert run_loadtest_cli(["--address", address, "--out", str(tmp_path / "x"), *SMALL]) == 2
     err = capsys.readouterr().err
     assert address in err and "specdec up" in err and "--start-pipeline" in err
     assert not (tmp_path / "x.json").exists()

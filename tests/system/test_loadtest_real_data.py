@@ -9,9 +9,8 @@ import json
 
 import pytest
 
-from specdec.cli import main as specdec_main
 from specdec.launcher import free_port
-from tests.conftest import orchestrator_address, start_tiny_pipeline
+from tests.conftest import orchestrator_address, run_loadtest_cli, start_tiny_pipeline
 
 COMMON = ["--modes", "0,4", "--concurrency", "1", "--max-tokens", "8", "--warmup", "1", "--no-progress", "--no-plot"]
 
@@ -24,10 +23,6 @@ def pipeline(long_models, tmp_path_factory):
     pipeline.stop()
 
 
-def run_cli(argv: list[str]) -> int:
-    with pytest.raises(SystemExit) as exit_:
-        specdec_main(["loadtest", *argv])
-    return exit_.value.code
 
 
 def check_two_turn_sessions(result: dict) -> None:
@@ -48,7 +43,7 @@ def check_two_turn_sessions(result: dict) -> None:
 
 def test_sharegpt_chat_replays_each_conversation_in_one_session(pipeline, tmp_path):
     out = tmp_path / "chat"
-    code = run_cli(["--address", orchestrator_address(pipeline), "--workload", "sharegpt-chat", "--turns", "2",
+    code = run_loadtest_cli(["--address", orchestrator_address(pipeline), "--workload", "sharegpt-chat", "--turns", "2",
                     "--num-requests", "2", "--input-words", "10", "--out", str(out), *COMMON])
     assert code == 0
     result = json.loads(out.with_suffix(".json").read_text())
@@ -59,7 +54,7 @@ def test_sharegpt_chat_replays_each_conversation_in_one_session(pipeline, tmp_pa
 
 def test_sharegpt_chat_over_http(pipeline, tmp_path):
     out = tmp_path / "chat-http"
-    code = run_cli(["--api", "http", "--http-url", pipeline.plan.http_url(), "--workload", "sharegpt-chat",
+    code = run_loadtest_cli(["--api", "http", "--http-url", pipeline.plan.http_url(), "--workload", "sharegpt-chat",
                     "--turns", "2", "--num-requests", "2", "--input-words", "10", "--out", str(out), *COMMON])
     assert code == 0
     check_two_turn_sessions(json.loads(out.with_suffix(".json").read_text()))
@@ -67,8 +62,9 @@ def test_sharegpt_chat_over_http(pipeline, tmp_path):
 
 def test_shared_system_sessions_report_first_against_later_ttft(pipeline, tmp_path):
     out = tmp_path / "shared"
-    code = run_cli(["--address", orchestrator_address(pipeline), "--workload", "shared-system", "--num-requests",
-                    "3", "--block", "3", "--system-words", "120", "--out", str(out), *COMMON])
+    code = run_loadtest_cli(["--address", orchestrator_address(pipeline), "--workload", "shared-system",
+                             "--num-requests", "3", "--block", "3", "--system-words", "120", "--out", str(out),
+                             *COMMON])
     assert code == 0
     result = json.loads(out.with_suffix(".json").read_text())
     records = result["records"]

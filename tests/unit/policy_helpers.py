@@ -192,3 +192,16 @@ def session(regime: Regime, config: PolicyConfig = CONFIG, seed: int = 0) -> Tra
 
 def converged(regime: Regime, config: PolicyConfig = CONFIG, seed: int = 0) -> int:
     return session(regime, config, seed).converged()
+
+
+def assert_probes_alternate_around_the_best(state: PolicyState, config: PolicyConfig = CONFIG) -> None:
+    """A speculating state's probes: one above the best k, the next one below, none in between."""
+    from specdec.core.policy import best_k, choose_k
+
+    state = replace(state, speculating=True)
+    best = best_k(state, config)
+    assert 0 < best < config.k_max
+    up = replace(state, rounds=config.explore_every - 1)
+    down = replace(state, rounds=2 * config.explore_every - 1)
+    assert (choose_k(up, config), choose_k(down, config)) == (best + 1, best - 1)
+    assert choose_k(replace(state, rounds=config.explore_every), config) == best

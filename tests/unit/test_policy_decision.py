@@ -5,12 +5,23 @@ brute-force optimum, exploration, back-off and overlap.
 from __future__ import annotations
 
 import random
-from dataclasses import replace
 
 import pytest
 
-from specdec.core.policy import Observation, PolicyConfig, best_k, choose_k, initial_state, step
-from tests.unit.policy_helpers import CONFIG, Regime, converged, cpu, gpu, next_k, obs, observe, run, session
+from specdec.core.policy import Observation, PolicyConfig, choose_k, initial_state, step
+from tests.unit.policy_helpers import (
+    CONFIG,
+    Regime,
+    assert_probes_alternate_around_the_best,
+    converged,
+    cpu,
+    gpu,
+    next_k,
+    obs,
+    observe,
+    run,
+    session,
+)
 
 
 def _regimes() -> list:
@@ -260,13 +271,7 @@ def test_exploration_schedule_alternates_around_the_best() -> None:
     trace = run(gpu(0.6, 0.002), rounds=300)
     probes = [(i, k) for i, (k, e) in enumerate(zip(trace.ks, trace.explored)) if e]
     assert [i % CONFIG.explore_every for i, _ in probes] == [CONFIG.explore_every - 1] * len(probes)
-    state = replace(trace.state, speculating=True)
-    best = best_k(state, CONFIG)
-    assert 0 < best < CONFIG.k_max
-    up = replace(state, rounds=CONFIG.explore_every - 1)
-    down = replace(state, rounds=2 * CONFIG.explore_every - 1)
-    assert (choose_k(up, CONFIG), choose_k(down, CONFIG)) == (best + 1, best - 1)
-    assert choose_k(replace(state, rounds=CONFIG.explore_every), CONFIG) == best
+    assert_probes_alternate_around_the_best(trace.state)
 
 
 def test_is_deterministic() -> None:

@@ -14,7 +14,6 @@ from specdec.core.policy import (
     Observation,
     PolicyState,
     best_k,
-    choose_k,
     goodput_curve,
     initial_state,
     merge_prior,
@@ -22,7 +21,7 @@ from specdec.core.policy import (
     update,
 )
 from specdec.core.policy.cost import verify_times
-from tests.unit.policy_helpers import CONFIG, next_k, obs, round_time
+from tests.unit.policy_helpers import CONFIG, assert_probes_alternate_around_the_best, next_k, obs, round_time
 
 
 def test_the_queue_wait_is_not_a_round_trip() -> None:
@@ -247,10 +246,4 @@ def test_a_loaded_pass_is_priced_by_its_packed_positions(rho: float) -> None:
 
 def test_under_load_probes_keep_their_schedule_and_go_both_ways() -> None:
     """A probe adds only its own positions to a packed pass: no rarer, no only-downward probes."""
-    state = replace(_loaded_state(0.030, 0.0005, batch=16, queue_ratio=0.0, k=3), speculating=True)
-    best = best_k(state, CONFIG)
-    assert 0 < best < CONFIG.k_max
-    up = replace(state, rounds=CONFIG.explore_every - 1)
-    down = replace(state, rounds=2 * CONFIG.explore_every - 1)
-    assert (choose_k(up, CONFIG), choose_k(down, CONFIG)) == (best + 1, best - 1)
-    assert choose_k(replace(state, rounds=CONFIG.explore_every), CONFIG) == best
+    assert_probes_alternate_around_the_best(_loaded_state(0.030, 0.0005, batch=16, queue_ratio=0.0, k=3))

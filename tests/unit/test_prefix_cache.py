@@ -170,3 +170,30 @@ def test_attention_over_segments_equals_attention_over_one_tensor(dtype):
     split = packed.attend(q.to(dtype), segments, past, d**-0.5)
     tolerance = 1e-12 if dtype == torch.float64 else 3e-2
     torch.testing.assert_close(split.double(), whole, rtol=0, atol=tolerance)
+
+
+@pytest.mark.parametrize("fields,message", [
+    (dict(proposer="ngram", kv_cache_bytes=1 << 20), "--kv-cache-bytes configure a draft model's KV caches"),
+    (dict(proposer="suffix", prefill_chunk_tokens=64, prepack_weights="off"),
+     "--prefill-chunk-tokens, --prepack-weights"),
+    (dict(prefix_cache=False, prefix_block_tokens=16), "--prefix-block-tokens sizes the prefix cache's blocks"),
+    (dict(prefix_ttl_s=60), "--prefix-ttl-s configure sharing prefixes through Redis"),
+    (dict(prefix_cache=False, prefix_redis_url="redis://127.0.0.1:1/0"), "drop --no-prefix-cache"),
+])
+def test_engine_options_that_would_have_no_effect_are_refused(fields, message):
+    from pydantic import ValidationError
+
+    from draft_service.config import DraftConfig
+
+    with pytest.raises(ValidationError, match=message):
+        DraftConfig(**{"proposer": "model", **fields})
+    DraftConfig(proposer="model", kv_cache_bytes=1 << 20, prefix_block_tokens=16, prefill_chunk_tokens=64)
+
+
+def test_prepacked_weights_asked_for_a_model_the_packed_pass_does_not_run_are_refused(model, monkeypatch):
+    from specdec.runtime import kv
+
+    monkeypatch.setattr(kv, "supports", lambda _: False)
+    with pytest.raises(ValueError, match="pre-packed weights"):
+        SessionCaches(model, max_context=64, prepack="on")
+    SessionCaches(model, max_context=64, prepack="auto")  # auto: the generic path, quietly
