@@ -32,10 +32,10 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import psutil
 import torch
-from transformers import PreTrainedModel
 
 from specdec.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from specdec.runtime.kv_buffer import SessionKV
@@ -44,6 +44,9 @@ from specdec.runtime.prefix_cache import NO_MATCH, Match, PrefixCache
 from specdec.runtime.prefix_store import RedisPrefixStore
 from specdec.runtime.snapshot_codec import decode_layers, encode_layers
 from specdec.runtime.snapshot_store import SnapshotPolicy
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 log = logging.getLogger(__name__)
 
@@ -134,11 +137,14 @@ class SessionCaches:
     def __init__(self, model: PreTrainedModel, max_context: int, max_sessions: int = 64,
                  idle_ttl_s: float = 900.0, snapshots: SnapshotPolicy | None = None,
                  budget_bytes: int | None = None, prefix_cache: PrefixCache | None = None,
-                 prefix_store: RedisPrefixStore | None = None, prepack: str = "auto") -> None:
+                 prefix_store: RedisPrefixStore | None = None, prepack: str = "auto",
+                 compile: str = "off") -> None:
         """`budget_bytes`: the most keys/values held (None: `default_budget_bytes` of the model's
         device); `prefix_cache`: share prefix blocks between sessions (None: no sharing);
         `prefix_store`: also share them with other replicas through Redis (needs `prefix_cache`);
-        `prepack`: the engine's weights pre-packed for oneDNN, on/off/auto (`packed.Projection`)."""
+        `prepack`: the engine's weights pre-packed for oneDNN, on/off/auto (`packed.Projection`);
+        `compile`: the packed pass's dense part through torch.compile, on/off/auto
+        (`compiled.CompiledLayers`; `warm_up` compiles it)."""
         self.model = model
         head = _head_weight(model)  # [V, hidden]
         self.device = head.device  # inputs go where the weights are
@@ -159,7 +165,9 @@ class SessionCaches:
         self._own_bytes = 0  # bytes of the sessions' own buffers
         if prepack == "on" and not supports(model):
             raise ValueError(f"pre-packed weights are for the packed pass, which does not run {type(model).__name__}")
-        self._packed = PackedForward(model, prepack) if supports(model) else None
+        if compile == "on" and not supports(model):
+            raise ValueError(f"the compiled pass is the packed pass's, which does not run {type(model).__name__}")
+        self._packed = PackedForward(model, prepack, compile) if supports(model) else None
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -174,6 +182,17 @@ class SessionCaches:
     def used_bytes(self) -> int:
         """Bytes of keys/values held: sessions' own buffers and shared prefix segments."""
         return self._own_bytes + (self.prefix.nbytes if self.prefix is not None else 0)
+
+    @property
+    def compiled(self) -> bool:
+        """Whether the forward pass runs compiled (`warm_up` compiles it)."""
+        return self._packed is not None and self._packed.compiled is not None
+
+    def warm_up(self) -> float:
+        """Compile the forward pass now, if it is compiled (at service start: no request pays a
+        compile); the seconds it took."""
+        with self._lock:
+            return self._packed.warm_up() if self._packed is not None else 0.0
 
     def covered(self, session_id: str, history: list[int]) -> int:
         """Tokens of `history` whose keys/values are at hand for the session: its own cache's, or

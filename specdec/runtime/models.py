@@ -27,16 +27,13 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
-from transformers import (
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    GenerationConfig,
-    PreTrainedModel,
-    PreTrainedTokenizerBase,
-)
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+if TYPE_CHECKING:  # the model classes load at first use: a process that only tokenizes (the
+    from transformers import PreTrainedModel  # orchestrator) starts without them (~4 s of imports)
 
 from specdec.defaults import DEFAULT_MODEL, cache_dir
 
@@ -181,6 +178,8 @@ def _convert_gguf(gguf_dir: Path, out: Path, progress: bool) -> None:
         bar.update()
 
         stage("de-quantise")
+        from transformers import AutoModelForCausalLM, GenerationConfig
+
         gguf_model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=_GGUF_FILE, dtype=torch.float32)
         bar.update()
 
@@ -295,6 +294,8 @@ def load_tokenizer(spec: str) -> PreTrainedTokenizerBase:
 def load_model(spec: str, dtype: str = "float32", threads: int | None = None, progress: bool = True,
                device: str = "cpu") -> LoadedModel:
     """Load a causal LM for inference on `device` (see `resolve_device`), in eval mode, in the given dtype."""
+    from transformers import AutoModelForCausalLM
+
     torch_dtype = parse_dtype(dtype)
     torch_device = resolve_device(device)
     if threads is not None:

@@ -13,12 +13,15 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import load as st_load, save as st_save
-from transformers import DynamicCache, PreTrainedConfig
 
 from specdec.errors import FailedPrecondition
+
+if TYPE_CHECKING:  # transformers' cache classes load at first use (a model-free service never needs them)
+    from transformers import DynamicCache, PreTrainedConfig
 
 FORMAT_VERSION = "1"
 """The layout this code writes and reads; bump it when the tensors' names, shapes or order change."""
@@ -85,6 +88,8 @@ def decode(blob: bytes, identity: SnapshotIdentity, config: PreTrainedConfig,
            device: torch.device | str = "cpu") -> tuple[list[int], DynamicCache]:
     """The tokens and the cache of a blob, on `device`; FailedPrecondition if it was written for another model."""
     tokens, layers = decode_layers(blob, identity)
+    from transformers import DynamicCache
+
     cache = DynamicCache(config=config)
     for i, (keys, values) in enumerate(layers):
         cache.update(keys.to(device), values.to(device), i)

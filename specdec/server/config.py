@@ -120,7 +120,7 @@ BatchWindowMs = Annotated[float, Field(ge=0, le=1000)]
 
 
 KV_OPTIONS = ("kv_cache_bytes", "prefix_cache", "prefix_block_tokens", "prefix_redis_url", "prefix_min_fetch_tokens",
-              "prefix_ttl_s", "prefill_chunk_tokens", "prepack_weights")
+              "prefix_ttl_s", "prefill_chunk_tokens", "prepack_weights", "compile")
 """Options of a service's model engine (its KV caches and forward pass): meaningless without a model."""
 
 
@@ -156,6 +156,11 @@ class ModelServiceConfig(ServiceConfig, DeviceOption):
         "auto", description="Pre-pack the model's projection weights for oneDNN, fused per layer (auto: where that "
         "path exists, float32 on a CPU; measured faster here for decode and verify passes, see bench/engine.py); "
         "costs a second copy of the weights in memory."
+    )
+    compile: Literal["auto", "on", "off"] = Field(
+        "off", description="Run the dense part of every layer (norms, projections, rotary embedding, MLP) through "
+        "torch.compile, compiled at service start (its time is logged) for every pass shape, so no request pays a "
+        "compile (auto: where it can run, a C++ compiler on a CPU or CUDA; see bench/engine.py for what it gains)."
     )
     prefill_chunk_tokens: int = Field(
         512, ge=0, description="Most prompt tokens one forward pass prefills, over all its sessions (0: no limit); a "

@@ -129,10 +129,12 @@ def session_caches(config: ModelServiceConfig, loaded: LoadedModel, role: str) -
     if config.prefix_redis_url:
         store = RedisPrefixStore(config.prefix_redis_url, role, model_identity(loaded), config.prefix_ttl_s,
                                  config.prefix_min_fetch_tokens)
-    return SessionCaches(loaded.model, loaded.max_context, config.max_sessions, config.idle_ttl_s,
-                         snapshot_policy(config, loaded, role), budget_bytes=config.kv_cache_bytes or None,
-                         prefix_cache=PrefixCache(config.prefix_block_tokens) if config.prefix_cache else None,
-                         prefix_store=store, prepack=config.prepack_weights)
+    caches = SessionCaches(loaded.model, loaded.max_context, config.max_sessions, config.idle_ttl_s,
+                           snapshot_policy(config, loaded, role), budget_bytes=config.kv_cache_bytes or None,
+                           prefix_cache=PrefixCache(config.prefix_block_tokens) if config.prefix_cache else None,
+                           prefix_store=store, prepack=config.prepack_weights, compile=config.compile)
+    caches.warm_up()  # before the service listens: no request pays a compile
+    return caches
 
 
 def admission_and_metrics(config: ModelServiceConfig, role: str) -> tuple[Admission, ServiceMetrics]:
