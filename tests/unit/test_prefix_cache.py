@@ -174,8 +174,8 @@ def test_attention_over_segments_equals_attention_over_one_tensor(dtype):
 
 @pytest.mark.parametrize("fields,message", [
     (dict(proposer="ngram", kv_cache_bytes=1 << 20), "--kv-cache-bytes configure a draft model's KV caches"),
-    (dict(proposer="suffix", prefill_chunk_tokens=64, prepack_weights="off"),
-     "--prefill-chunk-tokens, --prepack-weights"),
+    (dict(proposer="suffix", prefill_chunk_tokens=64, prepack_weights="off", compile="on"),
+     "--prefill-chunk-tokens, --prepack-weights, --compile"),
     (dict(prefix_cache=False, prefix_block_tokens=16), "--prefix-block-tokens sizes the prefix cache's blocks"),
     (dict(prefix_ttl_s=60), "--prefix-ttl-s configure sharing prefixes through Redis"),
     (dict(prefix_cache=False, prefix_redis_url="redis://127.0.0.1:1/0"), "drop --no-prefix-cache"),
@@ -187,7 +187,8 @@ def test_engine_options_that_would_have_no_effect_are_refused(fields, message):
 
     with pytest.raises(ValidationError, match=message):
         DraftConfig(**{"proposer": "model", **fields})
-    DraftConfig(proposer="model", kv_cache_bytes=1 << 20, prefix_block_tokens=16, prefill_chunk_tokens=64)
+    DraftConfig(proposer="model", kv_cache_bytes=1 << 20, prefix_block_tokens=16, prefill_chunk_tokens=64,
+                compile="on")
 
 
 def test_prepacked_weights_asked_for_a_model_the_packed_pass_does_not_run_are_refused(model, monkeypatch):
@@ -197,3 +198,6 @@ def test_prepacked_weights_asked_for_a_model_the_packed_pass_does_not_run_are_re
     with pytest.raises(ValueError, match="pre-packed weights"):
         SessionCaches(model, max_context=64, prepack="on")
     SessionCaches(model, max_context=64, prepack="auto")  # auto: the generic path, quietly
+    with pytest.raises(ValueError, match="compiled pass"):
+        SessionCaches(model, max_context=64, compile="on")
+    assert not SessionCaches(model, max_context=64, compile="auto").compiled
