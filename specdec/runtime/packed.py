@@ -25,7 +25,9 @@ Other architectures take `forward_generic`: one session at a time through transf
 from __future__ import annotations
 
 import functools
+import logging
 import shutil
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +39,8 @@ if TYPE_CHECKING:  # transformers' model code loads with the model: a model-free
 
 from specdec.runtime.compiled import CompiledLayers
 from specdec.runtime.kv_buffer import SessionKV
+
+log = logging.getLogger(__name__)
 
 QUERY_CHUNK = 256
 """A row's new positions attend in chunks of at most this many (bounds the score matrix)."""
@@ -211,7 +215,7 @@ class PackedForward:
         else:
             for index, layer in enumerate(self.base.layers):
                 x = x + self._attention(index, layer.self_attn, layer.input_layernorm(x), cos, sin, rows)
-                x = x + self._mlp(index, layer.mlp, layer.post_attention_layernorm(x))
+                x = x + layer.mlp(layer.post_attention_layernorm(x))
         h = self.base.norm(x[0, picks])  # [sum keep, hidden]
         logits = self.head(h)[0] if self.head is not None else self.model.lm_head(h)  # [sum keep, V]
         for row in rows:
@@ -253,19 +257,13 @@ class PackedForward:
 
     def _attention(self, index: int, attn: Any, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    rows: list[PackedRow]) -> torch.Tensor:
-        """The attention block of layer `index` (`attn`: its Llama-shaped attention module) for the
-        packed hidden states `h` [1, T, hidden]."""
-        t, d, hkv = h.shape[1], self.head_dim, self.kv_heads
-        if self.layers:
-            q, k, v = self.layers[index][0](h[0])
-        else:
-            q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
-        q = q.reshape(1, t, self.heads, d)
-        k = k.reshape(1, t, hkv, d)
+        """The attention block of layer `index` through the model's own modules (`attn`: its
+        Llama-shaped attention module) for the packed hidden states `h` [1, T, hidden]."""
+        t, d = h.shape[1], self.head_dim
+        q = attn.q_proj(h).reshape(1, t, self.heads, d)
+        k = attn.k_proj(h).reshape(1, t, self.kv_heads, d)
         q, k = self.rope(q, k, cos, sin, unsqueeze_dim=2)  # [1, T, H, D]
-        out = self._attend_rows(index, q[0], k[0], v.reshape(t, hkv, d), rows, attn.scaling)
-        if self.layers:
-            return self.layers[index][1](out)[0][None]
+        out = self._attend_rows(index, q[0], k[0], attn.v_proj(h).reshape(t, self.kv_heads, d), rows, attn.scaling)
         return attn.o_proj(out[None])
 
     def _attend_rows(self, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: list[PackedRow],
@@ -286,29 +284,23 @@ class PackedForward:
         return out.view(t, self.heads * d)
 
     def warm_up(self) -> float:
-        """Compile the compiled pass's graphs now (at service start), on scratch sessions; seconds taken
-        (0 without `compile`)."""
+        """Compile the compiled pass's graphs now (at service start), on a scratch session: a pass of
+        one position (dynamo gives it a graph of its own) and of 2 and 3 (which make T dynamic), each
+        after a first pass so that it attends to a past. Afterwards nothing compiles again (see
+        `compiled`). Returns the seconds it took (0 without `compile`)."""
         if self.compiled is None:
             return 0.0
-        layers = len(self.base.layers)
         weight = self.model.lm_head.weight
-
-        def run(t: int) -> None:
-            kv = SessionKV(layers, self.kv_heads, self.head_dim, 4 * t, weight.dtype, weight.device)
-            self([PackedRow(kv, [0] * t, 1)])
-            self([PackedRow(kv, [0] * t, t)])  # a second pass: a past to attend to
-
+        start = time.perf_counter()
         with torch.inference_mode():
-            return self.compiled.warm_up(run)
-
-    def _mlp(self, index: int, mlp: Any, h: torch.Tensor) -> torch.Tensor:
-        """The MLP block of layer `index` for `h` [1, T, hidden]: down(act(gate(h)) * up(h))."""
-        if not self.layers:
-            return mlp(h)
-        _, _, gate_up, down = self.layers[index]
-        gate, up = gate_up(h[0])
-        return down(mlp.act_fn(gate) * up)[0][None]
-
+            for t in (1, 2, 3):
+                kv = SessionKV(len(self.base.layers), self.kv_heads, self.head_dim, 4 * t, weight.dtype, weight.device)
+                self([PackedRow(kv, [0] * t, 1)])
+                self([PackedRow(kv, [0] * t, t)])
+        self.compiled.warm = True
+        seconds = time.perf_counter() - start
+        log.info("compiled the forward pass in %.1f s (torch.compile, inductor; --compile off turns it off)", seconds)
+        return seconds
 
 def attend(q: torch.Tensor, segments: list[tuple[torch.Tensor, torch.Tensor]], past: int,
            scale: float) -> torch.Tensor:
