@@ -14,7 +14,9 @@ passes interleaved so that load from elsewhere on a shared machine hits them ali
 - `new`: `specdec.runtime.kv` (in-place buffers, packed pass);
 - `new_one_by_one` (sessions > 1): the new engine scoring the same rows one `score` at a time;
 - `compiled` (with `--engines ...,compiled`): the new engine with `--compile on` (one compile,
-  at the start, shared by every cell; its time is recorded as `compile_s`).
+  at the start, shared by every cell; its time is recorded as `compile_s`);
+- `torch_attention` (with `--engines ...,torch_attention`): the new engine with `--attention torch`
+  (torch's operators row by row instead of the native kernel `new` runs where it builds).
 
 Each figure also appears as a multiple of its floor: (weight bytes + every row's K/V bytes read)
 / the read bandwidth this script measures (sum of a ~500 MB float32 tensor, median of several).
@@ -46,6 +48,7 @@ from specdec.runtime.packed import PackedForward, kv_geometry
 
 GRID = {"positions": [1, 3, 5, 9], "contexts": [64, 1024, 4096, 8000], "sessions": [1, 4, 8, 16]}
 QUICK = {"positions": [1, 5], "contexts": [64, 4096], "sessions": [1, 8]}
+KEYS = ("old", "torch_attention", "new", "new_one_by_one", "compiled")
 QUICK_EXTRA = [(3, 4096, 8), (3, 4096, 1), (3, 64, 1)]  # the figures the issue quotes
 
 
@@ -75,7 +78,9 @@ class Cell:
     def __init__(self, engine: str, model, context: int, sessions: int, positions: int, vocab: int,
                  compiled=None) -> None:
         module = legacy if engine == "old" else current
-        self.caches = module.SessionCaches(model, max_context=context + positions + 1, max_sessions=sessions + 1)
+        options = {"attention": "torch"} if engine == "torch_attention" else {}
+        self.caches = module.SessionCaches(model, max_context=context + positions + 1, max_sessions=sessions + 1,
+                                           **options)
         if engine == "compiled":
             self.caches._packed = compiled  # compiled once for every cell
         gen = torch.Generator().manual_seed(0)
@@ -204,14 +209,14 @@ def main() -> None:
             if "warmup_s" in row.get(engine, {}):
                 too_big[engine].append((positions, context, sessions))
         del runs
-        for key in ("old", "new", "new_one_by_one", "compiled"):
+        for key in KEYS:
             if "median_s" in row.get(key, {}):
                 row[key]["over_floor"] = row[key]["median_s"] / floor_s
         rows.append(row)
         print(" ".join([f"pos {positions} ctx {context:5d} sessions {sessions:2d}: floor {floor_s * 1e3:7.1f} ms"]
                        + [f"{key} {row[key]['median_s'] * 1e3:7.1f} ms ({row[key]['over_floor']:.1f}x)"
                           if "median_s" in row.get(key, {}) else f"{key} skipped"
-                          for key in ("old", "new", "new_one_by_one", "compiled") if key in row]), flush=True)
+                          for key in KEYS if key in row]), flush=True)
     result = {"model": loaded.name, "dtype": args.dtype, "threads": args.threads, "repeats": args.repeats,
               "read_bandwidth_gb_s": bandwidth / 1e9, "weight_bytes": weights, "kv_bytes_per_token": kv_token_bytes,
               "machine": platform.processor() or platform.machine(), "torch": torch.__version__, "compile_s": compile_s,
@@ -242,11 +247,11 @@ def summary(rows: list[dict]) -> list[str]:
     lines = []
     for positions, context, sessions in ((1, 64, 1), (5, 64, 1), (3, 4096, 1), (3, 4096, 8)):
         got = [both(positions, context, sessions, key)
-               for key in ("old", "new", "new_one_by_one", "compiled", "floor_s")]
+               for key in (*KEYS, "floor_s")]
         if got[-1] is not None:
             lines.append(f"{sessions} session(s) x context {context} x {positions} positions: "
                          + ", ".join(part for part in got if part is not None))
-    for key in ("old", "new", "compiled"):
+    for key in ("old", "torch_attention", "new", "compiled"):
         one, five = ms(1, 64, 1, key), ms(5, 64, 1, key)
         if one and five:
             lines.append(f"{key}: 5 positions cost {five / one:.2f}x a decode step (1 session, context 64; medians)")
@@ -268,7 +273,7 @@ def plot(rows: list[dict], path: Path) -> None:
         for positions in sorted({r["positions"] for r in rows}):
             cells = sorted((r for r in rows if r["sessions"] == s and r["positions"] == positions),
                            key=lambda r: r["context"])
-            for key, style in (("old", "--"), ("new", "-"), ("compiled", "-.")):
+            for key, style in (("old", "--"), ("torch_attention", (0, (3, 1, 1, 1))), ("new", "-"), ("compiled", "-.")):
                 points = [(r["context"], r[key]["median_s"] * 1e3) for r in cells if "median_s" in r.get(key, {})]
                 if points:
                     ax.plot(*zip(*points), style, marker="o", label=f"{key}, {positions} pos")

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 if TYPE_CHECKING:  # transformers' model code loads with the model: a model-free draft service starts without it
     from transformers import PreTrainedModel
 
+from specdec.runtime import native_attention
 from specdec.runtime.compiled import CompiledLayers
 from specdec.runtime.kv_buffer import SessionKV
 
@@ -139,17 +140,22 @@ class Projection:
 class PackedForward:
     """`__call__(rows)`: feed every row's tokens into its `SessionKV`; each row's last `keep` logits."""
 
-    def __init__(self, model: PreTrainedModel, prepack: str = "off", compile: str = "off") -> None:
+    def __init__(self, model: PreTrainedModel, prepack: str = "off", compile: str = "off",
+                 attention: str = "auto") -> None:
         """`prepack`: "on" (the weights pre-packed for oneDNN, fused per layer), "off" (the model's
         own modules), "auto" (on where `can_prepack`). `compile`: "on" (the dense part of every
         layer through torch.compile, `compiled.CompiledLayers`; call `warm_up` before serving),
-        "off", "auto" (on where `can_compile`)."""
+        "off", "auto" (on where `can_compile`). `attention`: "native" (decode and verify rows
+        through `native_attention`, built on first use), "torch" (`attend`), "auto" (native where
+        it builds and runs: a CPU, float32/float64, a C compiler)."""
         if not supports(model):
             raise TypeError(f"{type(model).__name__} is not a Llama-structured model")
         if prepack not in ("on", "off", "auto"):
             raise ValueError(f"prepack must be on, off or auto, not {prepack!r}")
         if compile not in ("on", "off", "auto"):
             raise ValueError(f"compile must be on, off or auto, not {compile!r}")
+        if attention not in ("native", "torch", "auto"):
+            raise ValueError(f"attention must be native, torch or auto, not {attention!r}")
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
         self.rope = apply_rotary_pos_emb  # (q, k, cos, sin, unsqueeze_dim) -> rotated q, k
@@ -184,6 +190,13 @@ class PackedForward:
                 ))
         if compilable and compile != "off":
             self.compiled = CompiledLayers(self)
+        why = "" if attention == "torch" else native_attention.unavailable(weight.device, weight.dtype)
+        if attention == "native" and why:
+            raise ValueError(f"--attention native: {why}")
+        if attention == "auto" and why:
+            log.info("attention through torch's operators (%s)", why)
+        self.native = attention != "torch" and not why
+        self._plan: tuple[list[PackedRow] | None, native_attention.Plan | None, list[bool]] = (None, None, [])
 
     def _biased(self) -> bool:
         """Whether a projection or the MLP departs from plain bias-free Llama (then modules are called)."""
@@ -201,6 +214,7 @@ class PackedForward:
         device = self.model.lm_head.weight.device
         for row in rows:
             row.kv.reserve(row.kv.length + len(row.tokens))
+        self._plan = (None, None, [])  # the native kernel's plan is built at the first layer (buffers are final)
         ids = torch.tensor([t for row in rows for t in row.tokens], dtype=torch.long)  # [T]
         positions = torch.cat([torch.arange(row.kv.length, row.kv.length + len(row.tokens)) for row in rows])
         ends = torch.tensor([len(row.tokens) for row in rows]).cumsum(0)
@@ -269,19 +283,39 @@ class PackedForward:
     def _attend_rows(self, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: list[PackedRow],
                      scaling: float) -> torch.Tensor:
         """Write each row's new keys/values (`k`, `v` `[T, Hkv, D]`) into its cache at layer `index`
-        and attend its queries (`q` `[T, H, D]`) to its whole past; `[T, H * D]`."""
+        and attend its queries (`q` `[T, H, D]`) to its whole past; `[T, H * D]`. Short rows (decode,
+        verify) go through the native kernel when it runs, all in one call; the others through `attend`."""
         t, d, hkv, g = q.shape[0], self.head_dim, self.kv_heads, self.groups
         out = q.new_empty((t, hkv, g, d))  # query head kv * G + g lives at [:, kv, g]
+        plan, native = self._native_plan(rows)
         start = 0
-        for row in rows:
+        for row, short in zip(rows, native):
             n, past = len(row.tokens), row.kv.length
             span = slice(start, start + n)
             row.kv.write(index, past, k[span].transpose(0, 1), v[span].transpose(0, 1))
-            queries = q[span].view(n, hkv, g, d).permute(1, 2, 0, 3)  # [Hkv, G, n, D]
-            o = attend(queries, row.kv.segments(index, past + n), past, scaling)
-            out[span] = o.permute(2, 0, 1, 3)  # [n, Hkv, G, D]
+            if not short:
+                queries = q[span].view(n, hkv, g, d).permute(1, 2, 0, 3)  # [Hkv, G, n, D]
+                o = attend(queries, row.kv.segments(index, past + n), past, scaling)
+                out[span] = o.permute(2, 0, 1, 3)  # [n, Hkv, G, D]
             start += n
+        if plan is not None:
+            native_attention.attend(plan, index, q, out.view(t, self.heads, d), hkv, scaling)
         return out.view(t, self.heads * d)
+
+    def _native_plan(self, rows: list[PackedRow]) -> tuple[native_attention.Plan | None, list[bool]]:
+        """The native kernel's plan for this pass's short rows (built at its first layer), and which
+        rows it covers."""
+        if self._plan[0] is rows:
+            return self._plan[1], self._plan[2]
+        short = [self.native and len(row.tokens) * self.groups <= native_attention.MAX_QUERIES for row in rows]
+        described, start = [], 0
+        for row, take in zip(rows, short):
+            if take:
+                described.append((row.kv, start, len(row.tokens), row.kv.length))
+            start += len(row.tokens)
+        plan = native_attention.Plan(described) if described else None
+        self._plan = (rows, plan, short)
+        return plan, short
 
     def warm_up(self) -> float:
         """Compile the compiled pass's graphs now (at service start), on a scratch session: a pass of

@@ -120,7 +120,7 @@ BatchWindowMs = Annotated[float, Field(ge=0, le=1000)]
 
 
 KV_OPTIONS = ("kv_cache_bytes", "prefix_cache", "prefix_block_tokens", "prefix_redis_url", "prefix_min_fetch_tokens",
-              "prefix_ttl_s", "prefill_chunk_tokens", "prepack_weights", "compile")
+              "prefix_ttl_s", "prefill_chunk_tokens", "prepack_weights", "compile", "attention")
 """Options of a service's model engine (its KV caches and forward pass): meaningless without a model."""
 
 
@@ -161,6 +161,12 @@ class ModelServiceConfig(ServiceConfig, DeviceOption):
         "off", description="Run the dense part of every layer (norms, projections, rotary embedding, MLP) through "
         "torch.compile, compiled at service start (its time is logged) for every pass shape, so no request pays a "
         "compile (auto: where it can run, a C++ compiler on a CPU or CUDA; see bench/engine.py for what it gains)."
+    )
+    attention: Literal["auto", "native", "torch"] = Field(
+        "auto", description="Attention of decode and verify rows: native (one C kernel per layer for all of a pass's "
+        "rows, each key/value read once for its grouped query heads, on all threads; built on first use with the "
+        "machine's C compiler), torch (torch's operators, row by row), auto (native where it builds and runs: a CPU, "
+        "float32/float64, a C compiler; see bench/engine.py)."
     )
     prefill_chunk_tokens: int = Field(
         512, ge=0, description="Most prompt tokens one forward pass prefills, over all its sessions (0: no limit); a "

@@ -132,7 +132,8 @@ def session_caches(config: ModelServiceConfig, loaded: LoadedModel, role: str) -
     caches = SessionCaches(loaded.model, loaded.max_context, config.max_sessions, config.idle_ttl_s,
                            snapshot_policy(config, loaded, role), budget_bytes=config.kv_cache_bytes or None,
                            prefix_cache=PrefixCache(config.prefix_block_tokens) if config.prefix_cache else None,
-                           prefix_store=store, prepack=config.prepack_weights, compile=config.compile)
+                           prefix_store=store, prepack=config.prepack_weights, compile=config.compile,
+                           attention=config.attention)
     caches.warm_up()  # before the service listens: no request pays a compile
     return caches
 

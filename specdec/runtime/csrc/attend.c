@@ -1,0 +1,283 @@
+/* Attention of short blocks (decode and verify rows) to pasts of any length, read in place.
+ *
+ * One call attends every short row of a packed pass at one layer: row r brings n_r new positions
+ * whose queries (G per key/value head) see keys 0 .. past_r + j; its keys/values lie in segments
+ * (shared prefix views, then the session's own buffer), each `[2, layers, kv_heads, positions,
+ * head_dim]` with any strides but a contiguous head_dim. Nothing is copied or repeated.
+ *
+ * Work is split as flash-decoding does: an item is (row, key/value head, chunk of CHUNK key
+ * positions); it computes, for all G * n queries of that head, the chunk's scores, their maximum
+ * m, the sum l of exp(score - m) and the exp-weighted sum of values. Every key and value row is
+ * read from memory once per item, for all the queries that share it (grouped-query attention is
+ * why a per-query kernel reads it G times). A second loop merges each query's chunks:
+ * out = sum_c exp(m_c - M) acc_c / sum_c exp(m_c - M) l_c. Items and merges run on the OpenMP
+ * threads of the process (torch's own runtime: this library links the libgomp that torch loaded).
+ *
+ * Built at run time by specdec.runtime.native_attention with -O3 -march=native -ffast-math. The
+ * code never produces an infinity or NaN (a masked key is left out of the loops, not set to
+ * -inf), which -ffast-math's finite-math assumption requires. float32 on AVX2/FMA runs the
+ * register-blocked loops below; other types and machines run the plain loops, which the compiler
+ * vectorises. float64 is there so that tests can compare with an exact reference. */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define CHUNK 256  /* key positions per work item: a chunk's keys and values stay in L2 between loops */
+#define MAXQ 64    /* most queries (G * n) per row and head; longer blocks take the matmul path */
+#define MAXDIM 256 /* largest head_dim */
+#define SUB 32     /* keys per pass of the value loops: their rows stay in L1 across the passes */
+
+typedef struct {
+    const void *base; /* element [0, 0, 0, 0, 0] of the segment: keys at base, values at base + kv_stride */
+    int64_t kv_stride, layer_stride, head_stride, pos_stride; /* in elements */
+    int64_t start, width; /* absolute position of its first key; positions it holds */
+} segment_t;
+
+typedef struct {
+    int32_t first_segment, segments; /* into the segment array, in position order */
+    int32_t first_query, queries;    /* rows of q and out holding the block's positions */
+    int64_t past;                    /* keys before the block: query j sees keys 0 .. past + j */
+} row_t;
+
+/* Plain loops: scores[i * CHUNK + p] = scale * q_i . k_p; acc[i] = sum_p w[i * CHUNK + p] v_p. */
+#define DEFINE_LOOPS(T, NAME)                                                                       \
+    static void NAME##_scores(const T *qs, int nq, int dim, const T *const *keys, int64_t count,    \
+                              T scale, T *scores) {                                                 \
+        for (int64_t p = 0; p < count; p++)                                                         \
+            for (int i = 0; i < nq; i++) {                                                          \
+                const T *x = qs + i * dim, *k = keys[p];                                            \
+                T sum = 0;                                                                          \
+                _Pragma("omp simd reduction(+:sum)") for (int e = 0; e < dim; e++) sum += x[e] * k[e]; \
+                scores[i * CHUNK + p] = sum * scale;                                                \
+            }                                                                                       \
+    }                                                                                               \
+    static void NAME##_values(const T *w, int nq, int dim, const T *const *values, int64_t count,   \
+                              T *acc) {                                                             \
+        memset(acc, 0, sizeof(T) * nq * dim);                                                       \
+        for (int64_t p = 0; p < count; p++)                                                         \
+            for (int i = 0; i < nq; i++) {                                                          \
+                T x = w[i * CHUNK + p], *o = acc + i * dim;                                         \
+                const T *v = values[p];                                                             \
+                _Pragma("omp simd") for (int e = 0; e < dim; e++) o[e] += x * v[e];                 \
+            }                                                                                       \
+    }
+
+DEFINE_LOOPS(float, plain_f32)
+DEFINE_LOOPS(double, plain_f64)
+#define scores_f64 plain_f64_scores
+#define values_f64 plain_f64_values
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+/* The four sums of a, b, c, d (8 lanes each), in that order. */
+static inline __m128 sum4(__m256 a, __m256 b, __m256 c, __m256 d) {
+    __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+}
+
+/* Scores of 3 queries against 4 keys (twelve accumulators; dim a multiple of 8). */
+static inline void scores_3x4(const float *q0, const float *q1, const float *q2, const float *const *k,
+                              int dim, __m128 scale, float *d0, float *d1, float *d2) {
+    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00, a10 = a00, a11 = a00, a12 = a00,
+           a13 = a00, a20 = a00, a21 = a00, a22 = a00, a23 = a00;
+    for (int e = 0; e < dim; e += 8) {
+        __m256 x0 = _mm256_loadu_ps(q0 + e), x1 = _mm256_loadu_ps(q1 + e), x2 = _mm256_loadu_ps(q2 + e), y;
+        y = _mm256_loadu_ps(k[0] + e);
+        a00 = _mm256_fmadd_ps(x0, y, a00), a10 = _mm256_fmadd_ps(x1, y, a10), a20 = _mm256_fmadd_ps(x2, y, a20);
+        y = _mm256_loadu_ps(k[1] + e);
+        a01 = _mm256_fmadd_ps(x0, y, a01), a11 = _mm256_fmadd_ps(x1, y, a11), a21 = _mm256_fmadd_ps(x2, y, a21);
+        y = _mm256_loadu_ps(k[2] + e);
+        a02 = _mm256_fmadd_ps(x0, y, a02), a12 = _mm256_fmadd_ps(x1, y, a12), a22 = _mm256_fmadd_ps(x2, y, a22);
+        y = _mm256_loadu_ps(k[3] + e);
+        a03 = _mm256_fmadd_ps(x0, y, a03), a13 = _mm256_fmadd_ps(x1, y, a13), a23 = _mm256_fmadd_ps(x2, y, a23);
+    }
+    _mm_storeu_ps(d0, _mm_mul_ps(sum4(a00, a01, a02, a03), scale));
+    _mm_storeu_ps(d1, _mm_mul_ps(sum4(a10, a11, a12, a13), scale));
+    _mm_storeu_ps(d2, _mm_mul_ps(sum4(a20, a21, a22, a23), scale));
+}
+
+static void scores_f32(const float *qs, int nq, int dim, const float *const *keys, int64_t count, float scale,
+                       float *scores) {
+    if (dim % 8) {
+        plain_f32_scores(qs, nq, dim, keys, count, scale, scores);
+        return;
+    }
+    __m128 s = _mm_set1_ps(scale);
+    float spare[8], tail[3][4];
+    for (int i = 0; i < nq; i += 3) { /* missing queries of the last triple repeat the first; results dropped */
+        const float *q0 = qs + i * dim, *q1 = i + 1 < nq ? q0 + dim : q0, *q2 = i + 2 < nq ? q0 + 2 * dim : q0;
+        float *d0 = scores + i * CHUNK;
+        int64_t p = 0;
+        for (; p + 4 <= count; p += 4)
+            scores_3x4(q0, q1, q2, keys + p, dim, s, d0 + p, i + 1 < nq ? d0 + CHUNK + p : spare,
+                       i + 2 < nq ? d0 + 2 * CHUNK + p : spare + 4);
+        if (p < count) { /* the last 1-3 keys, with the first of them repeated */
+            const float *k[4];
+            for (int j = 0; j < 4; j++) k[j] = keys[p + j < count ? p + j : p];
+            scores_3x4(q0, q1, q2, k, dim, s, tail[0], tail[1], tail[2]);
+            for (int r = 0; r < 3 && i + r < nq; r++)
+                for (int64_t j = 0; p + j < count; j++) d0[r * CHUNK + p + j] = tail[r][j];
+        }
+    }
+}
+
+/* acc[i][e0 .. e0 + 32) += sum_p w[i * CHUNK + p] v_p[e0 ..] for QB queries (eight accumulators for QB = 2). */
+#define DEFINE_VALUES(QB)                                                                            \
+    static inline void values_##QB##x32(const float *w, const float *const *v, int64_t count, int e0, \
+                                        float *acc, int dim) {                                       \
+        __m256 c[QB][4];                                                                             \
+        for (int i = 0; i < QB; i++)                                                                 \
+            for (int j = 0; j < 4; j++) c[i][j] = _mm256_loadu_ps(acc + i * dim + e0 + 8 * j);       \
+        for (int64_t p = 0; p < count; p++) {                                                        \
+            const float *y = v[p] + e0;                                                              \
+            __m256 y0 = _mm256_loadu_ps(y), y1 = _mm256_loadu_ps(y + 8), y2 = _mm256_loadu_ps(y + 16), \
+                   y3 = _mm256_loadu_ps(y + 24);                                                     \
+            for (int i = 0; i < QB; i++) {                                                           \
+                __m256 x = _mm256_broadcast_ss(w + i * CHUNK + p);                                   \
+                c[i][0] = _mm256_fmadd_ps(x, y0, c[i][0]), c[i][1] = _mm256_fmadd_ps(x, y1, c[i][1]); \
+                c[i][2] = _mm256_fmadd_ps(x, y2, c[i][2]), c[i][3] = _mm256_fmadd_ps(x, y3, c[i][3]); \
+            }                                                                                        \
+        }                                                                                            \
+        for (int i = 0; i < QB; i++)                                                                 \
+            for (int j = 0; j < 4; j++) _mm256_storeu_ps(acc + i * dim + e0 + 8 * j, c[i][j]);       \
+    }
+DEFINE_VALUES(1)
+DEFINE_VALUES(2)
+
+static void values_f32(const float *w, int nq, int dim, const float *const *values, int64_t count, float *acc) {
+    if (dim % 32) {
+        plain_f32_values(w, nq, dim, values, count, acc);
+        return;
+    }
+    memset(acc, 0, sizeof(float) * nq * dim);
+    for (int64_t p = 0; p < count; p += SUB) {
+        int64_t m = count - p < SUB ? count - p : SUB;
+        for (int i = 0; i < nq; i += 2)
+            for (int e = 0; e < dim; e += 32) {
+                if (nq - i == 1)
+                    values_1x32(w + i * CHUNK + p, values + p, m, e, acc + i * dim, dim);
+                else
+                    values_2x32(w + i * CHUNK + p, values + p, m, e, acc + i * dim, dim);
+            }
+    }
+}
+#else
+#define scores_f32 plain_f32_scores
+#define values_f32 plain_f32_values
+#endif
+
+/* One work item: row `row`, head `head`, key positions p0 .. p1 - 1. `state`: m[nq], l[nq], acc[nq][dim]. */
+#define DEFINE_ATTEND(T, NAME, SUFFIX, EXP)                                                          \
+    static void NAME##_item(const row_t *row, const segment_t *segs, int layer, int head, int groups, \
+                            int dim, const T *q, int64_t q_t, int64_t q_h, T scale, int64_t p0,      \
+                            int64_t p1, T *state, T *scores, const T **keys, const T **values) {     \
+        int n = row->queries, nq = groups * n;                                                       \
+        int64_t width = p1 - p0, seen[MAXQ];                                                         \
+        T qs[MAXQ * MAXDIM], *m = state, *l = state + nq, *acc = state + 2 * nq;                     \
+        for (int g = 0; g < groups; g++)                                                             \
+            for (int j = 0; j < n; j++) { /* query (g, j) is number g * n + j; it sees keys < past + j + 1 */ \
+                int i = g * n + j;                                                                   \
+                memcpy(qs + i * dim, q + (row->first_query + j) * q_t + (head * groups + g) * q_h,   \
+                       sizeof(T) * dim);                                                             \
+                int64_t end = row->past + j + 1 < p1 ? row->past + j + 1 : p1;                       \
+                seen[i] = end > p0 ? end - p0 : 0;                                                   \
+            }                                                                                        \
+        for (int s = 0; s < row->segments; s++) {                                                    \
+            const segment_t *seg = segs + row->first_segment + s;                                    \
+            int64_t a = seg->start > p0 ? seg->start : p0;                                           \
+            int64_t b = seg->start + seg->width < p1 ? seg->start + seg->width : p1;                 \
+            const T *at = (const T *)seg->base + layer * seg->layer_stride + head * seg->head_stride; \
+            for (int64_t p = a; p < b; p++) {                                                        \
+                keys[p - p0] = at + (p - seg->start) * seg->pos_stride;                              \
+                values[p - p0] = keys[p - p0] + seg->kv_stride;                                      \
+            }                                                                                        \
+        }                                                                                            \
+        scores_##SUFFIX(qs, nq, dim, keys, width, scale, scores);                                   \
+        for (int i = 0; i < nq; i++) { /* keys a query must not see get weight 0 */                 \
+            T *sc = scores + i * CHUNK, top = sc[0], sum = 0;                                        \
+            int64_t w = seen[i];                                                                     \
+            for (int64_t p = 1; p < w; p++) top = sc[p] > top ? sc[p] : top;                         \
+            _Pragma("omp simd reduction(+:sum)") for (int64_t p = 0; p < w; p++) {                   \
+                T e = EXP(sc[p] - top);                                                              \
+                sc[p] = e, sum += e;                                                                 \
+            }                                                                                        \
+            for (int64_t p = w; p < width; p++) sc[p] = 0;                                           \
+            m[i] = w ? top : 0, l[i] = sum;                                                          \
+        }                                                                                            \
+        values_##SUFFIX(scores, nq, dim, values, width, acc);                                       \
+    }                                                                                                \
+                                                                                                     \
+    int NAME(int rows, const row_t *row, const segment_t *segs, int layer, int heads_kv, int groups,  \
+             int dim, const T *q, int64_t q_t, int64_t q_h, T *out, int64_t o_t, int64_t o_h,        \
+             double scale) {                                                                         \
+        if (dim < 1 || dim > MAXDIM || rows < 1) return -1;                                          \
+        int64_t *first = malloc(sizeof(int64_t) * (rows + 1)); /* first item of each row */          \
+        if (!first) return -2;                                                                       \
+        first[0] = 0;                                                                                \
+        for (int r = 0; r < rows; r++) {                                                             \
+            if (row[r].queries < 1 || row[r].queries * groups > MAXQ) {                              \
+                free(first);                                                                         \
+                return -1;                                                                           \
+            }                                                                                        \
+            int64_t keys = row[r].past + row[r].queries;                                             \
+            first[r + 1] = first[r] + heads_kv * ((keys + CHUNK - 1) / CHUNK);                       \
+        }                                                                                            \
+        int64_t items = first[rows], stride = (2 + dim) * MAXQ;                                      \
+        T *state = malloc(sizeof(T) * stride * items);                                               \
+        int failed = !state;                                                                         \
+        _Pragma("omp parallel if (!failed)") {                                                       \
+            T *scores = malloc(sizeof(T) * MAXQ * CHUNK);                                            \
+            const T **ptrs = malloc(sizeof(T *) * 2 * CHUNK);                                        \
+            int r = 0, mine = !scores || !ptrs;                                                      \
+            if (mine) {                                                                              \
+                _Pragma("omp atomic write") failed = 1;                                              \
+            }                                                                                        \
+            _Pragma("omp barrier");                                                                  \
+            _Pragma("omp for schedule(dynamic, 1)") for (int64_t it = 0; it < items; it++) {         \
+                if (failed) continue;                                                                \
+                while (first[r + 1] <= it) r++;                                                      \
+                while (first[r] > it) r--;                                                           \
+                int64_t chunks = (first[r + 1] - first[r]) / heads_kv, local = it - first[r];        \
+                int64_t c = local % chunks, keys = row[r].past + row[r].queries;                     \
+                int64_t p0 = c * CHUNK, p1 = p0 + CHUNK < keys ? p0 + CHUNK : keys;                  \
+                NAME##_item(row + r, segs, layer, (int)(local / chunks), groups, dim, q, q_t, q_h,   \
+                            (T)scale, p0, p1, state + it * stride, scores, ptrs, ptrs + CHUNK);      \
+            }                                                                                        \
+            free(scores);                                                                            \
+            free(ptrs);                                                                              \
+            _Pragma("omp for collapse(2)") for (int rr = 0; rr < rows; rr++)                         \
+                for (int h = 0; h < heads_kv; h++) {                                                 \
+                    if (failed) continue;                                                            \
+                    int n = row[rr].queries, nq = groups * n;                                        \
+                    int64_t chunks = (first[rr + 1] - first[rr]) / heads_kv;                         \
+                    const T *base = state + (first[rr] + h * chunks) * stride;                       \
+                    for (int i = 0; i < nq; i++) {                                                   \
+                        T top = 0, total = 0, o[MAXDIM];                                             \
+                        int any = 0;                                                                 \
+                        for (int64_t c = 0; c < chunks; c++) {                                       \
+                            const T *st = base + c * stride;                                         \
+                            if (st[nq + i] > 0 && (!any || st[i] > top)) top = st[i], any = 1;       \
+                        }                                                                            \
+                        memset(o, 0, sizeof(T) * dim);                                               \
+                        for (int64_t c = 0; c < chunks; c++) {                                       \
+                            const T *st = base + c * stride, *a = st + 2 * nq + i * dim;             \
+                            if (!(st[nq + i] > 0)) continue; /* a chunk this query sees none of */   \
+                            T f = EXP(st[i] - top);                                                  \
+                            total += f * st[nq + i];                                                 \
+                            for (int e = 0; e < dim; e++) o[e] += f * a[e];                          \
+                        }                                                                            \
+                        T *dst = out + (row[rr].first_query + i % n) * o_t + (h * groups + i / n) * o_h; \
+                        for (int e = 0; e < dim; e++) dst[e] = o[e] / total;                         \
+                    }                                                                                \
+                }                                                                                    \
+        }                                                                                            \
+        free(state);                                                                                 \
+        free(first);                                                                                 \
+        return failed ? -2 : 0;                                                                      \
+    }
+
+DEFINE_ATTEND(float, specdec_attend_f32, f32, expf)
+DEFINE_ATTEND(double, specdec_attend_f64, f64, exp)

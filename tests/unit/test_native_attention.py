@@ -1,0 +1,138 @@
+"""The native attention kernel: every short row of a pass at one layer, in one call, equals exact attention.
+
+CI installs a C compiler, so the kernel is built here; a machine without one runs torch's path
+(`--attention auto`), which test_engine_packed covers.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+
+from specdec.runtime import native_attention, packed
+from specdec.runtime.kv import ScoreRequest, SessionCaches
+from specdec.runtime.kv_buffer import SessionKV
+from specdec.runtime.prefix_cache import PrefixCache
+from tests.reference import full_logits
+
+LAYERS = 3
+
+
+def _exact(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int, scale: float) -> torch.Tensor:
+    """q `[n, H, D]` against k, v `[Hkv, past + n, D]`, heads repeated, causal: `[n, H, D]`."""
+    n, heads, _ = q.shape
+    groups = heads // k.shape[0]
+    k, v = k.repeat_interleave(groups, 0), v.repeat_interleave(groups, 0)  # [H, past + n, D]
+    scores = torch.einsum("nhd,htd->hnt", q, k) * scale
+    visible = torch.arange(past + n)[None, :] <= (past + torch.arange(n))[:, None]
+    return torch.einsum("hnt,htd->nhd", scores.masked_fill(~visible, float("-inf")).softmax(-1), v)
+
+
+def _session(gen: torch.Generator, past: int, n: int, hkv: int, d: int, dtype: torch.dtype,
+             prefix_widths: tuple[int, ...]) -> SessionKV:
+    """A session holding `past` positions (the first ones in shared prefix views of `prefix_widths`),
+    with room for `n` more; random keys/values everywhere."""
+    prefix = []
+    for width in prefix_widths:  # views into a larger buffer: strides differ from the own buffer's
+        store = torch.randn(2, LAYERS, hkv, width + 5, d, generator=gen, dtype=dtype)
+        prefix.append(store[:, :, :, 2:2 + width])
+    kv = SessionKV(LAYERS, hkv, d, 100_000, dtype, prefix=prefix, capacity=past + n - sum(prefix_widths) + 3)
+    kv.data.copy_(torch.randn(kv.data.shape, generator=gen, dtype=dtype))
+    kv.length = past
+    return kv
+
+
+CASES = [  # (past, n, shared prefix widths) per row: chunk edges at 256, prefix edges inside chunks
+    [(0, 1, ()), (5, 3, ()), (255, 1, ()), (256, 2, ()), (257, 9, ())],
+    [(700, 5, (100, 300)), (40, 4, (40,)), (511, 1, (256,)), (1030, 3, (1,))],
+]
+
+
+@pytest.mark.parametrize("hkv, groups, d", [(2, 3, 8), (3, 3, 64), (1, 4, 32), (2, 1, 48)])
+@pytest.mark.parametrize("rows", CASES)
+def test_one_call_over_uneven_rows_equals_exact_attention_in_float64(hkv, groups, d, rows):
+    """d = 64 and 32 take the machine's vector loops where it has them, 8 and 48 the plain ones."""
+    gen = torch.Generator().manual_seed(d)
+    sessions = [_session(gen, past, n, hkv, d, torch.float64, widths) for past, n, widths in rows]
+    t, heads, layer, scale = sum(n for _, n, _ in rows), hkv * groups, 1, d**-0.5
+    qkv = torch.randn(t, heads + 2 * hkv, d, generator=gen, dtype=torch.float64)  # q as a strided view, as in a pass
+    q = qkv[:, :heads]
+    out = torch.full((t, heads, d), float("nan"), dtype=torch.float64)
+    described, start = [], 0
+    for kv, (past, n, _) in zip(sessions, rows):
+        described.append((kv, start, n, past))
+        start += n
+    native_attention.attend(native_attention.Plan(described), layer, q, out, hkv, scale)
+    start = 0
+    for kv, (past, n, _) in zip(sessions, rows):
+        keys, values = kv.joined(layer, past + n)
+        expected = _exact(q[start:start + n], keys, values, past, scale)
+        torch.testing.assert_close(out[start:start + n], expected, rtol=0, atol=1e-12)
+        start += n
+
+
+@pytest.mark.parametrize("n", [1, 3, 5, 7])
+def test_float32_stays_within_rounding_of_exact(n):
+    """The register-blocked float32 loops (key counts not a multiple of 4, query counts not a
+    multiple of 3 or 2) against the float64 result."""
+    gen = torch.Generator().manual_seed(n)
+    rows = [(1 + 97 * i, n, ()) for i in range(5)]
+    sessions = [_session(gen, past, n, 3, 64, torch.float64, ()) for past, n, _ in rows]
+    q = torch.randn(5 * n, 9, 64, generator=gen, dtype=torch.float64)
+    exact = torch.empty_like(q)
+    native_attention.attend(native_attention.Plan([(kv, i * n, n, p) for i, (kv, (p, _, _)) in
+                                                   enumerate(zip(sessions, rows))]), 0, q, exact, 3, 0.125)
+    for kv in sessions:
+        kv.data = kv.data.float()
+    out = torch.empty_like(q, dtype=torch.float32)
+    native_attention.attend(native_attention.Plan([(kv, i * n, n, p) for i, (kv, (p, _, _)) in
+                                                   enumerate(zip(sessions, rows))]), 0, q.float(), out, 3, 0.125)
+    torch.testing.assert_close(out.double(), exact, rtol=0, atol=2e-6)
+
+
+def test_a_block_longer_than_the_kernel_takes_is_refused():
+    kv = _session(torch.Generator().manual_seed(0), 10, 30, 1, 8, torch.float64, ())
+    q = torch.zeros(30, 3, 8, dtype=torch.float64)
+    with pytest.raises(ValueError, match="at most 64 queries"):
+        native_attention.attend(native_attention.Plan([(kv, 0, 30, 10)]), 0, q, torch.empty_like(q), 1, 1.0)
+
+
+def test_a_pass_mixing_decode_rows_and_a_prefill_equals_torchs_path_and_a_plain_forward(tiny_model):
+    """Short rows through the kernel, the prefill (too many queries for it) through `attend`, with
+    shared prefixes: the same logits as torch's attention and as transformers, in float64."""
+    rng, vocab = random.Random(3), tiny_model.config.vocab_size
+    engines = {way: SessionCaches(tiny_model, 2048, prefix_cache=PrefixCache(16), attention=way)
+               for way in ("native", "torch")}
+    assert engines["native"]._packed.native and not engines["torch"]._packed.native
+    system = [rng.randrange(3, vocab) for _ in range(300)]  # a shared prompt head: prefix segments
+    histories = {sid: system + [rng.randrange(3, vocab) for _ in range(rng.randrange(1, 400))] for sid in "abc"}
+    requests = [ScoreRequest(sid, history, [rng.randrange(3, vocab) for _ in range(width)])
+                for (sid, history), width in zip(histories.items(), (0, 2, 4))]
+    requests.append(ScoreRequest("fresh", system + [5] * 40, [7] * 40))  # a prefill beside the steps
+    assert 41 * engines["native"]._packed.groups > native_attention.MAX_QUERIES  # too long for the kernel
+    results = {}
+    for way, caches in engines.items():
+        for sid, history in histories.items():
+            caches.score(sid, history, [])
+        results[way] = caches.score_batch(requests)
+    for request, native, torch_way in zip(requests, results["native"], results["torch"]):
+        expected = full_logits(tiny_model, request.history + request.new_tokens)[len(request.history) - 1:]
+        torch.testing.assert_close(native.logits, expected, rtol=0, atol=1e-9)
+        torch.testing.assert_close(native.logits, torch_way.logits, rtol=0, atol=1e-12)
+
+
+def test_native_attention_is_refused_where_it_cannot_run(tiny_model, monkeypatch):
+    with pytest.raises(ValueError, match="runs float32 and float64, not bfloat16"):
+        packed.PackedForward(copy.deepcopy(tiny_model).to(torch.bfloat16), attention="native")
+    native_attention._library.cache_clear()
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    monkeypatch.setenv("PATH", "/nonexistent")
+    try:
+        with pytest.raises(ValueError, match="--attention native: no C compiler"):
+            packed.PackedForward(tiny_model, attention="native")
+        assert not packed.PackedForward(tiny_model, attention="auto").native  # auto: torch's path, logged
+    finally:
+        native_attention._library.cache_clear()
