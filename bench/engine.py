@@ -276,7 +276,7 @@ def plot(rows: list[dict], path: Path) -> None:
             for key, style in (("old", "--"), ("torch_attention", (0, (3, 1, 1, 1))), ("new", "-"), ("compiled", "-.")):
                 points = [(r["context"], r[key]["median_s"] * 1e3) for r in cells if "median_s" in r.get(key, {})]
                 if points:
-                    ax.plot(*zip(*points), style, marker="o", label=f"{key}, {positions} pos")
+                    ax.plot(*zip(*points), linestyle=style, marker="o", label=f"{key}, {positions} pos")
             ax.plot([r["context"] for r in cells], [r["floor_s"] * 1e3 for r in cells], ":", color="grey",
                     label=f"floor, {positions} pos")
         ax.set(xscale="log", yscale="log", xlabel="context (tokens)", ylabel="one pass (ms)",
