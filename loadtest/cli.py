@@ -50,6 +50,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                        help="with --start-pipeline: model, ngram or none (default ngram)")
     where.add_argument("--target-model", default=None, help="with --start-pipeline: the target model")
     where.add_argument("--draft-model", default=None, help="with --start-pipeline: the draft model (--proposer model)")
+    where.add_argument("--target-args", default="", metavar="FLAGS",
+                       help="with --start-pipeline: extra flags for the target service, one string "
+                       "(e.g. \"--attention torch --prefill-chunk-tokens 256\")")
     where.add_argument("--log-dir", default="",
                        help="with --start-pipeline: where service logs go (default: a temp dir)")
 
@@ -148,6 +151,7 @@ def start_pipeline(args: argparse.Namespace, http: bool, echo=print):
         plan.target_model = args.target_model
     if args.draft_model:
         plan.draft_model = args.draft_model
+    plan.extra_target_args = shlex.split(args.target_args)
     for spec in {plan.target_model, plan.draft_model}:  # convert packaged models once, with a progress bar
         resolve_model_path(spec, progress=True)
     pipeline = Pipeline(plan)
@@ -198,6 +202,9 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
         config.validate()
     except ValueError as exc:
         echo(f"error: {exc}")
+        return 2
+    if args.target_args and not args.start_pipeline:
+        echo("error: --target-args needs --start-pipeline (flags for a target service this load test starts)")
         return 2
     if args.chaos_kill_draft_every is not None:
         if not args.start_pipeline:
