@@ -89,7 +89,10 @@ def _library() -> tuple[Any, str]:
         except (OSError, subprocess.CalledProcessError) as e:
             detail = getattr(e, "stderr", "") or str(e)
             return None, f"building the attention kernel failed: {detail.strip()[-2000:]}"
-    lib = ctypes.CDLL(str(target))
+    try:
+        lib = ctypes.CDLL(str(target))
+    except OSError as e:  # e.g. a cache directory mounted noexec
+        return None, f"loading the attention kernel failed: {e}"
     for kind in _KINDS.values():
         fn = getattr(lib, f"specdec_attend_{kind}")
         fn.restype = ctypes.c_int
