@@ -15,8 +15,12 @@ passes interleaved so that load from elsewhere on a shared machine hits them ali
 - `new_one_by_one` (sessions > 1): the new engine scoring the same rows one `score` at a time;
 - `compiled` (with `--engines ...,compiled`): the new engine with `--compile on` (one compile,
   at the start, shared by every cell; its time is recorded as `compile_s`);
-- `torch_attention` (with `--engines ...,torch_attention`): the new engine with `--attention torch`
-  (torch's operators row by row instead of the native kernel `new` runs where it builds).
+- `torch_kernels` (with `--engines ...,torch_kernels`): the new engine with `--kernels torch`
+  (torch's operators: attention row by row, projections through oneDNN, instead of the native
+  kernels `new` runs where they build);
+- `native_attention` (with `--engines ...,native_attention`): the new engine with the native
+  attention kernel but oneDNN's projections (the native linear kernel left out), to tell the two
+  kernels' shares apart.
 
 Each figure also appears as a multiple of its floor: (weight bytes + every row's K/V bytes read)
 / the read bandwidth this script measures (sum of a ~500 MB float32 tensor, median of several).
@@ -48,7 +52,7 @@ from specdec.runtime.packed import PackedForward, kv_geometry
 
 GRID = {"positions": [1, 3, 5, 9], "contexts": [64, 1024, 4096, 8000], "sessions": [1, 4, 8, 16]}
 QUICK = {"positions": [1, 5], "contexts": [64, 4096], "sessions": [1, 8]}
-KEYS = ("old", "torch_attention", "new", "new_one_by_one", "compiled")
+KEYS = ("old", "torch_kernels", "native_attention", "new", "new_one_by_one", "compiled")
 QUICK_EXTRA = [(3, 4096, 8), (3, 4096, 1), (3, 64, 1)]  # the figures the issue quotes
 
 
@@ -78,9 +82,13 @@ class Cell:
     def __init__(self, engine: str, model, context: int, sessions: int, positions: int, vocab: int,
                  compiled=None) -> None:
         module = legacy if engine == "old" else current
-        options = {"attention": "torch"} if engine == "torch_attention" else {}
+        options = {"kernels": "torch"} if engine == "torch_kernels" else {}
         self.caches = module.SessionCaches(model, max_context=context + positions + 1, max_sessions=sessions + 1,
                                            **options)
+        if engine == "native_attention":  # every projection through its pre-packed oneDNN weight
+            packed = self.caches._packed
+            for projection in [packed.head, *(p for layer in packed.layers for p in layer)]:
+                projection.parts = []
         if engine == "compiled":
             self.caches._packed = compiled  # compiled once for every cell
         gen = torch.Generator().manual_seed(0)
@@ -251,7 +259,7 @@ def summary(rows: list[dict]) -> list[str]:
         if got[-1] is not None:
             lines.append(f"{sessions} session(s) x context {context} x {positions} positions: "
                          + ", ".join(part for part in got if part is not None))
-    for key in ("old", "torch_attention", "new", "compiled"):
+    for key in ("old", "torch_kernels", "native_attention", "new", "compiled"):
         one, five = ms(1, 64, 1, key), ms(5, 64, 1, key)
         if one and five:
             lines.append(f"{key}: 5 positions cost {five / one:.2f}x a decode step (1 session, context 64; medians)")
@@ -273,7 +281,8 @@ def plot(rows: list[dict], path: Path) -> None:
         for positions in sorted({r["positions"] for r in rows}):
             cells = sorted((r for r in rows if r["sessions"] == s and r["positions"] == positions),
                            key=lambda r: r["context"])
-            for key, style in (("old", "--"), ("torch_attention", (0, (3, 1, 1, 1))), ("new", "-"), ("compiled", "-.")):
+            for key, style in (("old", "--"), ("torch_kernels", (0, (3, 1, 1, 1))), ("native_attention", (0, (1, 1))),
+                               ("new", "-"), ("compiled", "-.")):
                 points = [(r["context"], r[key]["median_s"] * 1e3) for r in cells if "median_s" in r.get(key, {})]
                 if points:
                     ax.plot(*zip(*points), linestyle=style, marker="o", label=f"{key}, {positions} pos")

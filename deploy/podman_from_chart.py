@@ -658,6 +658,14 @@ def inner(opts: argparse.Namespace) -> int:
 
     wait_ready("start")
     log(f"every workload is ready, {time.monotonic() - t0:.0f} s after the first start")
+    for s in states:  # a CPU target from the image runs the prebuilt native kernels (no compiler there)
+        if s.container.component == "target":
+            out = podman("logs", s.name, check=False)
+            said = [line for line in (out.stdout + out.stderr).splitlines()
+                    if "native kernels:" in line or "through torch's operators" in line]
+            if not said or "native kernels:" not in said[0]:
+                raise RuntimeError(f"{s.container.id} runs without the native kernels: {said or 'nothing logged'}")
+            log(f"{s.container.id}: {said[0].strip()[-160:]}")
 
     for t in p.tests:
         log(f"helm test {t.workload}: {shlex.join((t.command or []) + (t.args or []))}")

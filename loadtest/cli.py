@@ -52,7 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     where.add_argument("--draft-model", default=None, help="with --start-pipeline: the draft model (--proposer model)")
     where.add_argument("--target-args", default="", metavar="FLAGS",
                        help="with --start-pipeline: extra flags for the target service, one string "
-                       "(e.g. \"--attention torch --prefill-chunk-tokens 256\")")
+                       "(e.g. \"--kernels torch --prefill-chunk-tokens 256\")")
     where.add_argument("--log-dir", default="",
                        help="with --start-pipeline: where service logs go (default: a temp dir)")
 

@@ -138,14 +138,14 @@ class SessionCaches:
                  idle_ttl_s: float = 900.0, snapshots: SnapshotPolicy | None = None,
                  budget_bytes: int | None = None, prefix_cache: PrefixCache | None = None,
                  prefix_store: RedisPrefixStore | None = None, prepack: str = "auto",
-                 compile: str = "off", attention: str = "auto") -> None:
+                 compile: str = "off", kernels: str = "auto") -> None:
         """`budget_bytes`: the most keys/values held (None: `default_budget_bytes` of the model's
         device); `prefix_cache`: share prefix blocks between sessions (None: no sharing);
         `prefix_store`: also share them with other replicas through Redis (needs `prefix_cache`);
         `prepack`: the engine's weights pre-packed for oneDNN, on/off/auto (`packed.Projection`);
         `compile`: the packed pass's dense part through torch.compile, on/off/auto
-        (`compiled.CompiledLayers`; `warm_up` compiles it); `attention`: the packed pass's attention
-        of decode and verify rows, native/torch/auto (`native_attention`)."""
+        (`compiled.CompiledLayers`; `warm_up` compiles it); `kernels`: the packed pass's attention of
+        decode and verify rows and projections of a few rows, native/torch/auto (`native`)."""
         self.model = model
         head = _head_weight(model)  # [V, hidden]
         self.device = head.device  # inputs go where the weights are
@@ -165,10 +165,10 @@ class SessionCaches:
         self.evictions = 0  # sessions evicted to make room under the budget
         self._own_bytes = 0  # bytes of the sessions' own buffers
         for what, asked in (("pre-packed weights", prepack), ("the compiled pass", compile),
-                            ("the native attention kernel", "on" if attention == "native" else "")):
+                            ("the native kernels", "on" if kernels == "native" else "")):
             if asked == "on" and not supports(model):
                 raise ValueError(f"{what}: a feature of the packed pass, which does not run {type(model).__name__}")
-        self._packed = PackedForward(model, prepack, compile, attention) if supports(model) else None
+        self._packed = PackedForward(model, prepack, compile, kernels) if supports(model) else None
         self._lock = threading.Lock()
 
     def __len__(self) -> int:

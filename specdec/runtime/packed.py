@@ -37,7 +37,7 @@ import torch.nn.functional as F
 if TYPE_CHECKING:  # transformers' model code loads with the model: a model-free draft service starts without it
     from transformers import PreTrainedModel
 
-from specdec.runtime import native_attention
+from specdec.runtime import native, native_attention
 from specdec.runtime.compiled import CompiledLayers
 from specdec.runtime.kv_buffer import SessionKV
 
@@ -116,19 +116,31 @@ class Projection:
     at 5 rows than at 1), while the packed path reads closer to the bandwidth and costs about the
     same for 1 and 5 rows; fusing q/k/v and gate/up halves the calls per layer. The packed weights
     are a copy: the model's own stay for everything else (a second copy of the weights in memory).
+
+    `native`: passes of at most `native.LINEAR_MAX_ROWS` rows go through the native linear kernel,
+    which reads the model's own weights where they lie (one call per fused weight, each writing its
+    columns of the output), faster than either library at those shapes; larger passes keep the path
+    above.
     """
 
-    def __init__(self, weights: list[torch.Tensor], prepack: bool) -> None:
+    def __init__(self, weights: list[torch.Tensor], prepack: bool, native: bool = False) -> None:
         self.sizes = [w.shape[0] for w in weights]
         with torch.inference_mode(False), torch.no_grad():
-            weight = weights[0].detach() if len(weights) == 1 else torch.cat([w.detach() for w in weights])
-            self.weight = torch.ops.mkldnn._reorder_linear_weight(weight) if prepack else weight
+            self.parts = [w.detach() for w in weights] if native else []
+            self.weight: torch.Tensor | None = None  # native and not pre-packed: larger passes use `parts`
+            if prepack or not native:
+                weight = weights[0].detach() if len(weights) == 1 else torch.cat([w.detach() for w in weights])
+                self.weight = torch.ops.mkldnn._reorder_linear_weight(weight) if prepack else weight
         self.prepacked = prepack
 
     def project(self, h: torch.Tensor) -> torch.Tensor:
         """`h` `[T, in]` -> `[T, sum(out_i)]` (the fused weights' outputs side by side)."""
+        if self.parts and h.shape[0] <= native.LINEAR_MAX_ROWS:
+            return native.linear(h.contiguous(), self.parts, h.new_empty((h.shape[0], sum(self.sizes))))
         if self.prepacked:
             return torch.ops.mkldnn._linear_pointwise(h, self.weight, None, "none", [], "")
+        if self.weight is None:
+            return torch.cat([F.linear(h, w) for w in self.parts], dim=-1)
         return F.linear(h, self.weight)
 
     def __call__(self, h: torch.Tensor) -> list[torch.Tensor]:
@@ -141,21 +153,23 @@ class PackedForward:
     """`__call__(rows)`: feed every row's tokens into its `SessionKV`; each row's last `keep` logits."""
 
     def __init__(self, model: PreTrainedModel, prepack: str = "off", compile: str = "off",
-                 attention: str = "auto") -> None:
+                 kernels: str = "auto") -> None:
         """`prepack`: "on" (the weights pre-packed for oneDNN, fused per layer), "off" (the model's
         own modules), "auto" (on where `can_prepack`). `compile`: "on" (the dense part of every
         layer through torch.compile, `compiled.CompiledLayers`; call `warm_up` before serving),
-        "off", "auto" (on where `can_compile`). `attention`: "native" (decode and verify rows
-        through `native_attention`, built on first use), "torch" (`attend`), "auto" (native where
-        it builds and runs: a CPU, float32/float64, a C compiler)."""
+        "off", "auto" (on where `can_compile`). `kernels`: "native" (`specdec.runtime.native`: the
+        attention of decode and verify rows through `native_attention`, and in float32 the
+        projections of passes of a few rows through its linear kernel), "torch" (`attend`, and
+        oneDNN/MKL), "auto" (native where the kernels build and run: a CPU, float32/float64, a C
+        compiler or prebuilt kernels)."""
         if not supports(model):
             raise TypeError(f"{type(model).__name__} is not a Llama-structured model")
         if prepack not in ("on", "off", "auto"):
             raise ValueError(f"prepack must be on, off or auto, not {prepack!r}")
         if compile not in ("on", "off", "auto"):
             raise ValueError(f"compile must be on, off or auto, not {compile!r}")
-        if attention not in ("native", "torch", "auto"):
-            raise ValueError(f"attention must be native, torch or auto, not {attention!r}")
+        if kernels not in ("native", "torch", "auto"):
+            raise ValueError(f"kernels must be native, torch or auto, not {kernels!r}")
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
         self.rope = apply_rotary_pos_emb  # (q, k, cos, sin, unsqueeze_dim) -> rotated q, k
@@ -174,28 +188,29 @@ class PackedForward:
         if compile == "on" and not compilable:
             raise ValueError("the compiled pass needs a CPU or CUDA device, a C++ compiler on a CPU, "
                              "and projections without bias")
+        why = "" if kernels == "torch" else native.unavailable(weight.device, weight.dtype)
+        if kernels == "native" and why:
+            raise ValueError(f"--kernels native: {why}")
+        if kernels == "auto" and why:
+            log.info("attention and projections through torch's operators (%s)", why)
+        self.native = kernels != "torch" and not why
+        linear = self.native and weight.dtype == torch.float32 and not self._biased()
         self.compiled: CompiledLayers | None = None
         self.head: Projection | None = None
         self.layers: list[tuple[Projection, Projection, Projection, Projection]] = []
-        if self.prepacked or (compilable and compile != "off"):
+        if self.prepacked or linear or (compilable and compile != "off"):
             packs = self.prepacked
-            self.head = Projection([weight], packs)
+            self.head = Projection([weight], packs, linear)
             for layer in self.base.layers:
                 attn, mlp = layer.self_attn, layer.mlp
                 self.layers.append((
-                    Projection([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight], packs),
-                    Projection([attn.o_proj.weight], packs),
-                    Projection([mlp.gate_proj.weight, mlp.up_proj.weight], packs),
-                    Projection([mlp.down_proj.weight], packs),
+                    Projection([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight], packs, linear),
+                    Projection([attn.o_proj.weight], packs, linear),
+                    Projection([mlp.gate_proj.weight, mlp.up_proj.weight], packs, linear),
+                    Projection([mlp.down_proj.weight], packs, linear),
                 ))
         if compilable and compile != "off":
             self.compiled = CompiledLayers(self)
-        why = "" if attention == "torch" else native_attention.unavailable(weight.device, weight.dtype)
-        if attention == "native" and why:
-            raise ValueError(f"--attention native: {why}")
-        if attention == "auto" and why:
-            log.info("attention through torch's operators (%s)", why)
-        self.native = attention != "torch" and not why
         self._plan: tuple[list[PackedRow] | None, native_attention.Plan | None, list[bool]] = (None, None, [])
 
     def _biased(self) -> bool:

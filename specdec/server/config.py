@@ -120,7 +120,7 @@ BatchWindowMs = Annotated[float, Field(ge=0, le=1000)]
 
 
 KV_OPTIONS = ("kv_cache_bytes", "prefix_cache", "prefix_block_tokens", "prefix_redis_url", "prefix_min_fetch_tokens",
-              "prefix_ttl_s", "prefill_chunk_tokens", "prepack_weights", "compile", "attention")
+              "prefix_ttl_s", "prefill_chunk_tokens", "prepack_weights", "compile", "kernels")
 """Options of a service's model engine (its KV caches and forward pass): meaningless without a model."""
 
 
@@ -162,11 +162,13 @@ class ModelServiceConfig(ServiceConfig, DeviceOption):
         "torch.compile, compiled at service start (its time is logged) for every pass shape, so no request pays a "
         "compile (auto: where it can run, a C++ compiler on a CPU or CUDA; see bench/engine.py for what it gains)."
     )
-    attention: Literal["auto", "native", "torch"] = Field(
-        "auto", description="Attention of decode and verify rows: native (one C kernel per layer for all of a pass's "
-        "rows, each key/value read once for its grouped query heads, on all threads; built on first use with the "
-        "machine's C compiler), torch (torch's operators, row by row), auto (native where it builds and runs: a CPU, "
-        "float32/float64, a C compiler; see bench/engine.py)."
+    kernels: Literal["auto", "native", "torch"] = Field(
+        "auto", description="The engine's C kernels for decode and verify passes: native (attention of all of a "
+        "pass's short rows in one call per layer, each key/value read once for its grouped query heads; in float32 "
+        "also the projections of passes of up to 16 rows, each weight read once for all rows; on all threads; built "
+        "on first use with the machine's C compiler, or taken from $SPECDEC_PREBUILT_KERNELS), torch (torch's "
+        "operators: attention row by row, projections through oneDNN/MKL), auto (native where they build and run: a "
+        "CPU, float32/float64; see bench/engine.py)."
     )
     prefill_chunk_tokens: int = Field(
         512, ge=0, description="Most prompt tokens one forward pass prefills, over all its sessions (0: no limit); a "

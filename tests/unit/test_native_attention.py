@@ -1,18 +1,17 @@
 """The native attention kernel: every short row of a pass at one layer, in one call, equals exact attention.
 
 CI installs a C compiler, so the kernel is built here; a machine without one runs torch's path
-(`--attention auto`), which test_engine_packed covers.
+(`--kernels auto`), which test_engine_packed covers.
 """
 
 from __future__ import annotations
 
-import copy
 import random
 
 import pytest
 import torch
 
-from specdec.runtime import native_attention, packed
+from specdec.runtime import native_attention
 from specdec.runtime.kv import ScoreRequest, SessionCaches
 from specdec.runtime.kv_buffer import SessionKV
 from specdec.runtime.prefix_cache import PrefixCache
@@ -104,7 +103,7 @@ def test_a_pass_mixing_decode_rows_and_a_prefill_equals_torchs_path_and_a_plain_
     """Short rows through the kernel, the prefill (too many queries for it) through `attend`, with
     shared prefixes: the same logits as torch's attention and as transformers, in float64."""
     rng, vocab = random.Random(3), tiny_model.config.vocab_size
-    engines = {way: SessionCaches(tiny_model, 2048, prefix_cache=PrefixCache(16), attention=way)
+    engines = {way: SessionCaches(tiny_model, 2048, prefix_cache=PrefixCache(16), kernels=way)
                for way in ("native", "torch")}
     assert engines["native"]._packed.native and not engines["torch"]._packed.native
     system = [rng.randrange(3, vocab) for _ in range(300)]  # a shared prompt head: prefix segments
@@ -122,17 +121,3 @@ def test_a_pass_mixing_decode_rows_and_a_prefill_equals_torchs_path_and_a_plain_
         expected = full_logits(tiny_model, request.history + request.new_tokens)[len(request.history) - 1:]
         torch.testing.assert_close(native.logits, expected, rtol=0, atol=1e-9)
         torch.testing.assert_close(native.logits, torch_way.logits, rtol=0, atol=1e-12)
-
-
-def test_native_attention_is_refused_where_it_cannot_run(tiny_model, monkeypatch):
-    with pytest.raises(ValueError, match="runs float32 and float64, not bfloat16"):
-        packed.PackedForward(copy.deepcopy(tiny_model).to(torch.bfloat16), attention="native")
-    native_attention._library.cache_clear()
-    monkeypatch.setenv("CC", "/nonexistent/cc")
-    monkeypatch.setenv("PATH", "/nonexistent")
-    try:
-        with pytest.raises(ValueError, match="--attention native: no C compiler"):
-            packed.PackedForward(tiny_model, attention="native")
-        assert not packed.PackedForward(tiny_model, attention="auto").native  # auto: torch's path, logged
-    finally:
-        native_attention._library.cache_clear()

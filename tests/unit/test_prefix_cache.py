@@ -174,8 +174,8 @@ def test_attention_over_segments_equals_attention_over_one_tensor(dtype):
 
 @pytest.mark.parametrize("fields,message", [
     (dict(proposer="ngram", kv_cache_bytes=1 << 20), "--kv-cache-bytes configure a draft model's KV caches"),
-    (dict(proposer="suffix", prefill_chunk_tokens=64, prepack_weights="off", compile="on", attention="native"),
-     "--prefill-chunk-tokens, --prepack-weights, --compile, --attention"),
+    (dict(proposer="suffix", prefill_chunk_tokens=64, prepack_weights="off", compile="on", kernels="native"),
+     "--prefill-chunk-tokens, --prepack-weights, --compile, --kernels"),
     (dict(prefix_cache=False, prefix_block_tokens=16), "--prefix-block-tokens sizes the prefix cache's blocks"),
     (dict(prefix_ttl_s=60), "--prefix-ttl-s configure sharing prefixes through Redis"),
     (dict(prefix_cache=False, prefix_redis_url="redis://127.0.0.1:1/0"), "drop --no-prefix-cache"),
@@ -188,7 +188,7 @@ def test_engine_options_that_would_have_no_effect_are_refused(fields, message):
     with pytest.raises(ValidationError, match=message):
         DraftConfig(**{"proposer": "model", **fields})
     DraftConfig(proposer="model", kv_cache_bytes=1 << 20, prefix_block_tokens=16, prefill_chunk_tokens=64,
-                compile="on", attention="torch")
+                compile="on", kernels="torch")
 
 
 def test_prepacked_weights_asked_for_a_model_the_packed_pass_does_not_run_are_refused(model, monkeypatch):

@@ -1,0 +1,213 @@
+"""The project's C kernels (`csrc/*.c`): built for this machine, loaded once, and the linear one's entry point.
+
+Two loops that torch's CPU operators leave far from the memory bandwidth on the shapes of decode
+and verify passes, where a pass is a read of bytes (weights, then keys/values), not arithmetic:
+`linear.c` (a projection of 1-16 rows: each weight read once for every row) and `attend.c` (all of
+a pass's short rows at one layer, each key/value read once for its grouped query heads; see
+`native_attention`). Both run on torch's OpenMP threads.
+
+Where the library comes from, in order:
+1. `$SPECDEC_PREBUILT_KERNELS`: a folder of libraries built for portable instruction sets with
+   `python -m specdec.runtime.native prebuild DIR` (container images do this in their build stage,
+   so a runtime image needs no compiler); the best one this CPU runs, for exactly this source.
+2. A build with the machine's C compiler (`cc -O3 -march=native`: AVX2/FMA loops where the CPU has
+   them), kept in a cache folder, once per source, compiler and CPU.
+Neither: `unavailable` says why, and the engine keeps torch's operators (`--kernels auto`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCES = ("attend.c", "linear.c")
+_FLAGS = ["-O3", "-ffast-math", "-fopenmp", "-fPIC", "-std=gnu11"]
+LINEAR_MAX_ROWS = 16
+"""Most rows a projection sends to the linear kernel; larger passes (prefill chunks, many sessions)
+are GEMM-shaped, and oneDNN/MKL are faster there (bench/engine.py)."""
+
+# Instruction sets a prebuilt library may target, best first, and the /proc/cpuinfo flags each needs
+# (x86-64-v3 as GCC defines it; the baselines need nothing beyond the architecture).
+_ISAS: dict[str, list[tuple[str, set[str]]]] = {
+    "x86_64": [("x86-64-v3", {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"}),
+               ("x86-64", set())],
+    "aarch64": [("armv8-a", set())],
+}
+
+KINDS = {torch.float32: "f32", torch.float64: "f64"}
+
+
+def cache_dir() -> Path:
+    """Where built kernels are kept: $SPECDEC_CACHE_DIR, else $XDG_CACHE_HOME/specdec, else ~/.cache/specdec."""
+    root = os.environ.get("SPECDEC_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "specdec")
+    return Path(root) / "kernels"
+
+
+def _sources() -> dict[str, bytes]:
+    folder = resources.files("specdec.runtime").joinpath("csrc")
+    return {name: folder.joinpath(name).read_bytes() for name in SOURCES}
+
+
+def source_hash() -> str:
+    """Names a build of exactly these sources (a library built from other sources is never loaded)."""
+    digest = hashlib.sha256()
+    for name, text in _sources().items():
+        digest.update(name.encode() + b"\0" + text + b"\0")
+    return digest.hexdigest()[:16]
+
+
+def _cpu() -> str:
+    """What -march=native depends on: the CPU's model and feature flags (a cache shared by machines
+    of different CPUs keeps one build for each)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    keep = [line for line in text.splitlines() if line.startswith(("model name", "flags", "Features", "CPU part"))]
+    return "\n".join(sorted(set(keep)))
+
+
+def _cpu_flags() -> set[str]:
+    return {flag for line in _cpu().splitlines() if line.startswith(("flags", "Features"))
+            for flag in line.split(":", 1)[1].split()}
+
+
+def portable_isas() -> list[str]:
+    """The instruction sets `prebuild` targets on this architecture, best first."""
+    return [isa for isa, _ in _ISAS.get(platform.machine(), [])]
+
+
+def _prebuilt() -> Path | None:
+    """The best library in $SPECDEC_PREBUILT_KERNELS that this CPU runs and these sources made."""
+    folder = os.environ.get("SPECDEC_PREBUILT_KERNELS")
+    if not folder:
+        return None
+    flags, name = _cpu_flags(), source_hash()
+    for isa, needs in _ISAS.get(platform.machine(), []):
+        path = Path(folder) / f"kernels-{name}-{isa}.so"
+        if needs <= flags and path.exists():
+            return path
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def library() -> tuple[Any, str]:
+    """The kernels (a ctypes library) and "", or None and why there are none."""
+    target = _prebuilt()
+    if target is None:
+        compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+        if not compiler or not shutil.which(compiler):
+            return None, "no C compiler (cc) on the PATH, and no prebuilt kernels ($SPECDEC_PREBUILT_KERNELS)"
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+        key = hashlib.sha256("\0".join([source_hash(), " ".join(_FLAGS), version, _cpu()]).encode())
+        target = cache_dir() / f"kernels-{key.hexdigest()[:16]}.so"
+        if not target.exists():
+            try:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                _build(compiler, "-march=native", target)
+            except (OSError, subprocess.CalledProcessError) as e:
+                detail = getattr(e, "stderr", "") or str(e)
+                return None, f"building the native kernels failed: {detail.strip()[-2000:]}"
+    try:
+        lib = ctypes.CDLL(str(target))
+    except OSError as e:  # e.g. a cache directory mounted noexec
+        return None, f"loading the native kernels failed: {e}"
+    i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
+    for kind in KINDS.values():
+        fn = getattr(lib, f"specdec_attend_{kind}")
+        fn.restype = i32
+        fn.argtypes = [i32, ptr, ptr, i32, i32, i32, i32, ptr, i64, i64, ptr, i64, i64, ctypes.c_double]
+    lib.specdec_linear_f32.restype = i32
+    lib.specdec_linear_f32.argtypes = [i32, i32, i32, ptr, i64, ptr, ptr, i64]
+    log.info("native kernels: %s", target)
+    return lib, ""
+
+
+def _build(compiler: str, arch: str, target: Path) -> None:
+    """Compile, then link without -ffast-math (linking with it would set flush-to-zero for the whole
+    process), into a temporary file renamed into place: concurrent builders do not collide."""
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        objects = []
+        for name, text in _sources().items():
+            (Path(tmp) / name).write_bytes(text)
+            objects.append(name.removesuffix(".c") + ".o")
+            subprocess.run([compiler, *_FLAGS, arch, "-c", name, "-o", objects[-1]], cwd=tmp, check=True,
+                           capture_output=True, text=True)
+        subprocess.run([compiler, "-shared", "-fopenmp", *objects, "-o", "kernels.so", "-lmvec", "-lm"], cwd=tmp,
+                       check=True, capture_output=True, text=True)
+        os.replace(Path(tmp) / "kernels.so", target)
+        log.info("built the native kernels into %s", target)
+
+
+def prebuild(folder: Path, compiler: str = "cc") -> list[Path]:
+    """Build the kernels into `folder` for every portable instruction set of this architecture (what
+    $SPECDEC_PREBUILT_KERNELS points at where no compiler runs); returns the libraries."""
+    isas = portable_isas()
+    if not isas:
+        raise RuntimeError(f"no portable instruction sets are known for {platform.machine()}")
+    folder.mkdir(parents=True, exist_ok=True)
+    built = []
+    for isa in isas:
+        built.append(folder / f"kernels-{source_hash()}-{isa}.so")
+        _build(compiler, f"-march={isa}", built[-1])
+    return built
+
+
+def unavailable(device: torch.device, dtype: torch.dtype) -> str:
+    """Why the kernels cannot run for tensors of `dtype` on `device` ("" when they can)."""
+    if device.type != "cpu":
+        return f"the native kernels run on a CPU, not {device.type}"
+    if dtype not in KINDS:
+        return f"the native kernels run float32 and float64, not {str(dtype).removeprefix('torch.')}"
+    return library()[1]
+
+
+def linear(x: torch.Tensor, weights: list[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+    """`out` `[m, sum n_i]` = `x` `[m, k]` times each `weights[i]` `[n_i, k]` transposed, side by side
+    (the fused q/k/v or gate/up of a layer, read where the model keeps them); float32, m <= LINEAR_MAX_ROWS."""
+    lib, why = library()
+    if lib is None:
+        raise RuntimeError(why)
+    m, k = x.shape
+    if x.stride(1) != 1 or out.stride(1) != 1 or m > LINEAR_MAX_ROWS:
+        raise ValueError(f"the linear kernel takes at most {LINEAR_MAX_ROWS} rows with contiguous features")
+    column = 0
+    for w in weights:
+        if not w.is_contiguous() or w.shape[1] != k or w.dtype != torch.float32:
+            raise ValueError("the linear kernel takes contiguous float32 weights [n, k]")
+        lib.specdec_linear_f32(m, w.shape[0], k, x.data_ptr(), x.stride(0), w.data_ptr(),
+                               out.data_ptr() + 4 * column, out.stride(0))
+        column += w.shape[0]
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m specdec.runtime.native", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    build = commands.add_parser("prebuild", help="build the kernels for this architecture's portable instruction "
+                                "sets into FOLDER (then set SPECDEC_PREBUILT_KERNELS=FOLDER)")
+    build.add_argument("folder", type=Path)
+    build.add_argument("--cc", default=os.environ.get("CC", "cc"), help="C compiler (default: $CC or cc)")
+    args = parser.parse_args()
+    for path in prebuild(args.folder, args.cc):
+        print(path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""The native kernels' library (`specdec.runtime.native`): the linear kernel equals exact products and
+gives a row the same bits whatever shares its pass; prebuilt libraries load without a compiler; and
+`--kernels native` is refused where the kernels cannot run.
+
+CI installs a C compiler, so the kernels are built here (the attention kernel's own tests are in
+test_native_attention)."""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+
+from specdec.runtime import native, packed
+from specdec.runtime.kv import ScoreRequest, SessionCaches
+
+
+@pytest.fixture
+def fresh_library(monkeypatch):
+    """The library looked up again from the environment this test sets, and forgotten after it."""
+    monkeypatch.delenv("SPECDEC_PREBUILT_KERNELS", raising=False)
+    native.library.cache_clear()
+    yield
+    native.library.cache_clear()
+
+
+@pytest.mark.parametrize("n, k", [(960, 576), (12, 64), (7, 13), (5, 24), (3, 8)])
+def test_linear_equals_exact_products_and_a_row_does_not_depend_on_its_neighbours(n, k):
+    """n not a multiple of 4 leaves rows to the plain loop, k not a multiple of 8 sends all there;
+    every count of rows up to the limit (blocks of 3, 2 and 1 rows)."""
+    gen = torch.Generator().manual_seed(n * k)
+    weights = [torch.randn(n, k, generator=gen), torch.randn(max(1, n // 3), k, generator=gen)]
+    exact_w = torch.cat(weights).double()
+    alone = {}
+    for m in range(1, native.LINEAR_MAX_ROWS + 1):
+        x = torch.randn(m, k, generator=gen)
+        x[-1] = torch.linspace(-1, 1, k)  # the same last row at every m
+        out = torch.full((m, exact_w.shape[0]), float("nan"))
+        native.linear(x, weights, out)
+        torch.testing.assert_close(out.double(), x.double() @ exact_w.T, rtol=0, atol=2e-5 * k**0.5)
+        alone.setdefault("row", out[-1].clone())
+        assert torch.equal(out[-1], alone["row"]), f"the last row changed with {m} rows in the pass"
+
+
+def test_linear_refuses_what_it_does_not_take():
+    w = torch.randn(8, 16)
+    with pytest.raises(ValueError, match=f"at most {native.LINEAR_MAX_ROWS} rows"):
+        native.linear(torch.randn(native.LINEAR_MAX_ROWS + 1, 16), [w], torch.empty(native.LINEAR_MAX_ROWS + 1, 8))
+    with pytest.raises(ValueError, match="contiguous float32 weights"):
+        native.linear(torch.randn(2, 16), [w.double()], torch.empty(2, 8))
+    with pytest.raises(ValueError, match="contiguous float32 weights"):
+        native.linear(torch.randn(2, 16), [torch.randn(16, 8).T], torch.empty(2, 8))
+
+
+def test_float32_decode_logits_are_the_same_bits_alone_or_with_other_sessions(tiny_model, monkeypatch):
+    """With the native kernels every step of a pass of up to 16 rows computes a row from that row
+    alone: a session's logits do not depend on who shares its pass. The linear kernel is what
+    makes the projections so (the count below fails if the pass stops calling it)."""
+    lm = copy.deepcopy(tiny_model).float()
+    rng, vocab = random.Random(5), lm.config.vocab_size
+    histories = {sid: [rng.randrange(3, vocab) for _ in range(rng.randrange(20, 90))] for sid in "abcdefg"}
+    caches = SessionCaches(lm, 512, kernels="native")
+    for sid, history in histories.items():
+        caches.score(sid, history, [])
+    calls = []
+    linear = native.linear
+    monkeypatch.setattr(native, "linear", lambda *a: calls.append(a[0].shape[0]) or linear(*a))
+    step = {sid: [rng.randrange(3, vocab)] for sid in histories}
+    batched = caches.score_batch([ScoreRequest(sid, histories[sid], step[sid]) for sid in histories])
+    assert len(calls) == 1 + 4 * lm.config.num_hidden_layers  # every projection of the pass (and the head)
+    for sid, together in zip(histories, batched):
+        caches.rollback(sid, len(histories[sid]))
+        alone, _ = caches.score(sid, histories[sid], step[sid])
+        assert torch.equal(alone, together.logits), sid
+
+
+def test_native_linear_scores_as_onednn_within_float32_rounding(tiny_model):
+    """Decode, verify and prefill rows in one float32 pass: the native linear kernel (with the native
+    attention) against torch's operators, to float32 rounding, the same argmax."""
+    lm = copy.deepcopy(tiny_model).float()
+    rng = random.Random(6)
+    requests = [ScoreRequest("a", [rng.randrange(3, 100) for _ in range(30)], []),
+                ScoreRequest("b", [rng.randrange(3, 100) for _ in range(5)], [4, 5, 6, 7]),
+                ScoreRequest("c", [rng.randrange(3, 100) for _ in range(70)], [9])]
+    fast, ref = SessionCaches(lm, 512, kernels="native"), SessionCaches(lm, 512, kernels="torch")
+    assert fast._packed.head.parts and not ref._packed.head.parts
+    for _ in range(2):  # the prefills (more rows than the kernel takes), then a pass of short rows
+        for one, other in zip(ref.score_batch(requests), fast.score_batch(requests)):
+            torch.testing.assert_close(other.logits, one.logits, rtol=1e-4, atol=1e-4)
+            assert torch.equal(other.logits.argmax(-1), one.logits.argmax(-1))
+        requests = [ScoreRequest(r.session_id, r.history + r.new_tokens + [3], [8, 9]) for r in requests]
+
+
+def test_prebuilt_kernels_load_without_a_compiler_and_only_for_their_own_source(tmp_path, monkeypatch,
+                                                                                fresh_library):
+    built = native.prebuild(tmp_path / "kernels")
+    assert [p.name for p in built] == [f"kernels-{native.source_hash()}-{isa}.so" for isa in native.portable_isas()]
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    monkeypatch.setenv("PATH", "/nonexistent")
+    monkeypatch.setenv("SPECDEC_PREBUILT_KERNELS", str(tmp_path / "kernels"))
+    assert native.unavailable(torch.device("cpu"), torch.float32) == ""
+    x, w = torch.randn(3, 40), torch.randn(9, 40)
+    torch.testing.assert_close(native.linear(x, [w], torch.empty(3, 9)), x @ w.T, rtol=1e-5, atol=1e-5)
+    for path in built:  # libraries of another source are never loaded
+        path.rename(path.with_name(path.name.replace(native.source_hash(), "0" * 16)))
+    native.library.cache_clear()
+    assert "no C compiler" in native.unavailable(torch.device("cpu"), torch.float32)
+
+
+def test_native_kernels_are_refused_where_they_cannot_run(tiny_model, monkeypatch, fresh_library):
+    with pytest.raises(ValueError, match="run float32 and float64, not bfloat16"):
+        packed.PackedForward(copy.deepcopy(tiny_model).to(torch.bfloat16), kernels="native")
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with pytest.raises(ValueError, match="--kernels native: no C compiler"):
+        packed.PackedForward(tiny_model, kernels="native")
+    auto = packed.PackedForward(copy.deepcopy(tiny_model).float(), kernels="auto")  # auto: torch's path, logged
+    assert not auto.native and not any(p.parts for layer in auto.layers for p in layer)
