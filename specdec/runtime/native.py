@@ -132,9 +132,9 @@ def library() -> tuple[Any, str]:
     for kind in KINDS.values():
         fn = getattr(lib, f"specdec_attend_{kind}")
         fn.restype = i32
-        fn.argtypes = [i32, ptr, ptr, i32, i32, i32, i32, ptr, i64, i64, ptr, i64, i64, ctypes.c_double]
+        fn.argtypes = [i32, ptr, ptr, i32, i32, i32, i32, ptr, i64, i64, ptr, i64, i64, ctypes.c_double, i32]
     lib.specdec_linear_f32.restype = i32
-    lib.specdec_linear_f32.argtypes = [i32, i32, i32, ptr, i64, ptr, ptr, i64]
+    lib.specdec_linear_f32.argtypes = [i32, i32, i32, ptr, i64, ptr, ptr, i64, i32]
     log.info("native kernels: %s", target)
     return lib, ""
 
@@ -187,12 +187,12 @@ def linear(x: torch.Tensor, weights: list[torch.Tensor], out: torch.Tensor) -> t
     m, k = x.shape
     if x.stride(1) != 1 or out.stride(1) != 1 or m > LINEAR_MAX_ROWS:
         raise ValueError(f"the linear kernel takes at most {LINEAR_MAX_ROWS} rows with contiguous features")
-    column = 0
+    column, threads = 0, torch.get_num_threads()
     for w in weights:
         if not w.is_contiguous() or w.shape[1] != k or w.dtype != torch.float32:
             raise ValueError("the linear kernel takes contiguous float32 weights [n, k]")
         lib.specdec_linear_f32(m, w.shape[0], k, x.data_ptr(), x.stride(0), w.data_ptr(),
-                               out.data_ptr() + 4 * column, out.stride(0))
+                               out.data_ptr() + 4 * column, out.stride(0), threads)
         column += w.shape[0]
     return out
 

@@ -77,7 +77,7 @@ def attend(plan: Plan, layer: int, q: torch.Tensor, out: torch.Tensor, kv_heads:
     fn = getattr(lib, f"specdec_attend_{native.KINDS[q.dtype]}")
     rc = fn(plan.count, ctypes.addressof(plan.rows), ctypes.addressof(plan.segments), layer, kv_heads,
             heads // kv_heads, dim, q.data_ptr(), q.stride(0), q.stride(1), out.data_ptr(), out.stride(0),
-            out.stride(1), scale)
+            out.stride(1), scale, torch.get_num_threads())
     if rc == -1:
         raise ValueError(f"the attention kernel takes head_dim <= 256 and at most {MAX_QUERIES} queries a row")
     if rc:

@@ -126,7 +126,7 @@ class Projection:
     def __init__(self, weights: list[torch.Tensor], prepack: bool, native: bool = False) -> None:
         self.sizes = [w.shape[0] for w in weights]
         with torch.inference_mode(False), torch.no_grad():
-            self.parts = [w.detach() for w in weights] if native else []
+            self.parts = [w.detach().contiguous() for w in weights] if native else []  # no copy when contiguous
             self.weight: torch.Tensor | None = None  # native and not pre-packed: larger passes use `parts`
             if prepack or not native:
                 weight = weights[0].detach() if len(weights) == 1 else torch.cat([w.detach() for w in weights])

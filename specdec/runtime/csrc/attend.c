@@ -10,8 +10,9 @@
  * m, the sum l of exp(score - m) and the exp-weighted sum of values. Every key and value row is
  * read from memory once per item, for all the queries that share it (grouped-query attention is
  * why a per-query kernel reads it G times). A second loop merges each query's chunks:
- * out = sum_c exp(m_c - M) acc_c / sum_c exp(m_c - M) l_c. Items and merges run on the OpenMP
- * threads of the process (torch's own runtime: this library links the libgomp that torch loaded).
+ * out = sum_c exp(m_c - M) acc_c / sum_c exp(m_c - M) l_c. Items and merges run on `threads`
+ * OpenMP threads (torch's own runtime: this library links the libgomp that torch loaded; the caller
+ * passes torch's intra-op thread count, so --threads holds here too).
  *
  * Built at run time by specdec.runtime.native_attention with -O3 -march=native -ffast-math. The
  * code never produces an infinity or NaN (a masked key is left out of the loops, not set to
@@ -212,7 +213,7 @@ static void values_f32(const float *w, int nq, int dim, const float *const *valu
                                                                                                      \
     int NAME(int rows, const row_t *row, const segment_t *segs, int layer, int heads_kv, int groups,  \
              int dim, const T *q, int64_t q_t, int64_t q_h, T *out, int64_t o_t, int64_t o_h,        \
-             double scale) {                                                                         \
+             double scale, int threads) {                                                            \
         if (dim < 1 || dim > MAXDIM || rows < 1) return -1;                                          \
         int64_t *first = malloc(sizeof(int64_t) * (rows + 1)); /* first item of each row */          \
         if (!first) return -2;                                                                       \
@@ -228,7 +229,7 @@ static void values_f32(const float *w, int nq, int dim, const float *const *valu
         int64_t items = first[rows], stride = (2 + dim) * MAXQ;                                      \
         T *state = malloc(sizeof(T) * stride * items);                                               \
         int failed = !state;                                                                         \
-        _Pragma("omp parallel if (!failed)") {                                                       \
+        _Pragma("omp parallel if (!failed) num_threads(threads)") {                                  \
             T *scores = malloc(sizeof(T) * MAXQ * CHUNK);                                            \
             const T **ptrs = malloc(sizeof(T *) * 2 * CHUNK);                                        \
             int r = 0, mine = !scores || !ptrs;                                                      \

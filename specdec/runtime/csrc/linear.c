@@ -6,8 +6,8 @@
  * there (MKL's and oneDNN's float32 read the weights at 9-17 GB/s on 2 cores where the memory
  * gives 29-44). This loop reads each weight row once from memory, for all m rows at once: blocks
  * of 4 weight rows against up to 3 input rows (twelve AVX2 accumulators), the input rows staying
- * in cache; the weight rows are split over torch's OpenMP threads in contiguous ranges, so each
- * thread streams its own part of the matrix.
+ * in cache; the weight rows are split over `threads` OpenMP threads (torch's count, passed by the
+ * caller) in contiguous ranges, so each thread streams its own part of the matrix.
  *
  * Every y[i, j] is the same sequence of operations whatever m is and whichever rows share its
  * block (lane e % 8 sums e = lane, lane + 8, ...; then the lanes are added in one fixed order), so
@@ -73,10 +73,11 @@ static void rows_one(int m, const float *x, int64_t x_t, const float *w, int k, 
     }
 }
 
-int specdec_linear_f32(int m, int n, int k, const float *x, int64_t x_t, const float *w, float *y, int64_t y_t) {
+int specdec_linear_f32(int m, int n, int k, const float *x, int64_t x_t, const float *w, float *y, int64_t y_t,
+                       int threads) {
     if (m < 1 || n < 1 || k < 1) return -1;
     int64_t blocks = VECTOR(k) ? n / ROWS : 0;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t b = 0; b < blocks; b++)
         rows_block(m, x, x_t, w + b * ROWS * (int64_t)k, k, y + b * ROWS, y_t);
     for (int64_t j = blocks * ROWS; j < n; j++) rows_one(m, x, x_t, w + j * (int64_t)k, k, y + j, y_t);
