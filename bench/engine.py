@@ -276,23 +276,29 @@ def plot(rows: list[dict], path: Path) -> None:
         print("matplotlib is not installed: no plot")
         return
     sessions = sorted({r["sessions"] for r in rows})
+    all_positions = sorted({r["positions"] for r in rows})
+    markers = dict(zip(all_positions, "os^Dv*"))  # a marker per positions, a colour and line per engine
+    engines = {"old": ("tab:red", "--"), "torch_kernels": ("tab:orange", (0, (3, 1, 1, 1))),
+               "native_attention": ("tab:green", (0, (1, 1))), "new": ("tab:blue", "-"),
+               "compiled": ("tab:purple", "-.")}
     fig, axes = plt.subplots(1, len(sessions), figsize=(4.5 * len(sessions), 4), squeeze=False)
     for ax, s in zip(axes[0], sessions):
-        for positions in sorted({r["positions"] for r in rows}):
+        for positions in all_positions:
             cells = sorted((r for r in rows if r["sessions"] == s and r["positions"] == positions),
                            key=lambda r: r["context"])
-            for key, style in (("old", "--"), ("torch_kernels", (0, (3, 1, 1, 1))), ("native_attention", (0, (1, 1))),
-                               ("new", "-"), ("compiled", "-.")):
+            for key, (colour, style) in engines.items():
                 points = [(r["context"], r[key]["median_s"] * 1e3) for r in cells if "median_s" in r.get(key, {})]
                 if points:
-                    ax.plot(*zip(*points), linestyle=style, marker="o", label=f"{key}, {positions} pos")
+                    ax.plot(*zip(*points), linestyle=style, color=colour, marker=markers[positions],
+                            label=f"{key}, {positions} pos")
             ax.plot([r["context"] for r in cells], [r["floor_s"] * 1e3 for r in cells], ":", color="grey",
-                    label=f"floor, {positions} pos")
+                    marker=markers[positions], label=f"floor, {positions} pos")
         ax.set(xscale="log", yscale="log", xlabel="context (tokens)", ylabel="one pass (ms)",
                title=f"{s} session{'s' if s > 1 else ''}")
-        ax.legend(fontsize=6)
+    handles, labels = axes[0][-1].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     print(f"wrote {path}")
 
 
