@@ -114,7 +114,7 @@ class CompiledLayers:
         flat = [p for layer in forward.layers for p in layer]
         self._slots = _register(flat, self)[::4]  # layer i's qkv, o, gate_up, down: 4 slots from _slots[i]
         self._qkv_sizes = list(flat[0].sizes)
-        self._qkv = sum(self._qkv_sizes)
+        self._qkv = flat[0].width
         self._hidden = flat[1].sizes[0]
         self._inter = flat[2].sizes[0]
         layers = forward.base.layers

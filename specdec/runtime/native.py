@@ -35,7 +35,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("attend.c", "linear.c")
+SOURCES = ("attend.c", "linear.c")  # compiled and linked into one library
+HEADERS = ("simd.h",)  # included by them
 _FLAGS = ["-O3", "-ffast-math", "-fopenmp", "-fPIC", "-std=gnu11"]
 LINEAR_MAX_ROWS = 16
 """Most rows a projection sends to the linear kernel; larger passes (prefill chunks, many sessions)
@@ -61,7 +62,7 @@ def cache_dir() -> Path:
 
 def _sources() -> dict[str, bytes]:
     folder = resources.files("specdec.runtime").joinpath("csrc")
-    return {name: folder.joinpath(name).read_bytes() for name in SOURCES}
+    return {name: folder.joinpath(name).read_bytes() for name in (*HEADERS, *SOURCES)}
 
 
 def source_hash() -> str:
@@ -146,6 +147,7 @@ def _build(compiler: str, arch: str, target: Path) -> None:
         objects = []
         for name, text in _sources().items():
             (Path(tmp) / name).write_bytes(text)
+        for name in SOURCES:
             objects.append(name.removesuffix(".c") + ".o")
             subprocess.run([compiler, *_FLAGS, arch, "-c", name, "-o", objects[-1]], cwd=tmp, check=True,
                            capture_output=True, text=True)

@@ -125,6 +125,7 @@ class Projection:
 
     def __init__(self, weights: list[torch.Tensor], prepack: bool, native: bool = False) -> None:
         self.sizes = [w.shape[0] for w in weights]
+        self.width = sum(self.sizes)
         with torch.inference_mode(False), torch.no_grad():
             self.parts = [w.detach().contiguous() for w in weights] if native else []  # no copy when contiguous
             self.weight: torch.Tensor | None = None  # native and not pre-packed: larger passes use `parts`
@@ -136,7 +137,7 @@ class Projection:
     def project(self, h: torch.Tensor) -> torch.Tensor:
         """`h` `[T, in]` -> `[T, sum(out_i)]` (the fused weights' outputs side by side)."""
         if self.parts and h.shape[0] <= native.LINEAR_MAX_ROWS:
-            return native.linear(h.contiguous(), self.parts, h.new_empty((h.shape[0], sum(self.sizes))))
+            return native.linear(h.contiguous(), self.parts, h.new_empty((h.shape[0], self.width)))
         if self.prepacked:
             return torch.ops.mkldnn._linear_pointwise(h, self.weight, None, "none", [], "")
         if self.weight is None:

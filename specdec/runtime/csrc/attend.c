@@ -14,7 +14,7 @@
  * OpenMP threads (torch's own runtime: this library links the libgomp that torch loaded; the caller
  * passes torch's intra-op thread count, so --threads holds here too).
  *
- * Built at run time by specdec.runtime.native_attention with -O3 -march=native -ffast-math. The
+ * Built by specdec.runtime.native with -O3 -march=native -ffast-math. The
  * code never produces an infinity or NaN (a masked key is left out of the loops, not set to
  * -inf), which -ffast-math's finite-math assumption requires. float32 on AVX2/FMA runs the
  * register-blocked loops below; other types and machines run the plain loops, which the compiler
@@ -71,13 +71,7 @@ DEFINE_LOOPS(double, plain_f64)
 #define values_f64 plain_f64_values
 
 #if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-
-/* The four sums of a, b, c, d (8 lanes each), in that order. */
-static inline __m128 sum4(__m256 a, __m256 b, __m256 c, __m256 d) {
-    __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
-    return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-}
+#include "simd.h"
 
 /* Scores of 3 queries against 4 keys (twelve accumulators; dim a multiple of 8). */
 static inline void scores_3x4(const float *q0, const float *q1, const float *q2, const float *const *k,

@@ -19,12 +19,7 @@
 #define ROWS 4 /* weight rows per block */
 
 #if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-
-static inline __m128 sum4(__m256 a, __m256 b, __m256 c, __m256 d) {
-    __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
-    return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-}
+#include "simd.h"
 
 /* y[i][j0 .. j0 + 4) for QB input rows against weight rows w .. w + 4k (k a multiple of 8). */
 #define DEFINE_BLOCK(QB)                                                                              \
