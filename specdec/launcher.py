@@ -128,13 +128,22 @@ class Plan:
         return f"http://{self.host}:{self.http_port}/v1" if self.http_port else ""
 
 
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    """A TCP port that is free on 127.0.0.1 right now."""
+    """A TCP port that is free on 127.0.0.1 right now, and never one this process was given before: the
+    kernel may hand the same port to two draws in a row (it is free again once the probe closes), and
+    a plan whose services share a port has one of them fail to bind, or answer for the other."""
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
 
 
 def run_dir() -> Path:

@@ -64,7 +64,8 @@ class RedisProcesses:
         def up() -> bool:
             if proc.poll() is not None:
                 raise RuntimeError(f"redis-server on port {port} exited; see {self.root}/redis-{port}.log")
-            return self.client(port).ping()
+            # The server that answers must be this process: another one on the port would pass a PING.
+            return self.client(port).info("server")["process_id"] == proc.pid
         wait_for(f"redis on port {port}", up, 20)
         return port
 
@@ -99,10 +100,10 @@ class LocalCluster(RedisProcesses):
     """A Redis Cluster of `masters` masters with one replica each, on free loopback ports."""
 
     def start(self, masters: int = 3) -> LocalCluster:
-        ports = [free_port() for _ in range(2 * masters)]
-        for port in ports:
+        ports, buses = [free_port() for _ in range(2 * masters)], [free_port() for _ in range(2 * masters)]
+        for port, bus in zip(ports, buses):
             self.spawn(port, *node_args(port, self.root), "--cluster-enabled", "yes",
-                       "--cluster-port", str(free_port()),  # the bus: port + 10000 may be taken or beyond 65535
+                       "--cluster-port", str(bus),  # the bus: port + 10000 may be taken or beyond 65535
                        "--cluster-config-file", f"nodes-{port}.conf", "--cluster-node-timeout", str(NODE_TIMEOUT_MS))
         subprocess.run([self.cli, "--cluster", "create", *(f"{HOST}:{p}" for p in ports), "--cluster-replicas", "1",
                         "--cluster-yes"], check=True, capture_output=True, timeout=60)
@@ -141,7 +142,26 @@ class LocalCluster(RedisProcesses):
                 if info["role"] == "slave" and info.get("master_link_status") != "up":
                     return False
             return True
-        wait_for("the cluster to be ok", healthy, timeout_s)
+        try:
+            wait_for("the cluster to be ok", healthy, timeout_s)
+        except TimeoutError as e:
+            raise TimeoutError(f"{e}; the nodes say:\n{self.describe()}") from None
+
+    def describe(self) -> str:
+        """What each node says of the cluster, and the end of its log: for a failure message."""
+        parts = []
+        for port, proc in self.procs.items():
+            parts.append(f"--- node {port} (pid {proc.pid}, exit {proc.poll()})")
+            try:
+                client = self.client(port)
+                parts.append(client.execute_command("CLUSTER", "NODES").strip())
+                parts.append(" ".join(line for line in client.execute_command("CLUSTER", "INFO").split()
+                                      if line.startswith(("cluster_state", "cluster_known", "cluster_size"))))
+            except (redis.RedisError, OSError) as e:
+                parts.append(f"unreachable: {e}")
+            log = self.root / f"redis-{port}.log"
+            parts.extend(log.read_text(errors="replace").splitlines()[-8:] if log.exists() else [])
+        return "\n".join(parts)
 
     def master_for(self, key: str, timeout_s: float = 30.0) -> int:
         """The port of the live master serving `key`'s slot. Right after a failover the node asked may not
@@ -161,12 +181,11 @@ class LocalSentinel(RedisProcesses):
     NAME = "specdec"
 
     def start(self) -> LocalSentinel:
-        master, replica = free_port(), free_port()
+        master, replica, self.sentinel = free_port(), free_port(), free_port()
         self.master = self.spawn(master, *node_args(master, self.root))
         self.replica = self.spawn(replica, *node_args(replica, self.root), "--replicaof", HOST, str(master))
         wait_for("the replica to sync", lambda: self.client(self.replica).info("replication")
                  .get("master_link_status") == "up")
-        self.sentinel = free_port()
         conf = self.root / f"sentinel-{self.sentinel}.conf"  # a Sentinel rewrites its config: a file of its own
         conf.write_text(f"port {self.sentinel}\nbind {HOST}\ndir {self.root}\n"
                         f"sentinel monitor {self.NAME} {HOST} {self.master} 1\n"
