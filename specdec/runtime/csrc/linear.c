@@ -6,8 +6,9 @@
  * there (MKL's and oneDNN's float32 read the weights at 9-17 GB/s on 2 cores where the memory
  * gives 29-44). This loop reads each weight row once from memory, for all m rows at once: blocks
  * of 4 weight rows against up to 3 input rows (twelve AVX2 accumulators), the input rows staying
- * in cache; the weight rows are split over `threads` OpenMP threads (torch's count, passed by the
- * caller) in contiguous ranges, so each thread streams its own part of the matrix.
+ * in cache (more input rows: more passes over the block, from cache, while the next block is
+ * prefetched); the weight rows are split over `threads` OpenMP threads (torch's count, passed by
+ * the caller) in contiguous ranges, so each thread streams its own part of the matrix.
  *
  * Every y[i, j] is the same sequence of operations whatever m is and whichever rows share its
  * block (lane e % 8 sums e = lane, lane + 8, ...; then the lanes are added in one fixed order), so
@@ -21,14 +22,17 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include "simd.h"
 
-/* y[i][j0 .. j0 + 4) for QB input rows against weight rows w .. w + 4k (k a multiple of 8). */
-#define DEFINE_BLOCK(QB)                                                                              \
-    static inline void block_##QB(const float *x, int64_t x_t, const float *w, int k, float *y,        \
-                                  int64_t y_t) {                                                      \
+/* y[i][j0 .. j0 + 4) for QB input rows against weight rows w .. w + 4k (k a multiple of 8). With
+ * PREFETCH, the loop also asks for `rows` rows of k floats at `ahead`, a line every 16 floats. */
+#define DEFINE_BLOCK(NAME, QB, PREFETCH)                                                              \
+    static inline void NAME(const float *x, int64_t x_t, const float *w, int k, float *y, int64_t y_t, \
+                            const float *ahead, int rows) {                                           \
         __m256 a[QB][ROWS];                                                                           \
         for (int i = 0; i < QB; i++)                                                                  \
             for (int r = 0; r < ROWS; r++) a[i][r] = _mm256_setzero_ps();                             \
         for (int e = 0; e < k; e += 8) {                                                              \
+            if (PREFETCH && e % 16 == 0)                                                              \
+                for (int r = 0; r < rows; r++) _mm_prefetch((const char *)(ahead + r * k + e), _MM_HINT_T0); \
             __m256 v0 = _mm256_loadu_ps(w + e), v1 = _mm256_loadu_ps(w + k + e),                     \
                    v2 = _mm256_loadu_ps(w + 2 * k + e), v3 = _mm256_loadu_ps(w + 3 * k + e);          \
             for (int i = 0; i < QB; i++) {                                                            \
@@ -39,21 +43,45 @@
         }                                                                                             \
         for (int i = 0; i < QB; i++) _mm_storeu_ps(y + i * y_t, sum4(a[i][0], a[i][1], a[i][2], a[i][3])); \
     }
-DEFINE_BLOCK(1)
-DEFINE_BLOCK(2)
-DEFINE_BLOCK(3)
+DEFINE_BLOCK(block_1, 1, 0)
+DEFINE_BLOCK(block_2, 2, 0)
+DEFINE_BLOCK(block_3, 3, 0)
+DEFINE_BLOCK(block_1_ahead, 1, 1)
+DEFINE_BLOCK(block_2_ahead, 2, 1)
+DEFINE_BLOCK(block_3_ahead, 3, 1)
 
-static void rows_block(int m, const float *x, int64_t x_t, const float *w, int k, float *y, int64_t y_t) {
-    int i = 0;
-    for (; i + 3 <= m; i += 3) block_3(x + i * x_t, x_t, w, k, y + i * y_t, y_t);
-    if (m - i == 2) block_2(x + i * x_t, x_t, w, k, y + i * y_t, y_t);
-    if (m - i == 1) block_1(x + i * x_t, x_t, w, k, y + i * y_t, y_t);
+/* One block of weight rows against all m input rows, in passes of up to 3 input rows. The first pass
+ * reads the block from memory; the others read it from cache, and are multiply-adds with memory idle
+ * (from about 5 rows on, as long as the read or longer). So where there is more than one pass, each pass prefetches a
+ * share of the next block's rows (`ahead`; null after the last block): memory streams the next
+ * block while this one is worked on. A single pass leaves it to the hardware prefetcher, which
+ * follows the stream already (software prefetches there cost more than they gave). */
+static void rows_block(int m, const float *x, int64_t x_t, const float *w, int k, float *y, int64_t y_t,
+                       const float *ahead) {
+    int passes = (m + 2) / 3;
+    int share = ahead && passes > 1 ? (ROWS + passes - 1) / passes : 0; /* next-block rows a pass */
+    for (int p = 0; p < passes; p++) {
+        int i = 3 * p, q = m - i < 3 ? m - i : 3;
+        int first = p * share, rows = first < ROWS ? (share < ROWS - first ? share : ROWS - first) : 0;
+        const float *xi = x + i * x_t, *next = rows ? ahead + first * (int64_t)k : 0;
+        float *yi = y + i * y_t;
+        if (rows == 0) {
+            if (q == 3) block_3(xi, x_t, w, k, yi, y_t, 0, 0);
+            else if (q == 2) block_2(xi, x_t, w, k, yi, y_t, 0, 0);
+            else block_1(xi, x_t, w, k, yi, y_t, 0, 0);
+        } else {
+            if (q == 3) block_3_ahead(xi, x_t, w, k, yi, y_t, next, rows);
+            else if (q == 2) block_2_ahead(xi, x_t, w, k, yi, y_t, next, rows);
+            else block_1_ahead(xi, x_t, w, k, yi, y_t, next, rows);
+        }
+    }
 }
 #define VECTOR(k) ((k) % 8 == 0)
 #else
 #define VECTOR(k) 0
-static void rows_block(int m, const float *x, int64_t x_t, const float *w, int k, float *y, int64_t y_t) {
-    (void)m, (void)x, (void)x_t, (void)w, (void)k, (void)y, (void)y_t;
+static void rows_block(int m, const float *x, int64_t x_t, const float *w, int k, float *y, int64_t y_t,
+                       const float *ahead) {
+    (void)ahead, (void)m, (void)x, (void)x_t, (void)w, (void)k, (void)y, (void)y_t;
 }
 #endif
 
@@ -73,8 +101,9 @@ int specdec_linear_f32(int m, int n, int k, const float *x, int64_t x_t, const f
     if (m < 1 || n < 1 || k < 1) return -1;
     int64_t blocks = VECTOR(k) ? n / ROWS : 0;
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t b = 0; b < blocks; b++)
-        rows_block(m, x, x_t, w + b * ROWS * (int64_t)k, k, y + b * ROWS, y_t);
+    for (int64_t b = 0; b < blocks; b++) /* a thread's blocks are contiguous: it reads b + 1 next */
+        rows_block(m, x, x_t, w + b * ROWS * (int64_t)k, k, y + b * ROWS, y_t,
+                   b + 1 < blocks ? w + (b + 1) * ROWS * (int64_t)k : 0);
     for (int64_t j = blocks * ROWS; j < n; j++) rows_one(m, x, x_t, w + j * (int64_t)k, k, y + j, y_t);
     return 0;
 }
