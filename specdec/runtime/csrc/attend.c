@@ -212,15 +212,17 @@ static void values_f32(const float *w, int nq, int dim, const float *const *valu
         int64_t *first = malloc(sizeof(int64_t) * (rows + 1)); /* first item of each row */          \
         if (!first) return -2;                                                                       \
         first[0] = 0;                                                                                \
+        int widest = 1; /* most queries of a row: the size of an item's state */                     \
         for (int r = 0; r < rows; r++) {                                                             \
             if (row[r].queries < 1 || row[r].queries * groups > MAXQ) {                              \
                 free(first);                                                                         \
                 return -1;                                                                           \
             }                                                                                        \
             int64_t keys = row[r].past + row[r].queries;                                             \
+            widest = row[r].queries * groups > widest ? row[r].queries * groups : widest;            \
             first[r + 1] = first[r] + heads_kv * ((keys + CHUNK - 1) / CHUNK);                       \
         }                                                                                            \
-        int64_t items = first[rows], stride = (2 + dim) * MAXQ;                                      \
+        int64_t items = first[rows], stride = (int64_t)(2 + dim) * widest;                                      \
         T *state = malloc(sizeof(T) * stride * items);                                               \
         int failed = !state;                                                                         \
         _Pragma("omp parallel if (!failed) num_threads(threads)") {                                  \
