@@ -165,7 +165,7 @@ class ModelServiceConfig(ServiceConfig, DeviceOption):
     kernels: Literal["auto", "native", "torch"] = Field(
         "auto", description="The engine's C kernels for decode and verify passes: native (attention of all of a "
         "pass's short rows in one call per layer, each key/value read once for its grouped query heads; in float32 "
-        "also the projections of passes of up to 16 rows, each weight read once for all rows; on all threads; built "
+        "also the projections of passes of up to 48 rows, each weight read once for all rows; on all threads; built "
         "on first use with the machine's C compiler, or taken from $SPECDEC_PREBUILT_KERNELS), torch (torch's "
         "operators: attention row by row, projections through oneDNN/MKL), auto (native where they build and run: a "
         "CPU, float32/float64; see bench/engine.py)."

@@ -55,7 +55,7 @@ def test_linear_refuses_what_it_does_not_take():
 
 
 def test_float32_decode_logits_are_the_same_bits_alone_or_with_other_sessions(tiny_model, monkeypatch):
-    """With the native kernels every step of a pass of up to 16 rows computes a row from that row
+    """With the native kernels every step of a pass of up to 48 rows computes a row from that row
     alone: a session's logits do not depend on who shares its pass. The linear kernel is what
     makes the projections so (the count below fails if the pass stops calling it)."""
     lm = copy.deepcopy(tiny_model).float()
