@@ -135,7 +135,8 @@ def library() -> tuple[Any, str]:
     for kind in KINDS.values():
         fn = getattr(lib, f"specdec_attend_{kind}")
         fn.restype = i32
-        fn.argtypes = [i32, ptr, ptr, i32, i32, i32, i32, ptr, i64, i64, ptr, i64, i64, ctypes.c_double, i32]
+        fn.argtypes = [i32, ptr, ptr, i32, i32, i32, i32, ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, i64, i64,
+                       ctypes.c_double, i32]
     lib.specdec_linear_f32.restype = i32
     lib.specdec_linear_f32.argtypes = [i32, i32, i32, ptr, i64, ptr, ptr, i64, i32]
     log.info("native kernels: %s", target)

@@ -64,21 +64,34 @@ class Plan:
         self.segments = (_Segment * len(segments))(*segments)
 
 
-def attend(plan: Plan, layer: int, q: torch.Tensor, out: torch.Tensor, kv_heads: int, scale: float) -> None:
+def attend(plan: Plan, layer: int, q: torch.Tensor, out: torch.Tensor, kv_heads: int, scale: float,
+           new: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """Attention of the plan's rows at `layer`: queries `q` `[T, H, D]` (any strides, D contiguous;
     query head h belongs to key/value head h // (H / kv_heads)) into `out` `[T, H, D]` (same), at
-    the rows' positions; the rows' new keys/values must already be written."""
+    the rows' positions. `new`: the pass's new keys and values `[T, kv_heads, D]` (any strides, D
+    contiguous), which the kernel first stores at the rows' positions in their own buffers
+    (a call for all rows, where `SessionKV.write` is two copies a row); without it they must be
+    written already."""
     lib, why = native.library()
     if lib is None:
         raise RuntimeError(why)
     _, heads, dim = q.shape
     if q.stride(2) != 1 or out.stride(2) != 1 or q.dtype != out.dtype:
         raise ValueError("the attention kernel needs q and out with a contiguous head_dim and one dtype")
+    k = v = None
+    if new is not None:
+        k, v = new
+        if k.stride(2) != 1 or v.stride(2) != 1 or k.dtype != q.dtype or v.dtype != q.dtype:
+            raise ValueError("the attention kernel stores new keys and values with a contiguous D, in q's dtype")
     fn = getattr(lib, f"specdec_attend_{native.KINDS[q.dtype]}")
     rc = fn(plan.count, ctypes.addressof(plan.rows), ctypes.addressof(plan.segments), layer, kv_heads,
-            heads // kv_heads, dim, q.data_ptr(), q.stride(0), q.stride(1), out.data_ptr(), out.stride(0),
-            out.stride(1), scale, torch.get_num_threads())
+            heads // kv_heads, dim, q.data_ptr(), q.stride(0), q.stride(1),
+            *((None, 0, 0, None, 0, 0) if k is None or v is None else
+              (k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0), v.stride(1))),
+            out.data_ptr(), out.stride(0), out.stride(1), scale, torch.get_num_threads())
     if rc == -1:
         raise ValueError(f"the attention kernel takes head_dim <= 256 and at most {MAX_QUERIES} queries a row")
+    if rc == -3:
+        raise ValueError("a row's new positions lie in its shared prefix (read-only)")
     if rc:
         raise MemoryError("the attention kernel could not allocate its scratch memory")

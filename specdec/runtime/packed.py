@@ -300,7 +300,8 @@ class PackedForward:
                      scaling: float) -> torch.Tensor:
         """Write each row's new keys/values (`k`, `v` `[T, Hkv, D]`) into its cache at layer `index`
         and attend its queries (`q` `[T, H, D]`) to its whole past; `[T, H * D]`. Short rows (decode,
-        verify) go through the native kernel when it runs, all in one call; the others through `attend`."""
+        verify) go through the native kernel when it runs, all in one call, which also stores their
+        keys/values; the others through `SessionKV.write` and `attend`."""
         t, d, hkv, g = q.shape[0], self.head_dim, self.kv_heads, self.groups
         out = q.new_empty((t, hkv, g, d))  # query head kv * G + g lives at [:, kv, g]
         plan, native = self._native_plan(rows)
@@ -308,14 +309,14 @@ class PackedForward:
         for row, short in zip(rows, native):
             n, past = len(row.tokens), row.kv.length
             span = slice(start, start + n)
-            row.kv.write(index, past, k[span].transpose(0, 1), v[span].transpose(0, 1))
             if not short:
+                row.kv.write(index, past, k[span].transpose(0, 1), v[span].transpose(0, 1))
                 queries = q[span].view(n, hkv, g, d).permute(1, 2, 0, 3)  # [Hkv, G, n, D]
                 o = attend(queries, row.kv.segments(index, past + n), past, scaling)
                 out[span] = o.permute(2, 0, 1, 3)  # [n, Hkv, G, D]
             start += n
         if plan is not None:
-            native_attention.attend(plan, index, q, out.view(t, self.heads, d), hkv, scaling)
+            native_attention.attend(plan, index, q, out.view(t, self.heads, d), hkv, scaling, new=(k, v))
         return out.view(t, self.heads * d)
 
     def _native_plan(self, rows: list[PackedRow]) -> tuple[native_attention.Plan | None, list[bool]]:

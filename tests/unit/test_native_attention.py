@@ -92,6 +92,43 @@ def test_float32_stays_within_rounding_of_exact(n):
     torch.testing.assert_close(out.double(), exact, rtol=0, atol=2e-6)
 
 
+@pytest.mark.parametrize("rows", CASES)
+def test_the_kernel_stores_the_new_keys_and_values_it_is_given_as_a_write_would(rows):
+    """`new=(k, v)`: the kernel writes each row's keys/values at its positions in its own buffer
+    (strided views, as a pass hands them over) and attends as after `SessionKV.write`."""
+    hkv, groups, d, layer = 3, 3, 64, 2
+    pairs = []
+    for _ in range(2):  # the same sessions twice: one written by SessionKV.write, one by the kernel
+        gen = torch.Generator().manual_seed(7)
+        pairs.append([_session(gen, past, n, hkv, d, torch.float64, widths) for past, n, widths in rows])
+    t = sum(n for _, n, _ in rows)
+    qkv = torch.randn(t, hkv * groups + 2 * hkv, d, generator=torch.Generator().manual_seed(8), dtype=torch.float64)
+    q, k, v = qkv[:, :hkv * groups], qkv[:, hkv * groups:-hkv], qkv[:, -hkv:]
+    outs = []
+    for sessions, store in zip(pairs, (False, True)):
+        described, start = [], 0
+        for kv, (past, n, _) in zip(sessions, rows):
+            if not store:
+                kv.write(layer, past, k[start:start + n].transpose(0, 1), v[start:start + n].transpose(0, 1))
+            described.append((kv, start, n, past))
+            start += n
+        out = torch.full((t, hkv * groups, d), float("nan"), dtype=torch.float64)
+        native_attention.attend(native_attention.Plan(described), layer, q, out, hkv, d**-0.5,
+                                new=(k, v) if store else None)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    for written, stored in zip(*pairs):
+        assert torch.equal(written.data, stored.data)
+
+
+def test_new_keys_for_positions_in_a_shared_prefix_are_refused():
+    kv = _session(torch.Generator().manual_seed(0), 40, 1, 1, 8, torch.float64, (40,))
+    q, k = torch.zeros(1, 3, 8, dtype=torch.float64), torch.zeros(1, 1, 8, dtype=torch.float64)
+    with pytest.raises(ValueError, match="shared prefix"):
+        native_attention.attend(native_attention.Plan([(kv, 0, 1, 39)]), 0, q, torch.empty_like(q), 1, 1.0,
+                                new=(k, k))
+
+
 def test_a_block_longer_than_the_kernel_takes_is_refused():
     kv = _session(torch.Generator().manual_seed(0), 10, 30, 1, 8, torch.float64, ())
     q = torch.zeros(30, 3, 8, dtype=torch.float64)

@@ -206,9 +206,23 @@ static void values_f32(const float *w, int nq, int dim, const float *const *valu
     }                                                                                                \
                                                                                                      \
     int NAME(int rows, const row_t *row, const segment_t *segs, int layer, int heads_kv, int groups,  \
-             int dim, const T *q, int64_t q_t, int64_t q_h, T *out, int64_t o_t, int64_t o_h,        \
-             double scale, int threads) {                                                            \
+             int dim, const T *q, int64_t q_t, int64_t q_h, const T *k, int64_t k_t, int64_t k_h,     \
+             const T *v, int64_t v_t, int64_t v_h, T *out, int64_t o_t, int64_t o_h, double scale,    \
+             int threads) {                                                                          \
         if (dim < 1 || dim > MAXDIM || rows < 1) return -1;                                          \
+        if (k) /* the rows' new keys/values first, into the row's last segment (its own buffer) */   \
+            for (int r = 0; r < rows; r++) {                                                         \
+                const segment_t *own = segs + row[r].first_segment + row[r].segments - 1;            \
+                if (row[r].past < own->start) return -3; /* not in a shared prefix */                \
+                for (int j = 0; j < row[r].queries; j++)                                             \
+                    for (int h = 0; h < heads_kv; h++) {                                             \
+                        T *dst = (T *)own->base + layer * own->layer_stride + h * own->head_stride + \
+                                 (row[r].past + j - own->start) * own->pos_stride;                   \
+                        int64_t at = row[r].first_query + j;                                         \
+                        memcpy(dst, k + at * k_t + h * k_h, sizeof(T) * dim);                        \
+                        memcpy(dst + own->kv_stride, v + at * v_t + h * v_h, sizeof(T) * dim);       \
+                    }                                                                                \
+            }                                                                                        \
         int64_t *first = malloc(sizeof(int64_t) * (rows + 1)); /* first item of each row */          \
         if (!first) return -2;                                                                       \
         first[0] = 0;                                                                                \
