@@ -121,12 +121,15 @@ def test_the_kernel_stores_the_new_keys_and_values_it_is_given_as_a_write_would(
         assert torch.equal(written.data, stored.data)
 
 
-def test_new_keys_for_positions_in_a_shared_prefix_are_refused():
-    kv = _session(torch.Generator().manual_seed(0), 40, 1, 1, 8, torch.float64, (40,))
-    q, k = torch.zeros(1, 3, 8, dtype=torch.float64), torch.zeros(1, 1, 8, dtype=torch.float64)
+def test_new_keys_for_positions_in_a_shared_prefix_are_refused_and_nothing_is_stored():
+    gen = torch.Generator().manual_seed(0)
+    fine, shared = (_session(gen, 40, 1, 1, 8, torch.float64, widths) for widths in ((), (40,)))
+    before = [fine.data.clone(), shared.data.clone()]
+    q, k = torch.zeros(2, 3, 8, dtype=torch.float64), torch.ones(2, 1, 8, dtype=torch.float64)
     with pytest.raises(ValueError, match="shared prefix"):
-        native_attention.attend(native_attention.Plan([(kv, 0, 1, 39)]), 0, q, torch.empty_like(q), 1, 1.0,
-                                new=(k, k))
+        native_attention.attend(native_attention.Plan([(fine, 0, 1, 40), (shared, 1, 1, 39)]), 0, q,
+                                torch.empty_like(q), 1, 1.0, new=(k, k))
+    assert torch.equal(fine.data, before[0]) and torch.equal(shared.data, before[1])
 
 
 def test_a_block_longer_than_the_kernel_takes_is_refused():

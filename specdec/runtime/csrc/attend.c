@@ -210,10 +210,11 @@ static void values_f32(const float *w, int nq, int dim, const float *const *valu
              const T *v, int64_t v_t, int64_t v_h, T *out, int64_t o_t, int64_t o_h, double scale,    \
              int threads) {                                                                          \
         if (dim < 1 || dim > MAXDIM || rows < 1) return -1;                                          \
+        for (int r = 0; k && r < rows; r++) /* new positions in a shared prefix: refused, none stored */ \
+            if (row[r].past < segs[row[r].first_segment + row[r].segments - 1].start) return -3;     \
         if (k) /* the rows' new keys/values first, into the row's last segment (its own buffer) */   \
             for (int r = 0; r < rows; r++) {                                                         \
                 const segment_t *own = segs + row[r].first_segment + row[r].segments - 1;            \
-                if (row[r].past < own->start) return -3; /* not in a shared prefix */                \
                 for (int j = 0; j < row[r].queries; j++)                                             \
                     for (int h = 0; h < heads_kv; h++) {                                             \
                         T *dst = (T *)own->base + layer * own->layer_stride + h * own->head_stride + \
@@ -236,7 +237,7 @@ static void values_f32(const float *w, int nq, int dim, const float *const *valu
             widest = row[r].queries * groups > widest ? row[r].queries * groups : widest;            \
             first[r + 1] = first[r] + heads_kv * ((keys + CHUNK - 1) / CHUNK);                       \
         }                                                                                            \
-        int64_t items = first[rows], stride = (int64_t)(2 + dim) * widest;                                      \
+        int64_t items = first[rows], stride = (int64_t)(2 + dim) * widest;                           \
         T *state = malloc(sizeof(T) * stride * items);                                               \
         int failed = !state;                                                                         \
         _Pragma("omp parallel if (!failed) num_threads(threads)") {                                  \

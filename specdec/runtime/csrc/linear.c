@@ -51,11 +51,12 @@ DEFINE_BLOCK(block_2_ahead, 2, 1)
 DEFINE_BLOCK(block_3_ahead, 3, 1)
 
 /* One block of weight rows against all m input rows, in passes of up to 3 input rows. The first pass
- * reads the block from memory; the others read it from cache, and are multiply-adds with memory idle
- * (from about 5 rows on, as long as the read or longer). So where there is more than one pass, each pass prefetches a
- * share of the next block's rows (`ahead`; null after the last block): memory streams the next
- * block while this one is worked on. A single pass leaves it to the hardware prefetcher, which
- * follows the stream already (software prefetches there cost more than they gave). */
+ * reads the block from memory; the others read it from cache, and are multiply-adds with memory
+ * idle (from about 5 rows on, as long as the read or longer). So where there is more than one
+ * pass, each pass prefetches a share of the next block's rows (`ahead`; null after the last
+ * block): memory streams the next block while this one is worked on. A single pass leaves it to
+ * the hardware prefetcher, which follows the stream already (software prefetches there cost more
+ * than they gave). */
 static void rows_block(int m, const float *x, int64_t x_t, const float *w, int k, float *y, int64_t y_t,
                        const float *ahead) {
     int passes = (m + 2) / 3;
