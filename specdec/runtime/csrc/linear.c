@@ -1,6 +1,6 @@
 /* A linear layer for a few rows: y[i, j] = sum_e x[i, e] * w[j, e], i < m, j < n, w `[n, k]` row-major.
  *
- * A decode or verify pass multiplies 1-16 rows by every weight of the model: the weights are read
+ * A decode or verify pass multiplies 1-48 rows by every weight of the model: the weights are read
  * once and each is used for m multiply-adds, so the pass is a read of the weights, and its floor
  * is their bytes over the memory bandwidth. BLAS libraries take a GEMM path built for large m
  * there (MKL's and oneDNN's float32 read the weights at 9-17 GB/s on 2 cores where the memory
