@@ -78,17 +78,16 @@ def attend(plan: Plan, layer: int, q: torch.Tensor, out: torch.Tensor, kv_heads:
     _, heads, dim = q.shape
     if q.stride(2) != 1 or out.stride(2) != 1 or q.dtype != out.dtype:
         raise ValueError("the attention kernel needs q and out with a contiguous head_dim and one dtype")
-    k = v = None
+    stored: tuple[Any, ...] = (None, 0, 0, None, 0, 0)  # keys, their strides, values, theirs: none to store
     if new is not None:
         k, v = new
         if k.stride(2) != 1 or v.stride(2) != 1 or k.dtype != q.dtype or v.dtype != q.dtype:
             raise ValueError("the attention kernel stores new keys and values with a contiguous D, in q's dtype")
+        stored = (k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0), v.stride(1))
     fn = getattr(lib, f"specdec_attend_{native.KINDS[q.dtype]}")
     rc = fn(plan.count, ctypes.addressof(plan.rows), ctypes.addressof(plan.segments), layer, kv_heads,
-            heads // kv_heads, dim, q.data_ptr(), q.stride(0), q.stride(1),
-            *((None, 0, 0, None, 0, 0) if k is None or v is None else
-              (k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0), v.stride(1))),
-            out.data_ptr(), out.stride(0), out.stride(1), scale, torch.get_num_threads())
+            heads // kv_heads, dim, q.data_ptr(), q.stride(0), q.stride(1), *stored, out.data_ptr(),
+            out.stride(0), out.stride(1), scale, torch.get_num_threads())
     if rc == -1:
         raise ValueError(f"the attention kernel takes head_dim <= 256 and at most {MAX_QUERIES} queries a row")
     if rc == -3:

@@ -139,6 +139,17 @@ def test_a_block_longer_than_the_kernel_takes_is_refused():
         native_attention.attend(native_attention.Plan([(kv, 0, 30, 10)]), 0, q, torch.empty_like(q), 1, 1.0)
 
 
+def test_a_refused_block_stores_no_new_keys_for_the_rows_before_it():
+    gen = torch.Generator().manual_seed(1)
+    fine, long = _session(gen, 10, 1, 1, 8, torch.float64, ()), _session(gen, 10, 30, 1, 8, torch.float64, ())
+    before = [fine.data.clone(), long.data.clone()]
+    q, k = torch.zeros(31, 3, 8, dtype=torch.float64), torch.ones(31, 1, 8, dtype=torch.float64)
+    with pytest.raises(ValueError, match="at most 64 queries"):
+        native_attention.attend(native_attention.Plan([(fine, 0, 1, 10), (long, 1, 30, 10)]), 0, q,
+                                torch.empty_like(q), 1, 1.0, new=(k, k))
+    assert torch.equal(fine.data, before[0]) and torch.equal(long.data, before[1])
+
+
 def test_a_pass_mixing_decode_rows_and_a_prefill_equals_torchs_path_and_a_plain_forward(tiny_model):
     """Short rows through the kernel, the prefill (too many queries for it) through `attend`, with
     shared prefixes: the same logits as torch's attention and as transformers, in float64."""

@@ -164,6 +164,9 @@ static void values_f32(const float *w, int nq, int dim, const float *const *valu
 #define values_f32 plain_f32_values
 #endif
 
+/* A row's own buffer: the last of its segments (shared prefix views come first). */
+#define OWN(segs, row) ((segs) + (row)->first_segment + (row)->segments - 1)
+
 /* One work item: row `row`, head `head`, key positions p0 .. p1 - 1. `state`: m[nq], l[nq], acc[nq][dim]. */
 #define DEFINE_ATTEND(T, NAME, SUFFIX, EXP)                                                          \
     static void NAME##_item(const row_t *row, const segment_t *segs, int layer, int head, int groups, \
@@ -210,35 +213,32 @@ static void values_f32(const float *w, int nq, int dim, const float *const *valu
              const T *v, int64_t v_t, int64_t v_h, T *out, int64_t o_t, int64_t o_h, double scale,    \
              int threads) {                                                                          \
         if (dim < 1 || dim > MAXDIM || rows < 1) return -1;                                          \
-        for (int r = 0; k && r < rows; r++) /* new positions in a shared prefix: refused, none stored */ \
-            if (row[r].past < segs[row[r].first_segment + row[r].segments - 1].start) return -3;     \
-        if (k) /* the rows' new keys/values first, into the row's last segment (its own buffer) */   \
-            for (int r = 0; r < rows; r++) {                                                         \
-                const segment_t *own = segs + row[r].first_segment + row[r].segments - 1;            \
-                for (int j = 0; j < row[r].queries; j++)                                             \
-                    for (int h = 0; h < heads_kv; h++) {                                             \
-                        T *dst = (T *)own->base + layer * own->layer_stride + h * own->head_stride + \
-                                 (row[r].past + j - own->start) * own->pos_stride;                   \
-                        int64_t at = row[r].first_query + j;                                         \
-                        memcpy(dst, k + at * k_t + h * k_h, sizeof(T) * dim);                        \
-                        memcpy(dst + own->kv_stride, v + at * v_t + h * v_h, sizeof(T) * dim);       \
-                    }                                                                                \
-            }                                                                                        \
+        for (int r = 0; r < rows; r++) { /* every row checked before anything is stored */           \
+            if (row[r].queries < 1 || row[r].queries * groups > MAXQ) return -1;                     \
+            if (k && row[r].past < OWN(segs, row + r)->start) return -3; /* in a shared prefix */    \
+        }                                                                                            \
         int64_t *first = malloc(sizeof(int64_t) * (rows + 1)); /* first item of each row */          \
         if (!first) return -2;                                                                       \
         first[0] = 0;                                                                                \
         int widest = 1; /* most queries of a row: the size of an item's state */                     \
         for (int r = 0; r < rows; r++) {                                                             \
-            if (row[r].queries < 1 || row[r].queries * groups > MAXQ) {                              \
-                free(first);                                                                         \
-                return -1;                                                                           \
-            }                                                                                        \
             int64_t keys = row[r].past + row[r].queries;                                             \
             widest = row[r].queries * groups > widest ? row[r].queries * groups : widest;            \
             first[r + 1] = first[r] + heads_kv * ((keys + CHUNK - 1) / CHUNK);                       \
         }                                                                                            \
         int64_t items = first[rows], stride = (int64_t)(2 + dim) * widest;                           \
         T *state = malloc(sizeof(T) * stride * items);                                               \
+        for (int r = 0; k && state && r < rows; r++) { /* the new keys/values, into the own buffer */ \
+            const segment_t *own = OWN(segs, row + r);                                               \
+            for (int j = 0; j < row[r].queries; j++)                                                 \
+                for (int h = 0; h < heads_kv; h++) {                                                 \
+                    T *dst = (T *)own->base + layer * own->layer_stride + h * own->head_stride +     \
+                             (row[r].past + j - own->start) * own->pos_stride;                       \
+                    int64_t at = row[r].first_query + j;                                             \
+                    memcpy(dst, k + at * k_t + h * k_h, sizeof(T) * dim);                            \
+                    memcpy(dst + own->kv_stride, v + at * v_t + h * v_h, sizeof(T) * dim);           \
+                }                                                                                    \
+        }                                                                                            \
         int failed = !state;                                                                         \
         _Pragma("omp parallel if (!failed) num_threads(threads)") {                                  \
             T *scores = malloc(sizeof(T) * MAXQ * CHUNK);                                            \
