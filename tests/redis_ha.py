@@ -100,10 +100,10 @@ class LocalCluster(RedisProcesses):
     """A Redis Cluster of `masters` masters with one replica each, on free loopback ports."""
 
     def start(self, masters: int = 3) -> LocalCluster:
-        ports, buses = [free_port() for _ in range(2 * masters)], [free_port() for _ in range(2 * masters)]
-        for port, bus in zip(ports, buses):
+        ports = [free_port() for _ in range(2 * masters)]
+        for port in ports:
             self.spawn(port, *node_args(port, self.root), "--cluster-enabled", "yes",
-                       "--cluster-port", str(bus),  # the bus: port + 10000 may be taken or beyond 65535
+                       "--cluster-port", str(free_port()),  # the bus: port + 10000 may be taken or beyond 65535
                        "--cluster-config-file", f"nodes-{port}.conf", "--cluster-node-timeout", str(NODE_TIMEOUT_MS))
         subprocess.run([self.cli, "--cluster", "create", *(f"{HOST}:{p}" for p in ports), "--cluster-replicas", "1",
                         "--cluster-yes"], check=True, capture_output=True, timeout=60)
@@ -181,11 +181,12 @@ class LocalSentinel(RedisProcesses):
     NAME = "specdec"
 
     def start(self) -> LocalSentinel:
-        master, replica, self.sentinel = free_port(), free_port(), free_port()
+        master, replica = free_port(), free_port()
         self.master = self.spawn(master, *node_args(master, self.root))
         self.replica = self.spawn(replica, *node_args(replica, self.root), "--replicaof", HOST, str(master))
         wait_for("the replica to sync", lambda: self.client(self.replica).info("replication")
                  .get("master_link_status") == "up")
+        self.sentinel = free_port()
         conf = self.root / f"sentinel-{self.sentinel}.conf"  # a Sentinel rewrites its config: a file of its own
         conf.write_text(f"port {self.sentinel}\nbind {HOST}\ndir {self.root}\n"
                         f"sentinel monitor {self.NAME} {HOST} {self.master} 1\n"
