@@ -11,9 +11,12 @@ from tests.conftest import start_tiny_pipeline
 
 @pytest.fixture(scope="session")
 def http_pipeline(tiny_models, tmp_path_factory):
-    """The tiny pipeline (poor draft) with the OpenAI-compatible gateway: one for every HTTP test."""
+    """The tiny pipeline (poor draft) with the OpenAI-compatible gateway: one for every HTTP test. The
+    gateway's Prometheus metrics are on `pipeline.gateway_metrics_port`."""
+    metrics_port = free_port()
     pipeline = start_tiny_pipeline(tmp_path_factory.mktemp("logs-http"), tiny_models, "poor_draft",
-                                   http_port=free_port())
+                                   http_port=free_port(), extra_http_args=["--metrics-port", str(metrics_port)])
+    pipeline.gateway_metrics_port = metrics_port
     yield pipeline
     pipeline.stop()
 

@@ -15,10 +15,12 @@ import os
 import subprocess
 import sys
 import textwrap
+import urllib.request
 from pathlib import Path
 
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.reference import Reference, full_logits
 
@@ -152,12 +154,24 @@ GUIDELLM_REQUESTS = 6
 GUIDELLM_PROMPT_TOKENS, GUIDELLM_OUTPUT_TOKENS = 24, 12
 
 
+def completions_answered(metrics_port: int) -> dict[str, float]:
+    """The gateway's count of /v1/completions requests answered so far, by HTTP status."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    return {sample.labels["status"]: sample.value
+            for family in text_string_to_metric_families(text) if family.name == "specdec_http_requests"
+            for sample in family.samples
+            if sample.name == "specdec_http_requests_total" and sample.labels["route"] == "/v1/completions"}
+
+
 @pytest.fixture(scope="module")
 def guidellm_report(http_pipeline, tiny_models, model, tmp_path_factory) -> dict:
+    """GuideLLM's JSON report, plus `served`: what the gateway answered on /v1/completions during the run
+    (by HTTP status)."""
     pytest.importorskip("guidellm", reason="GuideLLM is a dev dependency")
     tmp = tmp_path_factory.mktemp("guidellm")
     out = tmp / "benchmarks.json"
     target = str(tiny_models["target"])
+    before = completions_answered(http_pipeline.gateway_metrics_port)
     run_client([
         sys.executable, "-m", "guidellm", "run",
         "--backend", f"kind=openai_http,target={http_pipeline.plan.http_url().removesuffix('/v1')},model={model},"
@@ -170,16 +184,28 @@ def guidellm_report(http_pipeline, tiny_models, model, tmp_path_factory) -> dict
         "--output", f"kind=json,path={out}",
         "--disable-console-interactive",
     ], tmp, cwd=tmp, timeout=120)
-    return json.loads(out.read_text())
+    after = completions_answered(http_pipeline.gateway_metrics_port)
+    report = json.loads(out.read_text())
+    report["served"] = {status: after[status] - before.get(status, 0.0) for status in after
+                        if after[status] != before.get(status, 0.0)}
+    return report
 
 
 def test_guidellm_benchmark_completes_with_every_request_successful(guidellm_report):
+    # The gateway answered every request GuideLLM sent, each with 200 and a whole stream (a stream cut
+    # short shows up below as an errored or incomplete request, or too few tokens).
+    assert guidellm_report["served"] == {"200": GUIDELLM_REQUESTS}
     (benchmark,) = guidellm_report["benchmarks"]
     totals = benchmark["metrics"]["request_totals"]
-    assert totals == {"successful": GUIDELLM_REQUESTS, "errored": 0, "incomplete": 0, "total": GUIDELLM_REQUESTS}
+    assert totals["errored"] == 0 and totals["incomplete"] == 0 and totals["successful"] == totals["total"]
+    # GuideLLM 0.8 can leave the last request out of its own tally: its coordinator thread runs the
+    # update's callback, which sets the shutdown event once the count is reached, before it queues the
+    # update, and the consumer stops at the first empty poll after that event. So the report may hold
+    # one request fewer than were served (seen once in CI); the gateway's count above is exact.
+    assert totals["total"] in (GUIDELLM_REQUESTS - 1, GUIDELLM_REQUESTS)
     assert benchmark["metrics"]["output_token_count"]["successful"]["total_sum"] > 0
     requests = benchmark["requests"]["successful"]
-    assert len(requests) == GUIDELLM_REQUESTS
+    assert len(requests) == totals["successful"]
     for request in requests:
         body = json.loads(request["request_args"])["body"]
         assert body["stream"] is True and body["ignore_eos"] is True and body["max_tokens"] == GUIDELLM_OUTPUT_TOKENS
