@@ -5,6 +5,10 @@ PY := $(VENV)/bin/python
 PROTOS := $(wildcard protos/specdec/v1/*.proto)
 STUBS := $(patsubst protos/%.proto,%_pb2.py,$(PROTOS))
 PROMPT ?= Write a haiku about speculative decoding.
+# Test processes (pytest-xdist): the system tests spend about half their time waiting on the processes
+# they start, so two workers use two cores; each test file stays in one worker (--dist loadfile).
+# 0 runs the suite in one process.
+TEST_WORKERS ?= 2
 
 .PHONY: install proto run lint test test-fast helm-check bench clean
 
@@ -35,9 +39,10 @@ lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 
-## test: install and run the whole test suite (pytest's exit 5, "no tests collected", is a failure)
+## test: install and run the whole test suite in TEST_WORKERS processes (pytest's exit 5, "no tests
+## collected", is a failure)
 test: install
-	@$(PY) -m pytest -q -p no:cacheprovider --durations=15; rc=$$?; \
+	@$(PY) -m pytest -q -p no:cacheprovider --durations=15 -n $(TEST_WORKERS) --dist loadfile; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: treating as a failure"; exit 1; fi; exit $$rc
 
 ## test-fast: the tests that do not load the real model

@@ -129,6 +129,10 @@ class Plan:
 
 
 _handed_out: set[int] = set()
+# (index, count): draw only ports in blocks of 16 numbered index modulo count. Processes that draw ports
+# at the same time (parallel test workers) each take their own index, so none is given a port another
+# one drew. Blocks, not residues: Linux hands bind(0) odd ports only while it has some.
+port_partition: tuple[int, int] | None = None
 
 
 def free_port() -> int:
@@ -141,6 +145,8 @@ def free_port() -> int:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
+        if port_partition is not None and port // 16 % port_partition[1] != port_partition[0]:
+            continue
         if port not in _handed_out:
             _handed_out.add(port)
             return port
