@@ -13,7 +13,8 @@ from specdec.launcher import Pipeline, Plan, free_port
 
 def pytest_configure(config):
     """Under `pytest -n N` (pytest-xdist, as `make test` runs) each worker draws its ports from its own
-    residue class, so two workers starting pipelines at once never pick the same port."""
+    blocks of ports (`launcher.port_partition`), so two workers starting pipelines at once never pick the
+    same port."""
     worker = os.environ.get("PYTEST_XDIST_WORKER")  # gw0, gw1, ...
     if worker:
         launcher.port_partition = (int(worker.removeprefix("gw")), int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
