@@ -121,15 +121,29 @@ def test_the_kernel_stores_the_new_keys_and_values_it_is_given_as_a_write_would(
         assert torch.equal(written.data, stored.data)
 
 
-def test_new_keys_for_positions_in_a_shared_prefix_are_refused_and_nothing_is_stored():
-    gen = torch.Generator().manual_seed(0)
+def _a_row_in_a_shared_prefix(gen):
+    """A fine decode row, then one whose new position lies inside its shared prefix."""
     fine, shared = (_session(gen, 40, 1, 1, 8, torch.float64, widths) for widths in ((), (40,)))
-    before = [fine.data.clone(), shared.data.clone()]
-    q, k = torch.zeros(2, 3, 8, dtype=torch.float64), torch.ones(2, 1, 8, dtype=torch.float64)
-    with pytest.raises(ValueError, match="shared prefix"):
-        native_attention.attend(native_attention.Plan([(fine, 0, 1, 40), (shared, 1, 1, 39)]), 0, q,
-                                torch.empty_like(q), 1, 1.0, new=(k, k))
-    assert torch.equal(fine.data, before[0]) and torch.equal(shared.data, before[1])
+    return [(fine, 0, 1, 40), (shared, 1, 1, 39)]
+
+
+def _a_block_too_long(gen):
+    """A fine decode row, then a 30-position block (more queries than the kernel takes)."""
+    fine, long = _session(gen, 10, 1, 1, 8, torch.float64, ()), _session(gen, 10, 30, 1, 8, torch.float64, ())
+    return [(fine, 0, 1, 10), (long, 1, 30, 10)]
+
+
+@pytest.mark.parametrize("rows, refusal", [(_a_row_in_a_shared_prefix, "shared prefix"),
+                                           (_a_block_too_long, "at most 64 queries")])
+def test_a_refused_call_stores_no_new_keys_in_any_row(rows, refusal):
+    plan = rows(torch.Generator().manual_seed(0))
+    before = [kv.data.clone() for kv, *_ in plan]
+    queries = sum(n for _, _, n, _ in plan)
+    q, k = torch.zeros(queries, 3, 8, dtype=torch.float64), torch.ones(queries, 1, 8, dtype=torch.float64)
+    with pytest.raises(ValueError, match=refusal):
+        native_attention.attend(native_attention.Plan(plan), 0, q, torch.empty_like(q), 1, 1.0, new=(k, k))
+    for (kv, *_), data in zip(plan, before):
+        assert torch.equal(kv.data, data)
 
 
 def test_a_block_longer_than_the_kernel_takes_is_refused():
@@ -137,17 +151,6 @@ def test_a_block_longer_than_the_kernel_takes_is_refused():
     q = torch.zeros(30, 3, 8, dtype=torch.float64)
     with pytest.raises(ValueError, match="at most 64 queries"):
         native_attention.attend(native_attention.Plan([(kv, 0, 30, 10)]), 0, q, torch.empty_like(q), 1, 1.0)
-
-
-def test_a_refused_block_stores_no_new_keys_for_the_rows_before_it():
-    gen = torch.Generator().manual_seed(1)
-    fine, long = _session(gen, 10, 1, 1, 8, torch.float64, ()), _session(gen, 10, 30, 1, 8, torch.float64, ())
-    before = [fine.data.clone(), long.data.clone()]
-    q, k = torch.zeros(31, 3, 8, dtype=torch.float64), torch.ones(31, 1, 8, dtype=torch.float64)
-    with pytest.raises(ValueError, match="at most 64 queries"):
-        native_attention.attend(native_attention.Plan([(fine, 0, 1, 10), (long, 1, 30, 10)]), 0, q,
-                                torch.empty_like(q), 1, 1.0, new=(k, k))
-    assert torch.equal(fine.data, before[0]) and torch.equal(long.data, before[1])
 
 
 def test_a_pass_mixing_decode_rows_and_a_prefill_equals_torchs_path_and_a_plain_forward(tiny_model):
