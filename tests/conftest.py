@@ -20,6 +20,36 @@ def pytest_configure(config):
         launcher.port_partition = (int(worker.removeprefix("gw")), int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
 
 
+def pytest_generate_tests(metafunc):
+    """Tests taking `kernel_build` run once for each build of the native kernels this CPU runs."""
+    if "kernel_build" in metafunc.fixturenames:
+        from specdec.runtime import native
+
+        metafunc.parametrize("kernel_build", ["native", *native.runnable_isas()], indirect=True)
+
+
+@pytest.fixture(scope="session")
+def prebuilt_kernels(tmp_path_factory) -> dict[str, Path]:
+    """The native kernels built for every portable instruction set (`prebuild`), by set."""
+    from specdec.runtime import native
+
+    return dict(zip(native.portable_isas(), native.prebuild(tmp_path_factory.mktemp("kernels"))))
+
+
+@pytest.fixture
+def kernel_build(request, monkeypatch):
+    """The library the native kernels run from in this test: "native" (`-march=native`, what a
+    service builds on its machine) or a portable instruction set this CPU runs (what a container
+    image ships: x86-64-v4's AVX-512 loops, x86-64-v3's AVX2 ones, the baseline's plain ones), so
+    every set of loops is tested, not only the best one for this CPU."""
+    from specdec.runtime import native
+
+    if request.param != "native":
+        lib = native.load(request.getfixturevalue("prebuilt_kernels")[request.param])
+        monkeypatch.setattr(native, "library", lambda: (lib, ""))
+    return request.param
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """Torch on one intra-op thread for a module: tiny forwards are erratic with a contended

@@ -45,9 +45,11 @@ row, 54 / 83 at 16, 75 / 95 at 24, 138 / 158 at 48, even at 64, slower beyond (1
 339). Larger passes (prefill chunks) are GEMM-shaped and keep oneDNN."""
 
 # Instruction sets a prebuilt library may target, best first, and the /proc/cpuinfo flags each needs
-# (x86-64-v3 as GCC defines it; the baselines need nothing beyond the architecture).
+# (x86-64-v4 and -v3 as GCC defines them; the baselines need nothing beyond the architecture).
+_V3 = {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"}
 _ISAS: dict[str, list[tuple[str, set[str]]]] = {
-    "x86_64": [("x86-64-v3", {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"}),
+    "x86_64": [("x86-64-v4", _V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}),
+               ("x86-64-v3", _V3),
                ("x86-64", set())],
     "aarch64": [("armv8-a", set())],
 }
@@ -96,15 +98,20 @@ def portable_isas() -> list[str]:
     return [isa for isa, _ in _ISAS.get(platform.machine(), [])]
 
 
+def runnable_isas() -> list[str]:
+    """The portable instruction sets this CPU runs, best first."""
+    flags = _cpu_flags()
+    return [isa for isa, needs in _ISAS.get(platform.machine(), []) if needs <= flags]
+
+
 def _prebuilt() -> Path | None:
     """The best library in $SPECDEC_PREBUILT_KERNELS that this CPU runs and these sources made."""
     folder = os.environ.get("SPECDEC_PREBUILT_KERNELS")
     if not folder:
         return None
-    flags, name = _cpu_flags(), source_hash()
-    for isa, needs in _ISAS.get(platform.machine(), []):
-        path = Path(folder) / f"kernels-{name}-{isa}.so"
-        if needs <= flags and path.exists():
+    for isa in runnable_isas():
+        path = Path(folder) / f"kernels-{source_hash()}-{isa}.so"
+        if path.exists():
             return path
     return None
 
@@ -128,9 +135,16 @@ def library() -> tuple[Any, str]:
                 detail = getattr(e, "stderr", "") or str(e)
                 return None, f"building the native kernels failed: {detail.strip()[-2000:]}"
     try:
-        lib = ctypes.CDLL(str(target))
+        lib = load(target)
     except OSError as e:  # e.g. a cache directory mounted noexec
         return None, f"loading the native kernels failed: {e}"
+    log.info("native kernels: %s", target)
+    return lib, ""
+
+
+def load(path: Path) -> Any:
+    """The library at `path`, its entry points typed (`library()` finds which one to load)."""
+    lib = ctypes.CDLL(str(path))
     i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
     for kind in KINDS.values():
         fn = getattr(lib, f"specdec_attend_{kind}")
@@ -139,8 +153,7 @@ def library() -> tuple[Any, str]:
                        ctypes.c_double, i32]
     lib.specdec_linear_f32.restype = i32
     lib.specdec_linear_f32.argtypes = [i32, i32, i32, ptr, i64, ptr, ptr, i64, i32]
-    log.info("native kernels: %s", target)
-    return lib, ""
+    return lib
 
 
 def _build(compiler: str, arch: str, target: Path) -> None:

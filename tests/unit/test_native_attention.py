@@ -73,14 +73,16 @@ def test_one_call_over_uneven_rows_equals_exact_attention_in_float64(hkv, groups
         start += n
 
 
+@pytest.mark.parametrize("d", [64, 32, 48])
 @pytest.mark.parametrize("n", [1, 3, 5, 7])
-def test_float32_stays_within_rounding_of_exact(n):
-    """The register-blocked float32 loops (key counts not a multiple of 4, query counts not a
-    multiple of 3 or 2) against the float64 result."""
+def test_float32_stays_within_rounding_of_exact(n, d, kernel_build):
+    """The register-blocked float32 loops of every build (key counts not a multiple of 8 or 4, query
+    counts not a multiple of 5, 3 or 2; d = 32 and 48 mix the wide loops with narrower ones) against
+    the float64 result."""
     gen = torch.Generator().manual_seed(n)
     rows = [(1 + 97 * i, n, ()) for i in range(5)]
-    sessions = [_session(gen, past, n, 3, 64, torch.float64, ()) for past, n, _ in rows]
-    q = torch.randn(5 * n, 9, 64, generator=gen, dtype=torch.float64)
+    sessions = [_session(gen, past, n, 3, d, torch.float64, ()) for past, n, _ in rows]
+    q = torch.randn(5 * n, 9, d, generator=gen, dtype=torch.float64)
     exact = torch.empty_like(q)
     native_attention.attend(native_attention.Plan([(kv, i * n, n, p) for i, (kv, (p, _, _)) in
                                                    enumerate(zip(sessions, rows))]), 0, q, exact, 3, 0.125)

@@ -27,9 +27,10 @@ def fresh_library(monkeypatch):
 
 
 @pytest.mark.parametrize("n, k", [(960, 576), (12, 64), (7, 13), (5, 24), (3, 8)])
-def test_linear_equals_exact_products_and_a_row_does_not_depend_on_its_neighbours(n, k):
-    """n not a multiple of 4 leaves rows to the plain loop, k not a multiple of 8 sends all there;
-    every count of rows up to the limit (blocks of 3, 2 and 1 rows)."""
+def test_linear_equals_exact_products_and_a_row_does_not_depend_on_its_neighbours(n, k, kernel_build):
+    """n not a multiple of 4 leaves rows to the plain loop, k not a multiple of 8 sends all there
+    (k = 24: AVX2 blocks where AVX-512 ones run otherwise); every count of rows up to the limit
+    (passes of 6 to 1 rows), in every build of the kernels this CPU runs."""
     gen = torch.Generator().manual_seed(n * k)
     weights = [torch.randn(n, k, generator=gen), torch.randn(max(1, n // 3), k, generator=gen)]
     exact_w = torch.cat(weights).double()

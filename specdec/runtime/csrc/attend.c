@@ -17,7 +17,8 @@
  * Built by specdec.runtime.native with -O3 -march=native -ffast-math. The
  * code never produces an infinity or NaN (a masked key is left out of the loops, not set to
  * -inf), which -ffast-math's finite-math assumption requires. float32 on AVX2/FMA runs the
- * register-blocked loops below; other types and machines run the plain loops, which the compiler
+ * register-blocked loops below, and with AVX-512 wider ones (8 keys a block for 3 queries; 5
+ * queries a pass over the values); other types and machines run the plain loops, which the compiler
  * vectorises. float64 is there so that tests can compare with an exact reference. */
 
 #include <math.h>
@@ -94,8 +95,115 @@ static inline void scores_3x4(const float *q0, const float *q1, const float *q2,
     _mm_storeu_ps(d2, _mm_mul_ps(sum4(a20, a21, a22, a23), scale));
 }
 
+#ifdef __AVX512F__
+/* AVX-512 (16 lanes, 32 registers): the same loops, wider, with more queries and keys per register
+ * block, so each key or value row loaded from L1 feeds more multiply-adds. Measured on 2 cores
+ * (30 layers, 3 key/value heads of 64, medians of 9, against the AVX2 loops side by side): keys and
+ * values in cache, 8 rows x 4096 x 3 positions 48.2 -> 31.9 ms; read from memory 107.4 -> 84.5 ms,
+ * 16 rows x 2000 x 1 63.4 -> 54.0 ms. */
+
+/* The sum of a's two 8-lane halves. */
+static inline __m256 fold(__m512 a) {
+    return _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+}
+
+/* Scores of 3 queries against 8 keys (24 accumulators; dim a multiple of 16). */
+static inline void scores_3x8(const float *q0, const float *q1, const float *q2, const float *const *k, int dim,
+                              __m128 scale, float *d0, float *d1, float *d2) {
+    __m512 a[3][8];
+    for (int i = 0; i < 3; i++)
+        for (int j = 0; j < 8; j++) a[i][j] = _mm512_setzero_ps();
+    for (int e = 0; e < dim; e += 16) {
+        __m512 x0 = _mm512_loadu_ps(q0 + e), x1 = _mm512_loadu_ps(q1 + e), x2 = _mm512_loadu_ps(q2 + e);
+        for (int j = 0; j < 8; j++) {
+            __m512 y = _mm512_loadu_ps(k[j] + e);
+            a[0][j] = _mm512_fmadd_ps(x0, y, a[0][j]), a[1][j] = _mm512_fmadd_ps(x1, y, a[1][j]);
+            a[2][j] = _mm512_fmadd_ps(x2, y, a[2][j]);
+        }
+    }
+    float *d[3] = {d0, d1, d2};
+    for (int i = 0; i < 3; i++) {
+        _mm_storeu_ps(d[i], _mm_mul_ps(sum4(fold(a[i][0]), fold(a[i][1]), fold(a[i][2]), fold(a[i][3])), scale));
+        _mm_storeu_ps(d[i] + 4, _mm_mul_ps(sum4(fold(a[i][4]), fold(a[i][5]), fold(a[i][6]), fold(a[i][7])), scale));
+    }
+}
+
+static void scores_512(const float *qs, int nq, int dim, const float *const *keys, int64_t count, float scale,
+                       float *scores) {
+    __m128 s = _mm_set1_ps(scale);
+    float spare[16], tail[3][8];
+    for (int i = 0; i < nq; i += 3) { /* missing queries of the last triple repeat the first; results dropped */
+        const float *q0 = qs + i * dim, *q1 = i + 1 < nq ? q0 + dim : q0, *q2 = i + 2 < nq ? q0 + 2 * dim : q0;
+        float *d0 = scores + i * CHUNK;
+        int64_t p = 0;
+        for (; p + 8 <= count; p += 8)
+            scores_3x8(q0, q1, q2, keys + p, dim, s, d0 + p, i + 1 < nq ? d0 + CHUNK + p : spare,
+                       i + 2 < nq ? d0 + 2 * CHUNK + p : spare + 8);
+        if (p < count) { /* the last 1-7 keys, with the first of them repeated */
+            const float *k[8];
+            for (int j = 0; j < 8; j++) k[j] = keys[p + j < count ? p + j : p];
+            scores_3x8(q0, q1, q2, k, dim, s, tail[0], tail[1], tail[2]);
+            for (int r = 0; r < 3 && i + r < nq; r++)
+                for (int64_t j = 0; p + j < count; j++) d0[r * CHUNK + p + j] = tail[r][j];
+        }
+    }
+}
+
+/* acc[i][e0 .. e0 + 64) += sum_p w[i * CHUNK + p] v_p[e0 ..] for QB queries (4 * QB accumulators). */
+#define DEFINE_VALUES512(QB)                                                                         \
+    static inline void values512_##QB(const float *w, const float *const *v, int64_t count, int e0,   \
+                                      float *acc, int dim) {                                         \
+        __m512 c[QB][4];                                                                             \
+        for (int i = 0; i < QB; i++)                                                                 \
+            for (int j = 0; j < 4; j++) c[i][j] = _mm512_loadu_ps(acc + i * dim + e0 + 16 * j);      \
+        for (int64_t p = 0; p < count; p++) {                                                        \
+            const float *y = v[p] + e0;                                                              \
+            __m512 y0 = _mm512_loadu_ps(y), y1 = _mm512_loadu_ps(y + 16), y2 = _mm512_loadu_ps(y + 32), \
+                   y3 = _mm512_loadu_ps(y + 48);                                                     \
+            for (int i = 0; i < QB; i++) {                                                           \
+                __m512 x = _mm512_set1_ps(w[i * CHUNK + p]);                                         \
+                c[i][0] = _mm512_fmadd_ps(x, y0, c[i][0]), c[i][1] = _mm512_fmadd_ps(x, y1, c[i][1]); \
+                c[i][2] = _mm512_fmadd_ps(x, y2, c[i][2]), c[i][3] = _mm512_fmadd_ps(x, y3, c[i][3]); \
+            }                                                                                        \
+        }                                                                                            \
+        for (int i = 0; i < QB; i++)                                                                 \
+            for (int j = 0; j < 4; j++) _mm512_storeu_ps(acc + i * dim + e0 + 16 * j, c[i][j]);      \
+    }
+DEFINE_VALUES512(1)
+DEFINE_VALUES512(2)
+DEFINE_VALUES512(3)
+DEFINE_VALUES512(4)
+DEFINE_VALUES512(5)
+
+static void values_512(const float *w, int nq, int dim, const float *const *values, int64_t count, float *acc) {
+    memset(acc, 0, sizeof(float) * nq * dim);
+    for (int64_t p = 0; p < count; p += SUB) {
+        int64_t m = count - p < SUB ? count - p : SUB;
+        for (int i = 0; i < nq; i += 5)
+            for (int e = 0; e < dim; e += 64) {
+                const float *wi = w + i * CHUNK + p;
+                const float *const *vp = values + p;
+                float *ai = acc + i * dim;
+                switch (nq - i < 5 ? nq - i : 5) {
+                case 1: values512_1(wi, vp, m, e, ai, dim); break;
+                case 2: values512_2(wi, vp, m, e, ai, dim); break;
+                case 3: values512_3(wi, vp, m, e, ai, dim); break;
+                case 4: values512_4(wi, vp, m, e, ai, dim); break;
+                default: values512_5(wi, vp, m, e, ai, dim);
+                }
+            }
+    }
+}
+#endif
+
 static void scores_f32(const float *qs, int nq, int dim, const float *const *keys, int64_t count, float scale,
                        float *scores) {
+#ifdef __AVX512F__
+    if (dim % 16 == 0) {
+        scores_512(qs, nq, dim, keys, count, scale, scores);
+        return;
+    }
+#endif
     if (dim % 8) {
         plain_f32_scores(qs, nq, dim, keys, count, scale, scores);
         return;
@@ -143,6 +251,12 @@ DEFINE_VALUES(1)
 DEFINE_VALUES(2)
 
 static void values_f32(const float *w, int nq, int dim, const float *const *values, int64_t count, float *acc) {
+#ifdef __AVX512F__
+    if (dim % 64 == 0) {
+        values_512(w, nq, dim, values, count, acc);
+        return;
+    }
+#endif
     if (dim % 32) {
         plain_f32_values(w, nq, dim, values, count, acc);
         return;
