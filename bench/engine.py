@@ -20,7 +20,10 @@ passes interleaved so that load from elsewhere on a shared machine hits them ali
   kernels `new` runs where they build);
 - `native_attention` (with `--engines ...,native_attention`): the new engine with the native
   attention kernel but oneDNN's projections (the native linear kernel left out), to tell the two
-  kernels' shares apart.
+  kernels' shares apart;
+- `avx2_kernels` (with `--engines ...,avx2_kernels`): the new engine with the native kernels
+  built for x86-64-v3 (their AVX2 loops), where `new` runs the build for this CPU (its AVX-512
+  loops where it has them).
 
 Each figure also appears as a multiple of its floor: (weight bytes + every row's K/V bytes read)
 / the read bandwidth this script measures (sum of a ~500 MB float32 tensor, median of several).
@@ -33,10 +36,12 @@ engine; so is a cell whose caches would need more than --max-gb.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -46,13 +51,13 @@ from transformers import DynamicCache
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import _legacy_kv as legacy
-from specdec.runtime import kv as current
+from specdec.runtime import kv as current, native
 from specdec.runtime.models import DEFAULT_MODEL, load_model
 from specdec.runtime.packed import PackedForward, kv_geometry
 
 GRID = {"positions": [1, 3, 5, 9], "contexts": [64, 1024, 4096, 8000], "sessions": [1, 4, 8, 16]}
 QUICK = {"positions": [1, 5], "contexts": [64, 4096], "sessions": [1, 8]}
-KEYS = ("old", "torch_kernels", "native_attention", "new", "new_one_by_one", "compiled")
+KEYS = ("old", "torch_kernels", "native_attention", "avx2_kernels", "new", "new_one_by_one", "compiled")
 QUICK_EXTRA = [(3, 4096, 8), (3, 4096, 1), (3, 64, 1)]  # the figures the issue quotes
 
 
@@ -76,6 +81,13 @@ def weight_bytes(model) -> int:
     return total
 
 
+@functools.lru_cache(maxsize=1)
+def avx2_library():
+    """The native kernels built for x86-64-v3 (AVX2/FMA), as a container image ships them."""
+    folder = Path(tempfile.mkdtemp(prefix="specdec-kernels-"))
+    return native.load(next(p for p in native.prebuild(folder) if p.name.endswith("-x86-64-v3.so")))
+
+
 class Cell:
     """The sessions of one cell, cached to `context`, for one engine."""
 
@@ -91,6 +103,7 @@ class Cell:
                 projection.parts = []
         if engine == "compiled":
             self.caches._packed = compiled  # compiled once for every cell
+        self.library = avx2_library() if engine == "avx2_kernels" else None
         gen = torch.Generator().manual_seed(0)
         layers, heads, dim = kv_geometry(model)
         dtype = next(model.parameters()).dtype
@@ -112,9 +125,15 @@ class Cell:
         return [current.ScoreRequest(sid, self.history, self.new) for sid in self.ids]
 
     def batched(self) -> float:
-        start = time.perf_counter()
-        self.caches.score_batch(self.requests())
-        elapsed = time.perf_counter() - start
+        chosen = native.library
+        if self.library is not None:  # the kernels' entry points look the library up on every call
+            native.library = lambda: (self.library, "")
+        try:
+            start = time.perf_counter()
+            self.caches.score_batch(self.requests())
+            elapsed = time.perf_counter() - start
+        finally:
+            native.library = chosen
         for sid in self.ids:
             self.caches.rollback(sid, self.context)
         return elapsed
@@ -259,7 +278,7 @@ def summary(rows: list[dict]) -> list[str]:
         if got[-1] is not None:
             lines.append(f"{sessions} session(s) x context {context} x {positions} positions: "
                          + ", ".join(part for part in got if part is not None))
-    for key in ("old", "torch_kernels", "native_attention", "new", "compiled"):
+    for key in ("old", "torch_kernels", "native_attention", "avx2_kernels", "new", "compiled"):
         one, five = ms(1, 64, 1, key), ms(5, 64, 1, key)
         if one and five:
             lines.append(f"{key}: 5 positions cost {five / one:.2f}x a decode step (1 session, context 64; medians)")
@@ -279,7 +298,8 @@ def plot(rows: list[dict], path: Path) -> None:
     all_positions = sorted({r["positions"] for r in rows})
     markers = dict(zip(all_positions, "os^Dv*"))  # a marker per positions, a colour and line per engine
     engines = {"old": ("tab:red", "--"), "torch_kernels": ("tab:orange", (0, (3, 1, 1, 1))),
-               "native_attention": ("tab:green", (0, (1, 1))), "new": ("tab:blue", "-"),
+               "native_attention": ("tab:green", (0, (1, 1))), "avx2_kernels": ("tab:cyan", (0, (5, 2))),
+               "new": ("tab:blue", "-"),
                "compiled": ("tab:purple", "-.")}
     fig, axes = plt.subplots(1, len(sessions), figsize=(4.5 * len(sessions), 4), squeeze=False)
     for ax, s in zip(axes[0], sessions):
