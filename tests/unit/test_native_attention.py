@@ -44,9 +44,9 @@ def _session(gen: torch.Generator, past: int, n: int, hkv: int, d: int, dtype: t
     return kv
 
 
-CASES = [  # (past, n, shared prefix widths) per row: chunk edges at 256, prefix edges inside chunks
-    [(0, 1, ()), (5, 3, ()), (255, 1, ()), (256, 2, ()), (257, 9, ())],
-    [(700, 5, (100, 300)), (40, 4, (40,)), (511, 1, (256,)), (1030, 3, (1,))],
+CASES = [  # (past, n, shared prefix widths) per row: chunk edges at 1024, prefix edges inside chunks
+    [(0, 1, ()), (5, 3, ()), (1023, 1, ()), (1024, 2, ()), (1025, 9, ()), (2046, 3, ())],
+    [(700, 5, (100, 300)), (40, 4, (40,)), (511, 1, (256,)), (1030, 3, (1,)), (2100, 2, (1500, 100))],
 ]
 
 
