@@ -34,6 +34,27 @@
 #define MAXQ 64    /* most queries (G * n) per row and head; longer blocks take the matmul path */
 #define MAXDIM 256 /* largest head_dim */
 #define SUB 32     /* keys per pass of the value loops: their rows stay in L1 across the passes */
+/* The vector loops' first pass over the keys (values) of an item asks for the row AHEAD_KEYS
+ * (AHEAD_VALUES) positions on. The hardware prefetcher follows these streams, but not far enough
+ * ahead while the loops compute. Measured on 2 cores, 30 layers, medians of 9 side by side, without
+ * and with: 8 rows x 4096 x 3 positions 76.3 -> 61.3 ms (AVX2 build: 103.5 -> 75.6), 16 x 2000 x 1
+ * 58.2 -> 45.5, 8 x 4096 x 5 97.5 -> 75.7. Keys 32 ahead, or values 64, or the keys' stream running
+ * on into the values, were no better; prefetching a whole item's values during its scores, and the
+ * next item's keys during its values, was worse (bursts of a thousand requests). */
+#define AHEAD_KEYS 16
+#define AHEAD_VALUES 32
+
+/* Of the m rows from p that a pass of the value loops reads, how many have a row AHEAD_VALUES on
+ * among the `count`. */
+static inline int64_t rows_ahead(int64_t count, int64_t p, int64_t m) {
+    int64_t left = count - p - AHEAD_VALUES;
+    return left <= 0 ? 0 : left < m ? left : m;
+}
+
+/* Ask for the `bytes` of a key or value row to be brought into cache. */
+static inline void fetch_row(const void *row, int bytes) {
+    for (int o = 0; o < bytes; o += 64) __builtin_prefetch((const char *)row + o, 0, 3);
+}
 
 typedef struct {
     const void *base; /* element [0, 0, 0, 0, 0] of the segment: keys at base, values at base + kv_stride */
@@ -140,9 +161,12 @@ static void scores_512(const float *qs, int nq, int dim, const float *const *key
         const float *q0 = qs + i * dim, *q1 = i + 1 < nq ? q0 + dim : q0, *q2 = i + 2 < nq ? q0 + 2 * dim : q0;
         float *d0 = scores + i * CHUNK;
         int64_t p = 0;
-        for (; p + 8 <= count; p += 8)
+        for (; p + 8 <= count; p += 8) {
+            for (int64_t a = p + AHEAD_KEYS; i == 0 && a < p + AHEAD_KEYS + 8 && a < count; a++)
+                fetch_row(keys[a], dim * 4);
             scores_3x8(q0, q1, q2, keys + p, dim, s, d0 + p, i + 1 < nq ? d0 + CHUNK + p : spare,
                        i + 2 < nq ? d0 + 2 * CHUNK + p : spare + 8);
+        }
         if (p < count) { /* the last 1-7 keys, with the first of them repeated */
             const float *k[8];
             for (int j = 0; j < 8; j++) k[j] = keys[p + j < count ? p + j : p];
@@ -153,14 +177,16 @@ static void scores_512(const float *qs, int nq, int dim, const float *const *key
     }
 }
 
-/* acc[i][e0 .. e0 + 64) += sum_p w[i * CHUNK + p] v_p[e0 ..] for QB queries (4 * QB accumulators). */
+/* acc[i][e0 .. e0 + 64) += sum_p w[i * CHUNK + p] v_p[e0 ..] for QB queries (4 * QB accumulators),
+ * asking for rows ahead[0 .. ahead_n) on the way. */
 #define DEFINE_VALUES512(QB)                                                                         \
     static inline void values512_##QB(const float *w, const float *const *v, int64_t count, int e0,   \
-                                      float *acc, int dim) {                                         \
+                                      float *acc, int dim, const float *const *ahead, int64_t ahead_n) {                                         \
         __m512 c[QB][4];                                                                             \
         for (int i = 0; i < QB; i++)                                                                 \
             for (int j = 0; j < 4; j++) c[i][j] = _mm512_loadu_ps(acc + i * dim + e0 + 16 * j);      \
         for (int64_t p = 0; p < count; p++) {                                                        \
+            if (p < ahead_n) fetch_row(ahead[p], dim * 4); /* the first pass asks for rows ahead */ \
             const float *y = v[p] + e0;                                                              \
             __m512 y0 = _mm512_loadu_ps(y), y1 = _mm512_loadu_ps(y + 16), y2 = _mm512_loadu_ps(y + 32), \
                    y3 = _mm512_loadu_ps(y + 48);                                                     \
@@ -188,12 +214,14 @@ static void values_512(const float *w, int nq, int dim, const float *const *valu
                 const float *wi = w + i * CHUNK + p;
                 const float *const *vp = values + p;
                 float *ai = acc + i * dim;
+                int64_t an = i || e ? 0 : rows_ahead(count, p, m);
+                const float *const *ah = an ? vp + AHEAD_VALUES : vp;
                 switch (nq - i < 5 ? nq - i : 5) {
-                case 1: values512_1(wi, vp, m, e, ai, dim); break;
-                case 2: values512_2(wi, vp, m, e, ai, dim); break;
-                case 3: values512_3(wi, vp, m, e, ai, dim); break;
-                case 4: values512_4(wi, vp, m, e, ai, dim); break;
-                default: values512_5(wi, vp, m, e, ai, dim);
+                case 1: values512_1(wi, vp, m, e, ai, dim, ah, an); break;
+                case 2: values512_2(wi, vp, m, e, ai, dim, ah, an); break;
+                case 3: values512_3(wi, vp, m, e, ai, dim, ah, an); break;
+                case 4: values512_4(wi, vp, m, e, ai, dim, ah, an); break;
+                default: values512_5(wi, vp, m, e, ai, dim, ah, an);
                 }
             }
     }
@@ -218,9 +246,12 @@ static void scores_f32(const float *qs, int nq, int dim, const float *const *key
         const float *q0 = qs + i * dim, *q1 = i + 1 < nq ? q0 + dim : q0, *q2 = i + 2 < nq ? q0 + 2 * dim : q0;
         float *d0 = scores + i * CHUNK;
         int64_t p = 0;
-        for (; p + 4 <= count; p += 4)
+        for (; p + 4 <= count; p += 4) {
+            for (int64_t a = p + AHEAD_KEYS; i == 0 && a < p + AHEAD_KEYS + 4 && a < count; a++)
+                fetch_row(keys[a], dim * 4);
             scores_3x4(q0, q1, q2, keys + p, dim, s, d0 + p, i + 1 < nq ? d0 + CHUNK + p : spare,
                        i + 2 < nq ? d0 + 2 * CHUNK + p : spare + 4);
+        }
         if (p < count) { /* the last 1-3 keys, with the first of them repeated */
             const float *k[4];
             for (int j = 0; j < 4; j++) k[j] = keys[p + j < count ? p + j : p];
@@ -231,14 +262,16 @@ static void scores_f32(const float *qs, int nq, int dim, const float *const *key
     }
 }
 
-/* acc[i][e0 .. e0 + 32) += sum_p w[i * CHUNK + p] v_p[e0 ..] for QB queries (eight accumulators for QB = 2). */
+/* acc[i][e0 .. e0 + 32) += sum_p w[i * CHUNK + p] v_p[e0 ..] for QB queries (eight accumulators for QB = 2),
+ * asking for rows ahead[0 .. ahead_n) on the way. */
 #define DEFINE_VALUES(QB)                                                                            \
     static inline void values_##QB##x32(const float *w, const float *const *v, int64_t count, int e0, \
-                                        float *acc, int dim) {                                       \
+                                        float *acc, int dim, const float *const *ahead, int64_t ahead_n) {                                       \
         __m256 c[QB][4];                                                                             \
         for (int i = 0; i < QB; i++)                                                                 \
             for (int j = 0; j < 4; j++) c[i][j] = _mm256_loadu_ps(acc + i * dim + e0 + 8 * j);       \
         for (int64_t p = 0; p < count; p++) {                                                        \
+            if (p < ahead_n) fetch_row(ahead[p], dim * 4); /* the first pass asks for rows ahead */ \
             const float *y = v[p] + e0;                                                              \
             __m256 y0 = _mm256_loadu_ps(y), y1 = _mm256_loadu_ps(y + 8), y2 = _mm256_loadu_ps(y + 16), \
                    y3 = _mm256_loadu_ps(y + 24);                                                     \
@@ -270,10 +303,12 @@ static void values_f32(const float *w, int nq, int dim, const float *const *valu
         int64_t m = count - p < SUB ? count - p : SUB;
         for (int i = 0; i < nq; i += 2)
             for (int e = 0; e < dim; e += 32) {
+                int64_t an = i || e ? 0 : rows_ahead(count, p, m);
+                const float *const *ah = an ? values + p + AHEAD_VALUES : values;
                 if (nq - i == 1)
-                    values_1x32(w + i * CHUNK + p, values + p, m, e, acc + i * dim, dim);
+                    values_1x32(w + i * CHUNK + p, values + p, m, e, acc + i * dim, dim, ah, an);
                 else
-                    values_2x32(w + i * CHUNK + p, values + p, m, e, acc + i * dim, dim);
+                    values_2x32(w + i * CHUNK + p, values + p, m, e, acc + i * dim, dim, ah, an);
             }
     }
 }
