@@ -11,7 +11,12 @@ passes interleaved so that load from elsewhere on a shared machine hits them ali
 
 - `old`: the engine before issue #17, frozen in `bench/_legacy_kv.py` (a DynamicCache per
   session, the pasts copied into a padded batch every pass);
-- `new`: `specdec.runtime.kv` (in-place buffers, packed pass);
+- `new`: `specdec.runtime.kv` (in-place buffers, packed pass), as a service runs it: projections
+  of up to `native_linear_rows` rows through the native linear kernel, that count measured once at
+  the start as a service's warm-up measures it (`--native-linear-rows auto`; recorded in the JSON);
+- `batch_invariant` (with `--engines ...,batch_invariant`): the new engine with every pass of up to
+  48 rows through the native linear kernel (`--native-linear-rows 48`: a session's logits the same
+  bits whatever shares its pass);
 - `new_one_by_one` (sessions > 1): the new engine scoring the same rows one `score` at a time;
 - `compiled` (with `--engines ...,compiled`): the new engine with `--compile on` (one compile,
   at the start, shared by every cell; its time is recorded as `compile_s`);
@@ -21,9 +26,9 @@ passes interleaved so that load from elsewhere on a shared machine hits them ali
 - `native_attention` (with `--engines ...,native_attention`): the new engine with the native
   attention kernel but oneDNN's projections (the native linear kernel left out), to tell the two
   kernels' shares apart;
-- `avx2_kernels` (with `--engines ...,avx2_kernels`): the new engine with the native kernels
-  built for x86-64-v3 (their AVX2 loops), where `new` runs the build for this CPU (its AVX-512
-  loops where it has them).
+- `avx2_kernels` (with `--engines ...,avx2_kernels`): `new` with the native kernels built for
+  x86-64-v3 (their AVX2 loops), where `new` runs the build for this CPU (its AVX-512 loops where
+  it has them).
 
 Each figure also appears as a multiple of its floor: (weight bytes + every row's K/V bytes read)
 / the read bandwidth this script measures (sum of a ~500 MB float32 tensor, median of several).
@@ -57,7 +62,8 @@ from specdec.runtime.packed import PackedForward, kv_geometry
 
 GRID = {"positions": [1, 3, 5, 9], "contexts": [64, 1024, 4096, 8000], "sessions": [1, 4, 8, 16]}
 QUICK = {"positions": [1, 5], "contexts": [64, 4096], "sessions": [1, 8]}
-KEYS = ("old", "torch_kernels", "native_attention", "avx2_kernels", "new", "new_one_by_one", "compiled")
+KEYS = ("old", "torch_kernels", "native_attention", "avx2_kernels", "batch_invariant", "new", "new_one_by_one",
+        "compiled")
 QUICK_EXTRA = [(3, 4096, 8), (3, 4096, 1), (3, 64, 1)]  # the figures the issue quotes
 
 
@@ -92,9 +98,11 @@ class Cell:
     """The sessions of one cell, cached to `context`, for one engine."""
 
     def __init__(self, engine: str, model, context: int, sessions: int, positions: int, vocab: int,
-                 compiled=None) -> None:
+                 compiled=None, linear_rows: int = 48) -> None:
         module = legacy if engine == "old" else current
-        options = {"kernels": "torch"} if engine == "torch_kernels" else {}
+        options: dict = {"kernels": "torch"} if engine == "torch_kernels" else {}
+        if engine in ("new", "avx2_kernels", "compiled"):
+            options["linear_rows"] = linear_rows
         self.caches = module.SessionCaches(model, max_context=context + positions + 1, max_sessions=sessions + 1,
                                            **options)
         if engine == "native_attention":  # every projection through its pre-packed oneDNN weight
@@ -209,9 +217,14 @@ def main() -> None:
     print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s, weights {weights / 1e6:.0f} MB, "
           f"K/V {kv_token_bytes / 1e3:.1f} KB a token", flush=True)
     engines = args.engines.split(",")
+    probe = current.SessionCaches(model, 64, linear_rows="auto")  # as a service's warm-up measures it
+    probe.warm_up()
+    assert probe._packed is not None
+    linear_rows = probe._packed.linear_rows
+    print(f"native linear kernel for passes of up to {linear_rows} rows (measured)", flush=True)
     compiled, compile_s = None, None
     if "compiled" in engines:
-        compiled = PackedForward(model, "auto", "on")
+        compiled = PackedForward(model, "auto", "on", linear_rows=linear_rows)
         compile_s = compiled.warm_up()
         print(f"compiled in {compile_s:.1f} s", flush=True)
     too_big: dict[str, list[tuple[int, int, int]]] = {e: [] for e in engines}
@@ -227,7 +240,7 @@ def main() -> None:
             elif any(positions >= p and context >= c and sessions >= s for p, c, s in too_big[engine]):
                 row[engine] = {"skipped": "a smaller cell took over --max-seconds"}
             else:
-                cell = Cell(engine, model, context, sessions, positions, loaded.vocab_size, compiled)
+                cell = Cell(engine, model, context, sessions, positions, loaded.vocab_size, compiled, linear_rows)
                 runs[engine] = cell.batched
                 if engine == "new" and sessions > 1:
                     runs["new_one_by_one"] = cell.one_by_one
@@ -247,6 +260,7 @@ def main() -> None:
     result = {"model": loaded.name, "dtype": args.dtype, "threads": args.threads, "repeats": args.repeats,
               "read_bandwidth_gb_s": bandwidth / 1e9, "weight_bytes": weights, "kv_bytes_per_token": kv_token_bytes,
               "machine": platform.processor() or platform.machine(), "torch": torch.__version__, "compile_s": compile_s,
+              "native_linear_rows": linear_rows,
               "summary": summary(rows), "cells": rows}
     for line in result["summary"]:
         print(line)
@@ -278,7 +292,7 @@ def summary(rows: list[dict]) -> list[str]:
         if got[-1] is not None:
             lines.append(f"{sessions} session(s) x context {context} x {positions} positions: "
                          + ", ".join(part for part in got if part is not None))
-    for key in ("old", "torch_kernels", "native_attention", "avx2_kernels", "new", "compiled"):
+    for key in ("old", "torch_kernels", "native_attention", "avx2_kernels", "batch_invariant", "new", "compiled"):
         one, five = ms(1, 64, 1, key), ms(5, 64, 1, key)
         if one and five:
             lines.append(f"{key}: 5 positions cost {five / one:.2f}x a decode step (1 session, context 64; medians)")
@@ -299,6 +313,7 @@ def plot(rows: list[dict], path: Path) -> None:
     markers = dict(zip(all_positions, "os^Dv*"))  # a marker per positions, a colour and line per engine
     engines = {"old": ("tab:red", "--"), "torch_kernels": ("tab:orange", (0, (3, 1, 1, 1))),
                "native_attention": ("tab:green", (0, (1, 1))), "avx2_kernels": ("tab:cyan", (0, (5, 2))),
+               "batch_invariant": ("tab:olive", (0, (2, 2))),
                "new": ("tab:blue", "-"),
                "compiled": ("tab:purple", "-.")}
     fig, axes = plt.subplots(1, len(sessions), figsize=(4.5 * len(sessions), 4), squeeze=False)

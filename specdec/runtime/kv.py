@@ -38,6 +38,7 @@ import psutil
 import torch
 
 from specdec.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from specdec.runtime import native
 from specdec.runtime.kv_buffer import SessionKV
 from specdec.runtime.packed import PackedForward, PackedRow, forward_generic, kv_geometry, supports
 from specdec.runtime.prefix_cache import NO_MATCH, Match, PrefixCache
@@ -138,14 +139,17 @@ class SessionCaches:
                  idle_ttl_s: float = 900.0, snapshots: SnapshotPolicy | None = None,
                  budget_bytes: int | None = None, prefix_cache: PrefixCache | None = None,
                  prefix_store: RedisPrefixStore | None = None, prepack: str = "auto",
-                 compile: str = "off", kernels: str = "auto") -> None:
+                 compile: str = "off", kernels: str = "auto",
+                 linear_rows: int | str = native.LINEAR_MAX_ROWS) -> None:
         """`budget_bytes`: the most keys/values held (None: `default_budget_bytes` of the model's
         device); `prefix_cache`: share prefix blocks between sessions (None: no sharing);
         `prefix_store`: also share them with other replicas through Redis (needs `prefix_cache`);
         `prepack`: the engine's weights pre-packed for oneDNN, on/off/auto (`packed.Projection`);
         `compile`: the packed pass's dense part through torch.compile, on/off/auto
         (`compiled.CompiledLayers`; `warm_up` compiles it); `kernels`: the packed pass's attention of
-        decode and verify rows and projections of a few rows, native/torch/auto (`native`)."""
+        decode and verify rows and projections of a few rows, native/torch/auto (`native`);
+        `linear_rows`: the most rows of a pass whose projections take the native linear kernel, or
+        "auto", measured by `warm_up` (`packed.PackedForward`)."""
         self.model = model
         head = _head_weight(model)  # [V, hidden]
         self.device = head.device  # inputs go where the weights are
@@ -168,7 +172,7 @@ class SessionCaches:
                             ("the native kernels", "on" if kernels == "native" else "")):
             if asked == "on" and not supports(model):
                 raise ValueError(f"{what}: a feature of the packed pass, which does not run {type(model).__name__}")
-        self._packed = PackedForward(model, prepack, compile, kernels) if supports(model) else None
+        self._packed = PackedForward(model, prepack, compile, kernels, linear_rows) if supports(model) else None
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -190,8 +194,8 @@ class SessionCaches:
         return self._packed is not None and self._packed.compiled is not None
 
     def warm_up(self) -> float:
-        """Compile the forward pass now, if it is compiled (at service start: no request pays a
-        compile); the seconds it took."""
+        """Measure what the forward pass measures at start (`linear_rows="auto"`) and compile it, if it
+        is compiled (at service start: no request pays a compile); the seconds compiling took."""
         with self._lock:
             return self._packed.warm_up() if self._packed is not None else 0.0
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import logging
 import shutil
+import statistics
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -40,8 +41,12 @@ if TYPE_CHECKING:  # transformers' model code loads with the model: a model-free
 from specdec.runtime import native, native_attention
 from specdec.runtime.compiled import CompiledLayers
 from specdec.runtime.kv_buffer import SessionKV
+from specdec.runtime.native import LINEAR_MAX_ROWS
 
 log = logging.getLogger(__name__)
+
+LINEAR_ROW_CANDIDATES = (1, 2, 4, 8, 16, 24, 32, 48)
+"""The row counts `PackedForward.measure_linear_rows` tries, in order (up to native.LINEAR_MAX_ROWS)."""
 
 QUERY_CHUNK = 256
 """A row's new positions attend in chunks of at most this many (bounds the score matrix)."""
@@ -117,10 +122,10 @@ class Projection:
     same for 1 and 5 rows; fusing q/k/v and gate/up halves the calls per layer. The packed weights
     are a copy: the model's own stay for everything else (a second copy of the weights in memory).
 
-    `native`: passes of at most `native.LINEAR_MAX_ROWS` rows go through the native linear kernel,
-    which reads the model's own weights where they lie (one call per fused weight, each writing its
-    columns of the output), faster than either library at those shapes; larger passes keep the path
-    above.
+    `native`: passes of at most `rows` rows (at most `native.LINEAR_MAX_ROWS`; `PackedForward`
+    sets it) go through the native linear kernel, which reads the model's own weights where they lie
+    (one call per fused weight, each writing its columns of the output): a row's output is then the
+    same bits whatever shares the pass. Larger passes keep the path above.
     """
 
     def __init__(self, weights: list[torch.Tensor], prepack: bool, native: bool = False) -> None:
@@ -133,10 +138,11 @@ class Projection:
                 weight = weights[0].detach() if len(weights) == 1 else torch.cat([w.detach() for w in weights])
                 self.weight = torch.ops.mkldnn._reorder_linear_weight(weight) if prepack else weight
         self.prepacked = prepack
+        self.rows = LINEAR_MAX_ROWS  # `native` here is the argument
 
     def project(self, h: torch.Tensor) -> torch.Tensor:
         """`h` `[T, in]` -> `[T, sum(out_i)]` (the fused weights' outputs side by side)."""
-        if self.parts and h.shape[0] <= native.LINEAR_MAX_ROWS:
+        if self.parts and h.shape[0] <= self.rows:
             return native.linear(h.contiguous(), self.parts, h.new_empty((h.shape[0], self.width)))
         if self.prepacked:
             return torch.ops.mkldnn._linear_pointwise(h, self.weight, None, "none", [], "")
@@ -154,7 +160,7 @@ class PackedForward:
     """`__call__(rows)`: feed every row's tokens into its `SessionKV`; each row's last `keep` logits."""
 
     def __init__(self, model: PreTrainedModel, prepack: str = "off", compile: str = "off",
-                 kernels: str = "auto") -> None:
+                 kernels: str = "auto", linear_rows: int | str = native.LINEAR_MAX_ROWS) -> None:
         """`prepack`: "on" (the weights pre-packed for oneDNN, fused per layer), "off" (the model's
         own modules), "auto" (on where `can_prepack`). `compile`: "on" (the dense part of every
         layer through torch.compile, `compiled.CompiledLayers`; call `warm_up` before serving),
@@ -162,7 +168,9 @@ class PackedForward:
         attention of decode and verify rows through `native_attention`, and in float32 the
         projections of passes of a few rows through its linear kernel), "torch" (`attend`, and
         oneDNN/MKL), "auto" (native where the kernels build and run: a CPU, float32/float64, a C
-        compiler or prebuilt kernels)."""
+        compiler or prebuilt kernels). `linear_rows`: the most rows of a pass whose projections take
+        the native linear kernel (float32), or "auto": measured by `warm_up` against the pre-packed
+        weights (`measure_linear_rows`); until then, and without pre-packed weights, all it takes."""
         if not supports(model):
             raise TypeError(f"{type(model).__name__} is not a Llama-structured model")
         if prepack not in ("on", "off", "auto"):
@@ -171,6 +179,8 @@ class PackedForward:
             raise ValueError(f"compile must be on, off or auto, not {compile!r}")
         if kernels not in ("native", "torch", "auto"):
             raise ValueError(f"kernels must be native, torch or auto, not {kernels!r}")
+        if linear_rows != "auto" and not (isinstance(linear_rows, int) and 0 <= linear_rows <= native.LINEAR_MAX_ROWS):
+            raise ValueError(f"linear_rows must be auto or 0 to {native.LINEAR_MAX_ROWS}, not {linear_rows!r}")
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
         self.rope = apply_rotary_pos_emb  # (q, k, cos, sin, unsqueeze_dim) -> rotated q, k
@@ -210,6 +220,9 @@ class PackedForward:
                     Projection([mlp.gate_proj.weight, mlp.up_proj.weight], packs, linear),
                     Projection([mlp.down_proj.weight], packs, linear),
                 ))
+        self.linear_rows = LINEAR_MAX_ROWS if isinstance(linear_rows, str) else linear_rows
+        self._measure_rows = linear_rows == "auto" and linear and self.prepacked
+        self._set_linear_rows(self.linear_rows)
         if compilable and compile != "off":
             self.compiled = CompiledLayers(self)
         self._plan: tuple[list[PackedRow] | None, native_attention.Plan | None, list[bool]] = (None, None, [])
@@ -334,11 +347,54 @@ class PackedForward:
         self._plan = (rows, plan, short)
         return plan, short
 
+    def _projections(self) -> list[Projection]:
+        return [*(p for layer in self.layers for p in layer), *([self.head] if self.head is not None else [])]
+
+    def _set_linear_rows(self, rows: int) -> None:
+        self.linear_rows = rows
+        for projection in self._projections():
+            projection.rows = rows
+
+    def measure_linear_rows(self, candidates: tuple[int, ...] = LINEAR_ROW_CANDIDATES, repeats: int = 3) -> int:
+        """The most rows up to which the native linear kernel is at least as fast as the pre-packed
+        oneDNN weights, on this model's own projections: every projection of the model at each
+        count in `candidates`, both ways interleaved, medians of `repeats`, counting up until oneDNN
+        wins (0 if it wins at the first). Which is faster depends on the CPU: on 2 AVX2 cores the
+        kernel won up to 64 rows, on 2 AVX-512 cores (where oneDNN runs AVX-512 code) at 1-2 rows
+        only (see docs/architecture.md)."""
+        projections = [p for p in self._projections() if p.parts and p.prepacked]
+        if not projections:
+            return 0
+        best = 0
+        with torch.inference_mode():
+            for m in candidates:
+                inputs = {p.parts[0].shape[1]: torch.randn(m, p.parts[0].shape[1], dtype=p.parts[0].dtype)
+                          for p in projections}
+                ways = {"native": m, "onednn": 0}  # the rows each way lets through the kernel
+                times: dict[str, list[float]] = {way: [] for way in ways}
+                for _ in range(repeats + 1):  # the first round only touches
+                    for way, rows in ways.items():
+                        times[way].append(_time_projections(projections, inputs, rows))
+                native_s, onednn_s = (statistics.median(times[way][1:]) for way in ways)
+                log.info("projections of %d rows: native linear kernel %.1f ms, oneDNN %.1f ms", m, native_s * 1e3,
+                         onednn_s * 1e3)
+                if native_s > onednn_s:
+                    break
+                best = m
+        self._set_linear_rows(self.linear_rows)
+        return best
+
     def warm_up(self) -> float:
-        """Compile the compiled pass's graphs now (at service start), on a scratch session: a pass of
-        one position (dynamo gives it a graph of its own) and of 2 and 3 (which make T dynamic), each
-        after a first pass so that it attends to a past. Afterwards nothing compiles again (see
-        `compiled`). Returns the seconds it took (0 without `compile`)."""
+        """At service start: with `linear_rows="auto"`, measure how many rows the native linear kernel
+        takes (`measure_linear_rows`); then compile the compiled pass's graphs, on a scratch session:
+        a pass of one position (dynamo gives it a graph of its own) and of 2 and 3 (which make T
+        dynamic), each after a first pass so that it attends to a past. Afterwards nothing compiles
+        again (see `compiled`). Returns the seconds compiling took (0 without `compile`)."""
+        if self._measure_rows:
+            self._measure_rows = False
+            self._set_linear_rows(self.measure_linear_rows())
+            log.info("projections of up to %d rows through the native linear kernel, larger ones through oneDNN "
+                     "(measured; --native-linear-rows N fixes it)", self.linear_rows)
         if self.compiled is None:
             return 0.0
         weight = self.model.lm_head.weight
@@ -352,6 +408,16 @@ class PackedForward:
         seconds = time.perf_counter() - start
         log.info("compiled the forward pass in %.1f s (torch.compile, inductor; --compile off turns it off)", seconds)
         return seconds
+
+def _time_projections(projections: list[Projection], inputs: dict[int, torch.Tensor], rows: int) -> float:
+    """Seconds for every projection of `inputs` (by input width), letting `rows` rows through the kernel."""
+    for p in projections:
+        p.rows = rows
+    start = time.perf_counter()
+    for p in projections:
+        p.project(inputs[p.parts[0].shape[1]])
+    return time.perf_counter() - start
+
 
 def attend(q: torch.Tensor, segments: list[tuple[torch.Tensor, torch.Tensor]], past: int,
            scale: float) -> torch.Tensor:

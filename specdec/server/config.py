@@ -120,7 +120,7 @@ BatchWindowMs = Annotated[float, Field(ge=0, le=1000)]
 
 
 KV_OPTIONS = ("kv_cache_bytes", "prefix_cache", "prefix_block_tokens", "prefix_redis_url", "prefix_min_fetch_tokens",
-              "prefix_ttl_s", "prefill_chunk_tokens", "prepack_weights", "compile", "kernels")
+              "prefix_ttl_s", "prefill_chunk_tokens", "prepack_weights", "compile", "kernels", "native_linear_rows")
 """Options of a service's model engine (its KV caches and forward pass): meaningless without a model."""
 
 
@@ -165,10 +165,19 @@ class ModelServiceConfig(ServiceConfig, DeviceOption):
     kernels: Literal["auto", "native", "torch"] = Field(
         "auto", description="The engine's C kernels for decode and verify passes: native (attention of all of a "
         "pass's short rows in one call per layer, each key/value read once for its grouped query heads; in float32 "
-        "also the projections of passes of up to 48 rows, each weight read once for all rows; on all threads; built "
+        "also the projections of passes of a few rows (--native-linear-rows), each weight read once for all rows; on "
+        "all threads; built "
         "on first use with the machine's C compiler, or taken from $SPECDEC_PREBUILT_KERNELS), torch (torch's "
         "operators: attention row by row, projections through oneDNN/MKL), auto (native where they build and run: a "
         "CPU, float32/float64; see bench/engine.py)."
+    )
+    native_linear_rows: Literal["auto"] | Annotated[int, Field(ge=0, le=48)] = Field(
+        "auto", description="The most rows of a pass (decode and verify positions over all its sessions) whose "
+        "projections run through the native linear kernel (float32, with the native kernels); larger passes use "
+        "oneDNN's pre-packed weights. auto: measured at start on the model's own weights, as the most rows up to "
+        "which the kernel is at least as fast (it wins up to 48 where oneDNN runs AVX2 code, at 1-2 rows where it "
+        "runs AVX-512), and logged. Up to this many rows a session's logits are the same bits whatever shares its "
+        "pass: 48 makes decode and verify passes of up to 48 rows batch-invariant; 0 uses oneDNN only."
     )
     prefill_chunk_tokens: int = Field(
         512, ge=0, description="Most prompt tokens one forward pass prefills, over all its sessions (0: no limit); a "
@@ -198,6 +207,10 @@ class ModelServiceConfig(ServiceConfig, DeviceOption):
         if not self.prefix_redis_url and given("prefix_min_fetch_tokens", "prefix_ttl_s"):
             raise ValueError(f"{given('prefix_min_fetch_tokens', 'prefix_ttl_s')} configure sharing prefixes "
                              "through Redis: add --prefix-redis-url URL")
+        if given("native_linear_rows") and self.kernels == "torch":
+            raise ValueError("--native-linear-rows sizes the native linear kernel's passes: drop --kernels torch")
+        if given("native_linear_rows") and self.dtype != "float32":
+            raise ValueError(f"--native-linear-rows: the native linear kernel runs float32, not --dtype {self.dtype}")
         return self
     max_batch: MaxBatch
     batch_window_ms: BatchWindowMs

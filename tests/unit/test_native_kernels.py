@@ -119,3 +119,93 @@ def test_native_kernels_are_refused_where_they_cannot_run(tiny_model, monkeypatc
         packed.PackedForward(tiny_model, kernels="native")
     auto = packed.PackedForward(copy.deepcopy(tiny_model).float(), kernels="auto")  # auto: torch's path, logged
     assert not auto.native and not any(p.parts for layer in auto.layers for p in layer)
+
+
+def _decode_rows(caches: SessionCaches, histories: dict[str, list[int]], sessions: str) -> list:
+    """One decode step of `sessions` in one pass (their histories prefilled), rolled back after."""
+    batched = caches.score_batch([ScoreRequest(sid, histories[sid], [7]) for sid in sessions])
+    for sid in sessions:
+        caches.rollback(sid, len(histories[sid]))
+    return batched
+
+
+def test_passes_above_linear_rows_take_onednn(tiny_model, monkeypatch):
+    """`linear_rows=4`: a pass of 4 rows (2 sessions: each feeds its last token and a new one) runs
+    every projection through the kernel, one of 6 none, and both score as the pass with the kernel
+    for every row does (float32 rounding)."""
+    lm = copy.deepcopy(tiny_model).float()
+    rng, vocab = random.Random(7), lm.config.vocab_size
+    histories = {sid: [rng.randrange(3, vocab) for _ in range(30)] for sid in "abc"}
+    two, everyone = (SessionCaches(lm, 512, prepack="on", kernels="native", linear_rows=rows) for rows in (4, 48))
+    for caches in (two, everyone):
+        for sid, history in histories.items():
+            caches.score(sid, history, [])
+    calls: list[int] = []
+    linear = native.linear
+    monkeypatch.setattr(native, "linear", lambda *a: calls.append(a[0].shape[0]) or linear(*a))
+    _decode_rows(two, histories, "ab")
+    assert calls == [4] * (1 + 4 * lm.config.num_hidden_layers)
+    calls.clear()
+    three = _decode_rows(two, histories, "abc")
+    assert calls == []
+    for one, other in zip(three, _decode_rows(everyone, histories, "abc")):
+        torch.testing.assert_close(one.logits, other.logits, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("native_wins_up_to, expected, tried", [
+    (48, 48, [1, 2, 4, 8, 16, 24, 32, 48]), (8, 8, [1, 2, 4, 8, 16]), (3, 2, [1, 2, 4]), (0, 0, [1])])
+def test_linear_rows_auto_is_the_most_rows_the_kernel_wins_counting_up(tiny_model, monkeypatch, caplog,
+                                                                       native_wins_up_to, expected, tried):
+    """The decision, on scripted timings: the kernel takes 1.0 where it wins, 3.0 where it loses;
+    oneDNN always 2.0. Measured at `warm_up`, applied to every projection, logged."""
+    lm = copy.deepcopy(tiny_model).float()
+    caches = SessionCaches(lm, 512, prepack="on", kernels="native", linear_rows="auto")
+    forward = caches._packed
+    assert forward.linear_rows == native.LINEAR_MAX_ROWS  # until measured
+    asked = []
+
+    def timed(projections, inputs, rows):
+        m = next(iter(inputs.values())).shape[0]
+        asked.append((m, rows))
+        return 2.0 if rows == 0 else 1.0 if m <= native_wins_up_to else 3.0
+
+    monkeypatch.setattr(packed, "_time_projections", timed)
+    with caplog.at_level("INFO", logger="specdec.runtime.packed"):
+        caches.warm_up()
+    assert forward.linear_rows == expected
+    assert {p.rows for p in forward._projections()} == {expected}
+    assert f"projections of up to {expected} rows through the native linear kernel" in caplog.text
+    assert sorted({m for m, _ in asked}) == tried  # counting up, stopping where oneDNN wins
+    caches.warm_up()  # measured once
+    assert len(asked) == 2 * 4 * len(tried)  # both ways, a touch and 3 timed rounds each
+
+
+def test_linear_rows_auto_measures_real_passes_and_fixed_rows_do_not(tiny_model):
+    lm = copy.deepcopy(tiny_model).float()
+    auto = SessionCaches(lm, 512, prepack="on", kernels="native", linear_rows="auto")
+    auto.warm_up()
+    assert auto._packed.linear_rows in (0, *packed.LINEAR_ROW_CANDIDATES)
+    fixed = SessionCaches(lm, 512, prepack="on", kernels="native", linear_rows=5)
+    fixed.warm_up()
+    assert fixed._packed.linear_rows == 5
+    with pytest.raises(ValueError, match="linear_rows must be auto or 0 to 48"):
+        packed.PackedForward(lm, kernels="native", linear_rows=49)
+
+
+@pytest.mark.parametrize("args, error", [
+    (["--native-linear-rows", "auto"], None),
+    (["--native-linear-rows", "0"], None),
+    (["--native-linear-rows", "49"], "--native-linear-rows"),
+    (["--native-linear-rows", "some"], "--native-linear-rows"),
+    (["--native-linear-rows", "8", "--kernels", "torch"], "drop --kernels torch"),
+    (["--native-linear-rows", "8", "--dtype", "bfloat16"], "runs float32, not --dtype bfloat16"),
+])
+def test_the_native_linear_rows_flag(args, error, capsys):
+    from target_service.config import TargetConfig
+
+    if error is None:
+        assert TargetConfig.from_args(args).native_linear_rows == (args[1] if args[1] == "auto" else int(args[1]))
+        return
+    with pytest.raises(SystemExit):
+        TargetConfig.from_args(args)
+    assert error in capsys.readouterr().err
