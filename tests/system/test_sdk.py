@@ -76,13 +76,21 @@ def test_session_continue_and_close(tiny_pipeline):
 
 
 def test_deadline(tiny_pipeline, long_prompt):
+    """A generation that takes several times the deadline (as many tokens as the tiny model's
+    context holds, one a round; timed first, so a machine fast enough to beat it fails here and
+    not by accident) ends with DeadlineExceeded, whether the deadline is the call's or the client's."""
     prompt, _ = long_prompt
+    request = dict(max_new_tokens=400, temperature=0, draft_length=0, ignore_eos=True)
+    deadline = 0.2
     with Client(orchestrator_address(tiny_pipeline)) as client:
+        start = time.monotonic()
+        assert len(client.generate(prompt, **request).token_ids) == 400
+        assert time.monotonic() - start > 3 * deadline, "the generation is too fast to test a deadline with"
         with pytest.raises(errors.DeadlineExceeded):
-            client.generate(prompt, max_new_tokens=80, temperature=0, draft_length=0, timeout=0.3)
-        client_default = Client(orchestrator_address(tiny_pipeline), timeout=0.3)
+            client.generate(prompt, **request, timeout=deadline)
+        client_default = Client(orchestrator_address(tiny_pipeline), timeout=deadline)
         with client_default, pytest.raises(errors.DeadlineExceeded):
-            list(client_default.stream(prompt, max_new_tokens=80, temperature=0, draft_length=0))
+            list(client_default.stream(prompt, **request))
 
 
 def _quiet_status(client: Client, within_s: float = 30.0) -> dict:
