@@ -291,6 +291,23 @@ def load_tokenizer(spec: str) -> PreTrainedTokenizerBase:
     return _wrap_load(spec, "tokenizer", lambda: AutoTokenizer.from_pretrained(path, **_hub_options()))
 
 
+ALIGN_BYTES = 64
+
+
+def _align(model: torch.nn.Module) -> None:
+    """Move every parameter and buffer that does not start on a 64-byte boundary into memory that
+    does (a copy, once; the same values). transformers maps safetensors files into memory and views
+    each tensor where it lies in the file, at offsets the header's length decides: SmolLM2-135M's
+    weights start 40 bytes past a cache line. Every vector load of such a weight then straddles two
+    lines; the native linear kernel's 64-byte AVX-512 loads straddle on every load: its 121
+    projections of 8 rows took 29.9 ms on the mapped weights and 18.8 on aligned copies (AVX2: 22.0
+    and 18.3), measured side by side on 2 cores."""
+    for module in model.modules():
+        for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
+            if tensor.data_ptr() % ALIGN_BYTES:
+                tensor.data = tensor.data.clone()  # torch's CPU allocator aligns to 64 bytes
+
+
 def load_model(spec: str, dtype: str = "float32", threads: int | None = None, progress: bool = True,
                device: str = "cpu") -> LoadedModel:
     """Load a causal LM for inference on `device` (see `resolve_device`), in eval mode, in the given dtype."""
@@ -308,6 +325,8 @@ def load_model(spec: str, dtype: str = "float32", threads: int | None = None, pr
     model = _wrap_load(spec, "model", lambda: AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, **hub))
     # transformers wraps `to` with functools.wraps, whose typing loses the bound `self`.
     model = model.to(device=torch_device, dtype=torch_dtype).eval()  # type: ignore[call-arg]
+    if torch_device.type == "cpu":
+        _align(model)
     _check_tied(model)
 
     config = model.config

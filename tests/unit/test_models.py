@@ -58,6 +58,27 @@ def test_round_trip(models: dict[str, Path]) -> None:
     assert (models["base"] / "model.safetensors").is_file()
 
 
+def test_every_weight_on_a_cpu_starts_on_a_cache_line(models: dict[str, Path]) -> None:
+    """transformers views safetensors weights where they lie in the mapped file, at any offset;
+    the loader moves a misaligned one to aligned memory, same values, tied weights still tied.
+    The tiny model's file may happen to be aligned, so a weight is misaligned here on purpose."""
+    from specdec.runtime import models as loader
+
+    loaded = load_model(str(models["base"]), progress=False)
+    model = loaded.model
+    assert all(t.data_ptr() % loader.ALIGN_BYTES == 0 for t in [*model.parameters(), *model.buffers()])
+    model.lm_head.weight = model.model.embed_tokens.weight  # tied, as many models' are
+    for weight in (model.model.layers[0].self_attn.q_proj.weight, model.lm_head.weight):
+        values = weight.detach().clone()
+        shifted = torch.empty(values.numel() + 1)[1:].view_as(values)  # 4 bytes past an aligned start
+        shifted.copy_(values)
+        weight.data = shifted
+        assert weight.data_ptr() % loader.ALIGN_BYTES
+        loader._align(model)
+        assert weight.data_ptr() % loader.ALIGN_BYTES == 0 and torch.equal(weight, values)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
 @pytest.mark.parametrize("name, dtype", [("float64", torch.float64), ("bfloat16", torch.bfloat16)])
 def test_dtype_selection(models: dict[str, Path], name: str, dtype: torch.dtype) -> None:
     loaded = load_model(str(models["base"]), dtype=name, progress=False)

@@ -14,7 +14,7 @@
  * OpenMP threads (torch's own runtime: this library links the libgomp that torch loaded; the caller
  * passes torch's intra-op thread count, so --threads holds here too).
  *
- * Built by specdec.runtime.native with -O3 -march=native -ffast-math. The
+ * Built by specdec.runtime.native with -O3 -march=native -mtune=generic -ffast-math. The
  * code never produces an infinity or NaN (a masked key is left out of the loops, not set to
  * -inf), which -ffast-math's finite-math assumption requires. float32 on AVX2/FMA runs the
  * register-blocked loops below, and with AVX-512 wider ones (8 keys a block for 3 queries; 5
