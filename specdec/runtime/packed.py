@@ -363,8 +363,8 @@ class PackedForward:
         oneDNN weights, on this model's own projections: every projection of the model at each
         count in `candidates`, both ways interleaved, medians of `repeats`, counting up until oneDNN
         wins (0 if it wins at the first). Which is faster depends on the CPU: on 2 AVX2 cores the
-        kernel won up to 64 rows, on 2 AVX-512 cores (where oneDNN runs AVX-512 code) at 1-2 rows
-        only (see docs/architecture.md)."""
+        kernel won up to 64 rows, on 2 AVX-512 cores (where oneDNN runs AVX-512 code) up to 8 rows,
+        tying beyond (see docs/architecture.md)."""
         projections = [p for p in self._projections() if p.parts and p.prepacked]
         if not projections:
             return 0

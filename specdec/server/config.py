@@ -175,9 +175,9 @@ class ModelServiceConfig(ServiceConfig, DeviceOption):
         "auto", description="The most rows of a pass (decode and verify positions over all its sessions) whose "
         "projections run through the native linear kernel (float32, with the native kernels); larger passes use "
         "oneDNN's pre-packed weights. auto: measured at start on the model's own weights, as the most rows up to "
-        "which the kernel is at least as fast (it wins up to 48 where oneDNN runs AVX2 code, at 1-2 rows where it "
-        "runs AVX-512), and logged. Up to this many rows a session's logits are the same bits whatever shares its "
-        "pass: 48 makes decode and verify passes of up to 48 rows batch-invariant; 0 uses oneDNN only."
+        "which the kernel is at least as fast (it won up to 48 where oneDNN runs AVX2 code, up to 8 and ties beyond "
+        "where it runs AVX-512), and logged. Up to this many rows a session's logits are the same bits whatever "
+        "shares its pass: 48 makes decode and verify passes of up to 48 rows batch-invariant; 0 uses oneDNN only."
     )
     prefill_chunk_tokens: int = Field(
         512, ge=0, description="Most prompt tokens one forward pass prefills, over all its sessions (0: no limit); a "
