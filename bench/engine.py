@@ -41,6 +41,7 @@ engine; so is a cell whose caches would need more than --max-gb.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import platform
@@ -85,6 +86,19 @@ def weight_bytes(model) -> int:
             seen.add(p.data_ptr())
             total += p.numel() * p.element_size()
     return total
+
+
+@contextlib.contextmanager
+def using_library(lib):
+    """The native kernels run from `lib` inside the block (None: the one `native.library` finds);
+    their entry points look the library up on every call."""
+    chosen = native.library
+    if lib is not None:
+        native.library = lambda: (lib, "")
+    try:
+        yield
+    finally:
+        native.library = chosen
 
 
 @functools.lru_cache(maxsize=1)
@@ -133,15 +147,10 @@ class Cell:
         return [current.ScoreRequest(sid, self.history, self.new) for sid in self.ids]
 
     def batched(self) -> float:
-        chosen = native.library
-        if self.library is not None:  # the kernels' entry points look the library up on every call
-            native.library = lambda: (self.library, "")
-        try:
+        with using_library(self.library):
             start = time.perf_counter()
             self.caches.score_batch(self.requests())
             elapsed = time.perf_counter() - start
-        finally:
-            native.library = chosen
         for sid in self.ids:
             self.caches.rollback(sid, self.context)
         return elapsed

@@ -38,7 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.engine import read_bandwidth
+from bench.engine import read_bandwidth, using_library
 from specdec.runtime import native, native_attention, packed
 from specdec.runtime.kv_buffer import SessionKV
 from specdec.runtime.models import DEFAULT_MODEL, load_model
@@ -77,14 +77,10 @@ def timed(ways: dict[str, Any], repeats: int, before=None) -> dict[str, float]:
 
 
 def with_library(lib, run):
-    """`run` with the kernels' entry points looking up `lib` (they look the library up on every call)."""
+    """`run` with the native kernels running from `lib`."""
     def call():
-        chosen = native.library
-        native.library = lambda: (lib, "")
-        try:
+        with using_library(lib):
             run()
-        finally:
-            native.library = chosen
     return call
 
 

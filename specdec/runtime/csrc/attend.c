@@ -127,11 +127,6 @@ static inline void scores_3x4(const float *q0, const float *q1, const float *q2,
  * values in cache, 8 rows x 4096 x 3 positions 48.2 -> 31.9 ms; read from memory 107.4 -> 84.5 ms,
  * 16 rows x 2000 x 1 63.4 -> 54.0 ms. */
 
-/* The sum of a's two 8-lane halves. */
-static inline __m256 fold(__m512 a) {
-    return _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
-}
-
 /* Scores of 3 queries against 8 keys (24 accumulators; dim a multiple of 16). */
 static inline void scores_3x8(const float *q0, const float *q1, const float *q2, const float *const *k, int dim,
                               __m128 scale, float *d0, float *d1, float *d2) {

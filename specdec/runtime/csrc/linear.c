@@ -88,9 +88,6 @@ static void rows_block(int m, const float *x, int64_t x_t, const float *w, int k
  * passes below 18 rows lost to 3-row ones (16 rows: 32.1 / 26.6 ms). Lane e % 16 sums e = lane,
  * lane + 16, ...; the two halves are added, then the 8 lanes as above: again one order for every m. */
 #define WIDE_FROM 18
-static inline __m256 fold(__m512 a) {
-    return _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
-}
 
 #define DEFINE_BLOCK512(NAME, QB, PREFETCH)                                                           \
     static inline void NAME(const float *x, int64_t x_t, const float *w, int k, float *y, int64_t y_t, \
