@@ -19,17 +19,13 @@ from specdec.runtime.models import load_tokenizer, tokenizer_fingerprint
 from specdec.server.auth import AuthInterceptor, Tokens
 from specdec.server.interceptors import DecodeGuard
 from specdec.server.limits import ConcurrencyLimit, PerIdentityLimit
-from specdec.server.serving import run_main, serve_servicer, start_metrics
+from specdec.server.serving import StartupError, run_main, serve_servicer, start_metrics
 from specdec.server.tls import ClientTLS, server_credentials_of
 from specdec.server.tracing import ServerTracing
 from specdec.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
 
 log = logging.getLogger("specdec.orchestrator")
 SERVICE_NAME = orchestrator_pb2.DESCRIPTOR.services_by_name["Orchestrator"].full_name
-
-
-class StartupError(RuntimeError):
-    """The orchestrator cannot serve with this configuration; the message says why."""
 
 
 def redis_options(config: OrchestratorConfig) -> dict:
@@ -154,4 +150,4 @@ async def serve(config: OrchestratorConfig) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    run_main(OrchestratorConfig, serve, prog="python -m orchestrator", argv=argv, startup_errors=(StartupError,))
+    run_main(OrchestratorConfig, serve, prog="python -m orchestrator", argv=argv)

@@ -38,7 +38,6 @@ import psutil
 import torch
 
 from specdec.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
-from specdec.runtime import native
 from specdec.runtime.kv_buffer import SessionKV
 from specdec.runtime.packed import PackedForward, PackedRow, forward_generic, kv_geometry, supports
 from specdec.runtime.prefix_cache import NO_MATCH, Match, PrefixCache
@@ -140,7 +139,7 @@ class SessionCaches:
                  budget_bytes: int | None = None, prefix_cache: PrefixCache | None = None,
                  prefix_store: RedisPrefixStore | None = None, prepack: str = "auto",
                  compile: str = "off", kernels: str = "auto",
-                 linear_rows: int | str = native.LINEAR_MAX_ROWS) -> None:
+                 linear_rows: int | str | None = None) -> None:
         """`budget_bytes`: the most keys/values held (None: `default_budget_bytes` of the model's
         device); `prefix_cache`: share prefix blocks between sessions (None: no sharing);
         `prefix_store`: also share them with other replicas through Redis (needs `prefix_cache`);
@@ -149,7 +148,7 @@ class SessionCaches:
         (`compiled.CompiledLayers`; `warm_up` compiles it); `kernels`: the packed pass's attention of
         decode and verify rows and projections of a few rows, native/torch/auto (`native`);
         `linear_rows`: the most rows of a pass whose projections take the native linear kernel, or
-        "auto", measured by `warm_up` (`packed.PackedForward`)."""
+        "auto", measured by `warm_up`, or None: all it takes (`packed.PackedForward`)."""
         self.model = model
         head = _head_weight(model)  # [V, hidden]
         self.device = head.device  # inputs go where the weights are
@@ -169,7 +168,9 @@ class SessionCaches:
         self.evictions = 0  # sessions evicted to make room under the budget
         self._own_bytes = 0  # bytes of the sessions' own buffers
         for what, asked in (("pre-packed weights", prepack), ("the compiled pass", compile),
-                            ("the native kernels", "on" if kernels == "native" else "")):
+                            ("the native kernels", "on" if kernels == "native" else ""),
+                            (f"--native-linear-rows {linear_rows}",
+                             "on" if isinstance(linear_rows, int) and linear_rows > 0 else "")):
             if asked == "on" and not supports(model):
                 raise ValueError(f"{what}: a feature of the packed pass, which does not run {type(model).__name__}")
         self._packed = PackedForward(model, prepack, compile, kernels, linear_rows) if supports(model) else None

@@ -163,7 +163,7 @@ class PackedForward:
     """`__call__(rows)`: feed every row's tokens into its `SessionKV`; each row's last `keep` logits."""
 
     def __init__(self, model: PreTrainedModel, prepack: str = "off", compile: str = "off",
-                 kernels: str = "auto", linear_rows: int | str = native.LINEAR_MAX_ROWS) -> None:
+                 kernels: str = "auto", linear_rows: int | str | None = None) -> None:
         """`prepack`: "on" (the weights pre-packed for oneDNN, fused per layer), "off" (the model's
         own modules), "auto" (on where `can_prepack`). `compile`: "on" (the dense part of every
         layer through torch.compile, `compiled.CompiledLayers`; call `warm_up` before serving),
@@ -173,7 +173,9 @@ class PackedForward:
         oneDNN/MKL), "auto" (native where the kernels build and run: a CPU, float32/float64, a C
         compiler or prebuilt kernels). `linear_rows`: the most rows of a pass whose projections take
         the native linear kernel (float32), or "auto": measured by `warm_up` against the pre-packed
-        weights (`measure_linear_rows`); until then, and without pre-packed weights, all it takes."""
+        weights (`measure_linear_rows`); until then, and without pre-packed weights, all it takes;
+        None (not given): all it takes. A count above 0 where the linear kernel does not run (no
+        native kernels here, another dtype, projections with bias) is refused: it would do nothing."""
         if not supports(model):
             raise TypeError(f"{type(model).__name__} is not a Llama-structured model")
         if prepack not in ("on", "off", "auto"):
@@ -182,7 +184,8 @@ class PackedForward:
             raise ValueError(f"compile must be on, off or auto, not {compile!r}")
         if kernels not in ("native", "torch", "auto"):
             raise ValueError(f"kernels must be native, torch or auto, not {kernels!r}")
-        if linear_rows != "auto" and not (isinstance(linear_rows, int) and 0 <= linear_rows <= native.LINEAR_MAX_ROWS):
+        if linear_rows not in ("auto", None) and not (isinstance(linear_rows, int)
+                                                      and 0 <= linear_rows <= native.LINEAR_MAX_ROWS):
             raise ValueError(f"linear_rows must be auto or 0 to {native.LINEAR_MAX_ROWS}, not {linear_rows!r}")
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
@@ -209,6 +212,12 @@ class PackedForward:
             log.info("attention and projections through torch's operators (%s)", why)
         self.native = kernels != "torch" and not why
         linear = self.native and weight.dtype == torch.float32 and not self._biased()
+        if isinstance(linear_rows, int) and linear_rows > 0 and not linear:
+            reason = ((why or "--kernels torch") if not self.native else
+                      f"the model runs {str(weight.dtype).removeprefix('torch.')}" if weight.dtype != torch.float32
+                      else "its projections have a bias")
+            raise ValueError(f"--native-linear-rows {linear_rows}: the native linear kernel does not run here "
+                             f"({reason}); drop the flag or pass auto")
         self.compiled: CompiledLayers | None = None
         self.head: Projection | None = None
         self.layers: list[tuple[Projection, Projection, Projection, Projection]] = []
@@ -223,7 +232,7 @@ class PackedForward:
                     Projection([mlp.gate_proj.weight, mlp.up_proj.weight], packs, linear),
                     Projection([mlp.down_proj.weight], packs, linear),
                 ))
-        self.linear_rows = LINEAR_MAX_ROWS if isinstance(linear_rows, str) else linear_rows
+        self.linear_rows = linear_rows if isinstance(linear_rows, int) else LINEAR_MAX_ROWS
         self._measure_rows = linear_rows == "auto" and linear and self.prepacked
         self._set_linear_rows(self.linear_rows)
         if compilable and compile != "off":

@@ -27,7 +27,7 @@ from specdec.runtime.snapshot_store import RedisSnapshotStore, SnapshotPolicy
 from specdec.server.admission import Admission
 from specdec.server.config import ModelServiceConfig
 from specdec.server.metrics import ServiceMetrics
-from specdec.server.serving import serve_servicer, start_metrics
+from specdec.server.serving import StartupError, serve_servicer, start_metrics
 from specdec.server.tls import server_credentials_of
 from specdec.v1 import common_pb2
 
@@ -129,11 +129,14 @@ def session_caches(config: ModelServiceConfig, loaded: LoadedModel, role: str) -
     if config.prefix_redis_url:
         store = RedisPrefixStore(config.prefix_redis_url, role, model_identity(loaded), config.prefix_ttl_s,
                                  config.prefix_min_fetch_tokens)
-    caches = SessionCaches(loaded.model, loaded.max_context, config.max_sessions, config.idle_ttl_s,
-                           snapshot_policy(config, loaded, role), budget_bytes=config.kv_cache_bytes or None,
-                           prefix_cache=PrefixCache(config.prefix_block_tokens) if config.prefix_cache else None,
-                           prefix_store=store, prepack=config.prepack_weights, compile=config.compile,
-                           kernels=config.kernels, linear_rows=config.native_linear_rows)
+    try:
+        caches = SessionCaches(loaded.model, loaded.max_context, config.max_sessions, config.idle_ttl_s,
+                               snapshot_policy(config, loaded, role), budget_bytes=config.kv_cache_bytes or None,
+                               prefix_cache=PrefixCache(config.prefix_block_tokens) if config.prefix_cache else None,
+                               prefix_store=store, prepack=config.prepack_weights, compile=config.compile,
+                               kernels=config.kernels, linear_rows=config.native_linear_rows)
+    except ValueError as exc:  # an engine option this model or machine cannot honour (--kernels native, ...)
+        raise StartupError(str(exc)) from exc
     caches.warm_up()  # before the service listens: no request pays a compile
     return caches
 

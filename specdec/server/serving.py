@@ -141,7 +141,11 @@ def default_interceptors() -> list[grpc.aio.ServerInterceptor]:
     return [ServerTracing(), DecodeGuard()]
 
 
-def run_main(config_cls, serve, prog: str, argv=None, startup_errors: tuple[type[Exception], ...] = ()) -> None:
+class StartupError(RuntimeError):
+    """A service cannot serve with this configuration on this machine; the message says why."""
+
+
+def run_main(config_cls, serve, prog: str, argv=None) -> None:
     """The entry point of every service: flags → config → logging, tracing → asyncio.run(serve(config))."""
     from specdec.server.tracing import setup as setup_tracing
 
@@ -155,7 +159,7 @@ def run_main(config_cls, serve, prog: str, argv=None, startup_errors: tuple[type
         sys.exit(2)
     try:
         asyncio.run(serve(config))
-    except startup_errors as exc:
+    except StartupError as exc:
         log.error("cannot start: %s", exc)
         sys.exit(2)
     except KeyboardInterrupt:

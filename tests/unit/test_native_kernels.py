@@ -121,6 +121,26 @@ def test_native_kernels_are_refused_where_they_cannot_run(tiny_model, monkeypatc
     assert not auto.native and not any(p.parts for layer in auto.layers for p in layer)
 
 
+def test_fixed_linear_rows_are_refused_where_the_linear_kernel_does_not_run(tiny_model, monkeypatch,
+                                                                            fresh_library):
+    """An explicit count would do nothing there; 0 (oneDNN only) and auto are what happens anyway."""
+    lm = copy.deepcopy(tiny_model).float()
+    with pytest.raises(ValueError, match=r"--native-linear-rows 4: .* \(--kernels torch\)"):
+        packed.PackedForward(lm, kernels="torch", linear_rows=4)
+    with monkeypatch.context() as without_compiler:
+        without_compiler.setenv("CC", "/nonexistent/cc")
+        without_compiler.setenv("PATH", "/nonexistent")
+        with pytest.raises(ValueError, match=r"--native-linear-rows 8: .* \(no C compiler"):
+            SessionCaches(lm, 512, kernels="auto", linear_rows=8)
+        for rows in (0, "auto", None):
+            assert not SessionCaches(lm, 512, kernels="auto", linear_rows=rows)._packed.native
+    native.library.cache_clear()
+    with pytest.raises(ValueError, match="--native-linear-rows 8: the native linear kernel does not run here "
+                                         r"\(the model runs float64\)"):
+        packed.PackedForward(copy.deepcopy(tiny_model).double(), kernels="auto", linear_rows=8)
+    assert packed.PackedForward(lm, kernels="auto", linear_rows=8).linear_rows == 8
+
+
 def _decode_rows(caches: SessionCaches, histories: dict[str, list[int]], sessions: str) -> list:
     """One decode step of `sessions` in one pass (their histories prefilled), rolled back after."""
     batched = caches.score_batch([ScoreRequest(sid, histories[sid], [7]) for sid in sessions])
@@ -209,3 +229,20 @@ def test_the_native_linear_rows_flag(args, error, capsys):
     with pytest.raises(SystemExit):
         TargetConfig.from_args(args)
     assert error in capsys.readouterr().err
+
+
+def test_a_service_asked_for_what_its_machine_cannot_run_exits_with_the_reason(tiny_models):
+    """No C compiler and no prebuilt kernels: `--native-linear-rows 8` would do nothing, so the
+    target service does not start (exit 2, one line saying why, no traceback)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "SPECDEC_PREBUILT_KERNELS"}
+    env.update(CC="/nonexistent/cc", PATH=os.path.dirname(sys.executable))
+    proc = subprocess.run([sys.executable, "-m", "target_service", "--port", "0", "--model", str(tiny_models["target"]),
+                           "--native-linear-rows", "8"], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 2, proc.stderr
+    assert "cannot start: --native-linear-rows 8: the native linear kernel does not run here (no C compiler" \
+        in proc.stderr
+    assert "Traceback" not in proc.stderr
