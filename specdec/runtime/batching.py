@@ -14,7 +14,9 @@ a little after its answer), or `max_batch` jobs wait, or the wait since the prev
 turnaround of returning sessions and half the previous pass's compute time (a second pass for the
 latecomers would cost a whole pass), capped at `window_s`. Without that rule closed-loop clients
 settle into alternating partial passes (each group arrives while the other computes); with it
-they share passes, and a lone client never waits at all.
+they share passes, and a lone client never waits at all. Between the passes of jobs that go on
+(a long prompt fed in chunks), the sessions the previous pass answered are waited for too, when
+they are expected back within a tenth of a pass (`_gather_returning`).
 
 Each batch holds a session at most once (a second job for the same session waits for the first
 to finish), so every session's cache sees its requests in order. Before each step, jobs whose
@@ -280,6 +282,8 @@ class Batcher:
                     await self._wakeup.wait()
                     continue
                 await self._gather_window()
+            elif self._last_sessions - {job.session_id for job in self._active}:
+                await self._gather_returning()
             self._admit()
             if not self._active:
                 continue
@@ -332,6 +336,32 @@ class Batcher:
                 return
             self._cull()
             if not self._pending:
+                return
+
+    async def _gather_returning(self) -> None:
+        """Between the passes of jobs that go on (a prompt fed in chunks, a draft of several tokens):
+        wait for the sessions whose jobs the previous pass finished, if they are expected back within
+        a tenth of that pass (three measured turnarounds). A decoding session then joins the very next
+        pass instead of sitting out one more: behind a prompt fed in chunks of a second each, every
+        one of its tokens took two passes. Where sessions return slower than that (a draft service's
+        sessions come back after a whole verify), nothing waits."""
+        wait_s = min(self.config.window_s, max(0.002, 3 * self._turnaround_s))
+        if wait_s > 0.1 * self._last_pass_s:
+            return
+        deadline = self._last_step_end + wait_s
+        while len(self._pending) + len(self._active) < self.config.max_batch:
+            if not self._last_sessions - {job.session_id for job in (*self._pending, *self._active)}:
+                return  # every one of them is back
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            self._wakeup.clear()
+            try:
+                await asyncio.wait_for(self._wakeup.wait(), remaining)
+            except asyncio.TimeoutError:
+                return
+            self._cull()
+            if not self._active:
                 return
 
     def _cull(self) -> None:

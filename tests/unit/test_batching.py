@@ -373,3 +373,33 @@ async def test_a_long_prefill_is_fed_in_chunks_between_the_other_sessions_steps(
     assert max(fed) <= 40 and sum(fed) >= 300 - 1 - 40  # the prompt went in chunks of the budget
     assert len([n for n in fed if n]) >= 7  # 299 prompt tokens at most 40 a pass
     assert short_steps >= 3  # the decoding session went on stepping while the prompt was fed
+
+
+async def test_decoding_sessions_get_a_token_every_pass_while_a_prompt_is_fed_in_chunks(model):
+    """A closed-loop client that sends its next verify 1 ms after each answer, while a 300-token
+    prompt is fed 30 tokens a pass (each pass 0.1 s): the batcher waits those few ms for it between
+    the prompt's chunks, so it gets a verdict from every pass, where without waiting the next pass
+    would start without it and it would get one from every other pass."""
+    rng, params = random.Random(3), SamplingParams()
+    caches = SlowCaches(model, 0.1)
+    verifier = Verifier(caches, V)
+    batcher = Batcher(caches, BatchConfig(max_batch=4, window_s=0.05, prefill_chunk_tokens=30))
+    history = tokens(rng, 10)
+    for _ in range(6):  # the client's turnaround is measured: ~1 ms
+        verified, _ = await batcher.run(verifier.job("short", history, [], None, params, seed=1))
+        history = history + [verified.verdict.token]
+        await asyncio.sleep(0.001)
+    passes_before = batcher.batches
+    long_job = asyncio.ensure_future(batcher.run(verifier.job("long", tokens(rng, 300), [], None, params, seed=1)))
+    await asyncio.sleep(0)
+    verdicts = 0
+    while not long_job.done():
+        verified, _ = await batcher.run(verifier.job("short", history, [], None, params, seed=1))
+        history = history + [verified.verdict.token]
+        verdicts += 1
+        await asyncio.sleep(0.001)
+    await long_job
+    await batcher.close()
+    passes = batcher.batches - passes_before
+    assert passes >= 10  # 299 prompt tokens, at most 30 a pass
+    assert verdicts >= passes - 1, f"{verdicts} verdicts in {passes} passes: the client sat out passes"
