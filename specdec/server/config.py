@@ -177,8 +177,9 @@ class ModelServiceConfig(ServiceConfig, DeviceOption):
         "oneDNN's pre-packed weights. auto: measured at start on the model's own weights, as the most rows up to "
         "which the kernel is at least as fast (it won up to 48 where oneDNN runs AVX2 code, up to 8 and ties beyond "
         "where it runs AVX-512), and logged. Up to this many rows a session's logits are the same bits whatever "
-        "shares its pass: 48 makes decode and verify passes of up to 48 rows batch-invariant; 0 uses oneDNN only. A count above 0 where the kernel does not run (no C compiler or prebuilt "
-        "kernels, a GPU) stops the service at start."
+        "shares its pass: 48 makes decode and verify passes of up to 48 rows batch-invariant; 0 uses oneDNN only. "
+        "A count above 0 where the kernel does not run (no C compiler or prebuilt kernels, a GPU) stops the service "
+        "at start."
     )
     prefill_chunk_tokens: int = Field(
         512, ge=0, description="Most prompt tokens one forward pass prefills, over all its sessions (0: no limit); a "
