@@ -282,7 +282,7 @@ class Batcher:
                     await self._wakeup.wait()
                     continue
                 await self._gather_window()
-            elif self._last_sessions - {job.session_id for job in self._active}:
+            elif self._missing():
                 await self._gather_returning()
             self._admit()
             if not self._active:
@@ -318,24 +318,31 @@ class Batcher:
             while len(self._finished_at) > 4 * self.config.max_batch + 16:
                 del self._finished_at[next(iter(self._finished_at))]  # sessions that did not come back
 
+    def _missing(self) -> set[str]:
+        """The sessions of the previous pass with no job queued or running now."""
+        return self._last_sessions - {job.session_id for job in (*self._pending, *self._active)}
+
+    async def _news(self, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` for news (a job submitted or cancelled), then drop dead jobs;
+        False if none came in time."""
+        if timeout_s <= 0:
+            return False
+        self._wakeup.clear()
+        try:
+            await asyncio.wait_for(self._wakeup.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            return False
+        self._cull()
+        return True
+
     async def _gather_window(self) -> None:
         """Wait until the previous batch's sessions are all back, `max_batch` jobs wait, or the window ends."""
         while len(self._pending) < self.config.max_batch:
-            missing = self._last_sessions - {job.session_id for job in self._pending}
-            if len(missing) <= len(self._last_sessions) // 8:
+            if len(self._missing()) <= len(self._last_sessions) // 8:
                 return  # (nearly) everyone who shared the previous pass is here, or a lone client: go
             start = max(self._pending[0].enqueued, self._last_step_end)
             wait_s = min(self.config.window_s, max(0.002, 3 * self._turnaround_s, 0.5 * self._last_pass_s))
-            remaining = start + wait_s - time.monotonic()
-            if remaining <= 0:
-                return
-            self._wakeup.clear()
-            try:
-                await asyncio.wait_for(self._wakeup.wait(), remaining)
-            except asyncio.TimeoutError:
-                return
-            self._cull()
-            if not self._pending:
+            if not await self._news(start + wait_s - time.monotonic()) or not self._pending:
                 return
 
     async def _gather_returning(self) -> None:
@@ -349,19 +356,8 @@ class Batcher:
         if wait_s > 0.1 * self._last_pass_s:
             return
         deadline = self._last_step_end + wait_s
-        while len(self._pending) + len(self._active) < self.config.max_batch:
-            if not self._last_sessions - {job.session_id for job in (*self._pending, *self._active)}:
-                return  # every one of them is back
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return
-            self._wakeup.clear()
-            try:
-                await asyncio.wait_for(self._wakeup.wait(), remaining)
-            except asyncio.TimeoutError:
-                return
-            self._cull()
-            if not self._active:
+        while len(self._pending) + len(self._active) < self.config.max_batch and self._missing():
+            if not await self._news(deadline - time.monotonic()) or not self._active:
                 return
 
     def _cull(self) -> None:

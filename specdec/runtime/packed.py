@@ -213,9 +213,12 @@ class PackedForward:
         self.native = kernels != "torch" and not why
         linear = self.native and weight.dtype == torch.float32 and not self._biased()
         if isinstance(linear_rows, int) and linear_rows > 0 and not linear:
-            reason = ((why or "--kernels torch") if not self.native else
-                      f"the model runs {str(weight.dtype).removeprefix('torch.')}" if weight.dtype != torch.float32
-                      else "its projections have a bias")
+            if not self.native:
+                reason = why or "--kernels torch"
+            elif weight.dtype != torch.float32:
+                reason = f"the model runs {str(weight.dtype).removeprefix('torch.')}"
+            else:
+                reason = "its projections have a bias"
             raise ValueError(f"--native-linear-rows {linear_rows}: the native linear kernel does not run here "
                              f"({reason}); drop the flag or pass auto")
         self.compiled: CompiledLayers | None = None
