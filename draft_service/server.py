@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import redis
 import torch
@@ -15,7 +16,7 @@ from specdec.runtime.drafting import Drafter
 from specdec.runtime.grammars import SessionGrammars
 from specdec.runtime.info import model_info
 from specdec.runtime.latency import LatencyProfile
-from specdec.runtime.models import load_model, load_tokenizer, tokenizer_fingerprint
+from specdec.runtime.models import load_tokenizer, tokenizer_fingerprint
 from specdec.runtime.proposers import (
     HybridProposer,
     ModelProposer,
@@ -27,7 +28,7 @@ from specdec.runtime.proposers import (
 )
 from specdec.server.keys import suffix_outputs_key
 from specdec.server.metrics import ServiceMetrics
-from specdec.server.model_service import admission_and_metrics, batcher_for, serve_model_service, session_caches
+from specdec.server.model_service import admission_and_metrics, batcher_for, load_on, model_thread, serve_model_service
 from specdec.server.serving import run_main
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
@@ -36,7 +37,9 @@ SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
 log = logging.getLogger(__name__)
 
 
-def build_proposer(config: DraftConfig) -> tuple[Proposer, common_pb2.ModelInfo, LatencyProfile, SessionGrammars]:
+def build_proposer(config: DraftConfig, thread: ThreadPoolExecutor,
+                   ) -> tuple[Proposer, common_pb2.ModelInfo, LatencyProfile, SessionGrammars]:
+    """The configured proposer; a model is loaded on `thread` (`model_thread`), which then runs its passes."""
     if config.threads:
         torch.set_num_threads(config.threads)
     profile = LatencyProfile(per_token_s=config.emulate_draft_per_token_ms / 1e3)
@@ -47,8 +50,7 @@ def build_proposer(config: DraftConfig) -> tuple[Proposer, common_pb2.ModelInfo,
                                     vocab_size=len(tokenizer))
         grammars = SessionGrammars(tokenizer, len(tokenizer), [tokenizer.eos_token_id], config.max_sessions)
         return model_free_proposer(config), info, profile, grammars
-    loaded = load_model(config.model, dtype=config.dtype, threads=config.threads, device=config.device)
-    caches = session_caches(config, loaded, "draft")
+    loaded, caches = load_on(thread, config, "draft")
     grammars = SessionGrammars(loaded.tokenizer, loaded.vocab_size, loaded.eos_token_ids, config.max_sessions)
     proposer: Proposer = ModelProposer(caches, profile)
     if config.proposer == "hybrid":  # the model, and suffix speculation whenever it is confident
@@ -132,12 +134,13 @@ class SuffixStreamReader:
 
 def build_servicer(config: DraftConfig) -> tuple[DraftServicer, ServiceMetrics]:
     """Build the proposer and wire batcher (model proposer), admission and metrics (call inside the event loop)."""
-    proposer, info, profile, grammars = build_proposer(config)
+    thread = model_thread("draft")  # a thread starts at its first task: never, for a draft without a model
+    proposer, info, profile, grammars = build_proposer(config, thread)
     admission, metrics = admission_and_metrics(config, "draft")
     batcher = None  # prompt lookup and suffix speculation compute nothing to batch
     model = model_of(proposer)
-    if model is not None:  # a model or hybrid proposer: the model's steps are batched
-        batcher = batcher_for(config, model.caches, profile, admission, metrics)
+    if model is not None:  # a model or hybrid proposer: the model's steps are batched, on the thread that loaded it
+        batcher = batcher_for(config, model.caches, profile, admission, metrics, thread)
     drafter = Drafter(proposer, info.tokenizer_fingerprint, info.model, batcher, grammars=grammars)
     servicer = DraftServicer(drafter, info, admission)
     servicer.grammars = grammars

@@ -7,10 +7,9 @@ from collections.abc import Sequence
 from specdec.runtime.grammars import SessionGrammars
 from specdec.runtime.info import model_info
 from specdec.runtime.latency import LatencyProfile
-from specdec.runtime.models import load_model
 from specdec.runtime.verifier import Verifier
 from specdec.server.metrics import ServiceMetrics
-from specdec.server.model_service import admission_and_metrics, batcher_for, serve_model_service, session_caches
+from specdec.server.model_service import admission_and_metrics, batcher_for, load_on, model_thread, serve_model_service
 from specdec.server.serving import run_main
 from specdec.v1 import target_pb2, target_pb2_grpc
 from target_service.config import TargetConfig
@@ -21,11 +20,11 @@ SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
 
 def build_servicer(config: TargetConfig) -> tuple[TargetServicer, ServiceMetrics]:
     """Load the model and wire caches, verifier, batcher, admission and metrics (call inside the event loop)."""
-    loaded = load_model(config.model, dtype=config.dtype, threads=config.threads, device=config.device)
-    caches = session_caches(config, loaded, "target")
+    thread = model_thread("target")
+    loaded, caches = load_on(thread, config, "target")
     profile = LatencyProfile(config.emulate_verify_ms / 1e3, config.emulate_verify_per_token_ms / 1e3)
     admission, metrics = admission_and_metrics(config, "target")
-    batcher = batcher_for(config, caches, profile, admission, metrics)
+    batcher = batcher_for(config, caches, profile, admission, metrics, thread)
     info = model_info(loaded, "model", profile, config.max_batch)
     grammars = SessionGrammars(loaded.tokenizer, loaded.vocab_size, loaded.eos_token_ids, config.max_sessions)
     servicer = TargetServicer(Verifier(caches, loaded.vocab_size, grammars), info, batcher, admission,
