@@ -51,8 +51,8 @@ class DraftServicer(ModelServicer, draft_pb2_grpc.DraftServiceServicer):
         reply = await super().Release(request, context)
         proposer = self.drafter.proposer
         if isinstance(proposer, HybridProposer):
-            if proposer.suffix.release(request.session_id):
+            if proposer.suffix.release(request.session_id, learn=not request.forget_output):
                 return common_pb2.ReleaseResponse(released=True)
-        elif self.drafter.batcher is None and proposer.release(request.session_id):
+        elif self.drafter.batcher is None and proposer.release(request.session_id, learn=not request.forget_output):
             return common_pb2.ReleaseResponse(released=True)
         return reply

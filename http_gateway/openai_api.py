@@ -6,8 +6,9 @@ Supported: `model`, `prompt` (one string) or `messages` (text content), `max_tok
 (`max_completion_tokens` for chat), `temperature`, `top_p`, `seed`, `stop` (string or list),
 `n` = 1, `stream`, `stream_options.include_usage`. Extensions (send them in the body, e.g. with the
 openai client's `extra_body`): `top_k`, `draft_length` ("auto" or k), `session_id` (continue a
-specdec session). Features the pipeline does not have (log probabilities, penalties, tools, structured
-output, more than one choice) are refused with a 400 naming the parameter, never silently ignored; so is an
+specdec session), `share_output` (false: the output does not join the suffix drafts' corpus).
+Features the pipeline does not have (`best_of` > 1, `suffix`, content parts other than text, the
+legacy `functions`) are refused with a 400 naming the parameter, never silently ignored; so is an
 unknown field (the message names the nearest known one). Fields that describe the caller (`user`,
 `metadata`, `store`, `service_tier`, ...) are accepted and ignored.
 
@@ -86,6 +87,7 @@ class _Request(BaseModel):
     # specdec extensions
     draft_length: int | Literal["auto"] | None = None
     session_id: str | None = None
+    share_output: bool | None = None
     # accepted and ignored by design: they describe the caller, not the generation
     user: str | None = None
     metadata: dict[str, str] | None = None
@@ -213,7 +215,7 @@ def _common_kwargs(req: _Request, max_tokens: int | None, default_temperature: f
         session_id=req.session_id or "", presence_penalty=req.presence_penalty or None,
         frequency_penalty=req.frequency_penalty or None, logit_bias=_logit_bias(req.logit_bias), min_p=req.min_p,
         repetition_penalty=req.repetition_penalty, min_tokens=req.min_tokens, ignore_eos=bool(req.ignore_eos),
-        stop_token_ids=list(req.stop_token_ids or ()), grammar=_grammar(req),
+        stop_token_ids=list(req.stop_token_ids or ()), grammar=_grammar(req), share_output=req.share_output,
     )
 
 
@@ -546,7 +548,8 @@ _PARAM_NAMES = {"max_new_tokens": "max_tokens", "temperature": "temperature", "t
                 "at most": "stop", "seed": "seed", "grammar": "response_format", "min_p": "min_p",
                 "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
                 "repetition_penalty": "repetition_penalty", "logit_bias": "logit_bias", "min_tokens": "min_tokens",
-                "top_logprobs": "top_logprobs", "stop_token_ids": "stop_token_ids", "token_ids": "prompt"}
+                "top_logprobs": "top_logprobs", "stop_token_ids": "stop_token_ids", "token_ids": "prompt",
+                "share_output": "share_output"}
 _PARAM_RE = re.compile(r"^(" + "|".join(map(re.escape, _PARAM_NAMES)) + r")\b")
 _ADDRESS_PREFIX = re.compile(r"^orchestrator \S+: ")
 

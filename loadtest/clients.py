@@ -126,8 +126,9 @@ class HttpLoadClient:
                    clock: Callable[[], float]) -> str | None:
         openai = self.openai
         body = {"draft_length": draft_length_value(mode)}
-        if params.get("top_k") is not None:
-            body["top_k"] = params["top_k"]
+        for name in ("top_k", "share_output"):  # specdec's extensions
+            if params.get(name) is not None:
+                body[name] = params[name]
         names = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "seed": "seed"}
         sampling = {names[k]: v for k, v in params.items() if k in names and v is not None}  # unset: the server's
         sent = time.perf_counter()

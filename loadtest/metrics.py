@@ -78,6 +78,7 @@ class RequestRecord:
     phase: int = 0
     index: int = -1  # position in the load level's request sequence: the same prompt in every mode
     turn: int = 0  # the turn of a multi-turn session (0: its first request)
+    shared_output: bool = False  # its output could join the suffix drafts' corpus (the prompt's last send)
     ok: bool = False
     status: str = "OK"  # "OK", a gRPC status name or "HTTP <code>"
     error: str = ""

@@ -241,6 +241,7 @@ def markdown(result: dict, command: str = "") -> str:
         + (f", inputs set to {cfg['input_words']} words" if cfg["input_words"] is not None else "")
         + f", seed {cfg['seed']}",
         f"- SLOs for goodput: {slos}",
+        f"- outputs offered to the suffix drafts' corpus: {_sharing(result)}",
         f"- wall time {result['wall_s']:.0f} s",
         "",
         f"## At {next(iter(_by_load(result)))}",
@@ -273,6 +274,16 @@ def markdown(result: dict, command: str = "") -> str:
         parts += [chaos_section(result["chaos"]), ""]
     parts += [DEFINITIONS, ""]
     return "\n".join(parts)
+
+
+def _sharing(result: dict[str, Any]) -> str:
+    shared = result.get("shared_outputs")
+    if shared is None:  # a result written before the loadtest planned sharing
+        return "every request's (the server's setting)"
+    if not shared:
+        return "none (the run's sends were not known ahead, or it shared none)"
+    return (f"{shared} requests', each the last send of its prompt, so no request drafted from an answer to its own "
+            "prompt (when the server shares outputs)")
 
 
 def _models(server: dict) -> str:

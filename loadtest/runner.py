@@ -16,6 +16,13 @@ earlier turns and the answers the server gave them, as a chat client does. `num_
 counts sessions; a turn that fails ends its session. Shared-system sessions get a system prompt
 tagged per phase (`workloads.for_phase`): the summary adds the TTFT of each phase's first
 request and the median of the others (`ttft_first_s`, `ttft_rest_median_s`).
+
+The same prompt goes out once per mode and load, so a draft that learns from earlier outputs
+(suffix speculation over the orchestrator's shared stream) would otherwise draft a prompt from an
+answer another mode just gave to it. `OutputSharing` prevents that: a request's output may join
+that corpus only when it is the prompt's last send of the run (known ahead in a run bounded by
+request count); every other request, and every warm-up, sends `share_output=False`. Each mode
+still drafts from the answers to other prompts, as a server in service does.
 """
 
 from __future__ import annotations
@@ -43,6 +50,41 @@ from loadtest.metrics import (
     summarize,
 )
 from loadtest.workloads import WorkItem, check_workload, for_phase, load_workload, request_order, shape_inputs
+
+
+class OutputSharing:
+    """Which requests' outputs may join the suffix drafts' corpus: a prompt's last send only.
+
+    `sends` counts the measured run's sends of each request, keyed (item id, turn); None when the
+    run is not known ahead (bounded by duration, or run on by chaos), and then no output is shared.
+    """
+
+    def __init__(self, sends: Counter | None) -> None:
+        self.sends = sends
+
+    @classmethod
+    def plan(cls, items: list[WorkItem], config: LoadTestConfig, per_run: int | None,
+             extendable: bool = False) -> OutputSharing:
+        if per_run is None or config.duration_s is not None or extendable:
+            return cls(None)
+        sends: Counter = Counter()
+        for x in itertools.islice(request_order(items, seed=config.seed), per_run):  # the same at every load
+            for turn in range(x.turns):
+                sends[(x.id, turn)] += len(config.modes) * len(config.loads)
+        return cls(sends)
+
+    def take(self, item_id: str, turn: int) -> bool:
+        """One send of the request: whether its output may be shared (no later send repeats it)."""
+        if self.sends is None:
+            return False
+        key = (item_id, turn)
+        self.sends[key] -= 1
+        return self.sends[key] == 0
+
+
+def share_params(shared: bool) -> dict[str, Any]:
+    """The request fields for it: unset (the server's --share-outputs) when shared, else False."""
+    return {} if shared else {"share_output": False}
 
 
 @dataclass(frozen=True)
@@ -187,7 +229,8 @@ async def run_loadtest(config: LoadTestConfig, client, *, chaos_factory: Callabl
     for mode in config.modes:  # warm-up: caches, the draft-length prior, first-call costs
         for i in range(config.warmup):
             rec = RequestRecord(mode, "warmup", items[i % len(items)].id, items[i % len(items)].kind, client.api, 0.0)
-            await client.send(items[i % len(items)], mode, {**params, "seed": config.seed}, rec, clock)
+            await client.send(items[i % len(items)], mode, {**params, "seed": config.seed, **share_params(False)},
+                              rec, clock)
             if not rec.ok:
                 echo(f"warm-up request at k={mode} failed: {rec.status} {rec.error}")
 
@@ -200,6 +243,7 @@ async def run_loadtest(config: LoadTestConfig, client, *, chaos_factory: Callabl
     runs: list[dict[str, Any]] = []
     stop = asyncio.Event()
     chaos = chaos_factory(clock) if chaos_factory else None
+    sharing = OutputSharing.plan(items, config, per_run, extendable=chaos is not None)
     chaos_task = asyncio.create_task(chaos.run(stop)) if chaos else None
     measured_from = clock()
     phase_id = 0
@@ -230,7 +274,7 @@ async def run_loadtest(config: LoadTestConfig, client, *, chaos_factory: Callabl
                 for mode in config.modes[turn:] + config.modes[:turn]:
                     bar.phase(load, mode)
                     recs, start, end = await _phase(client, config, load, mode, block, schedule, params, clock,
-                                                    phase_id, bar, chaos)
+                                                    phase_id, bar, chaos, sharing)
                     spent[mode] += end - start
                     phases[mode].append({"phase": phase_id, "block": b, "start": start, "end": end,
                                          "requests": len(recs)})
@@ -262,6 +306,7 @@ async def run_loadtest(config: LoadTestConfig, client, *, chaos_factory: Callabl
         "machine": {"before": machine_before, "after": machine()},
         "server": server,
         "runs": runs,
+        "shared_outputs": sum(r.shared_output for r in records),
         "records": [r.to_json() for r in records],
     }
     if chaos is not None:
@@ -273,7 +318,8 @@ async def run_loadtest(config: LoadTestConfig, client, *, chaos_factory: Callabl
 
 
 async def _phase(client, config: LoadTestConfig, load: Load, mode: str, block: list[tuple[int, WorkItem]],
-                 schedule: list[float] | None, params: dict, clock, phase_id: int, bar: _Progress, chaos):
+                 schedule: list[float] | None, params: dict, clock, phase_id: int, bar: _Progress, chaos,
+                 sharing: OutputSharing):
     """One mode runs one block at one load: (records, start, end) on the run's clock."""
     records: list[RequestRecord] = []
 
@@ -283,10 +329,11 @@ async def _phase(client, config: LoadTestConfig, load: Load, mode: str, block: l
         answers: list[str] = []
         for turn in range(item.turns):
             rec = RequestRecord(mode, load.label, item.id, item.kind, client.api, clock(), phase=phase_id,
-                                index=index, turn=turn)
+                                index=index, turn=turn, shared_output=sharing.take(item.id, turn))
             # The same seed for the same request in every mode.
-            answer = await client.send(item.at_turn(answers), mode, {**params, "seed": config.seed + index}, rec,
-                                       clock)
+            answer = await client.send(item.at_turn(answers), mode,
+                                       {**params, "seed": config.seed + index, **share_params(rec.shared_output)},
+                                       rec, clock)
             records.append(rec)
             bar.done(rec)
             if chaos is not None:

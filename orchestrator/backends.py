@@ -121,8 +121,9 @@ class _ModelBackend:
         cut = remaining is not None and remaining < self.timeout_s
         return from_backend_error(exc, passed_on, request_deadline=doing if cut else "")
 
-    async def release(self, session_id: str) -> None:
-        request = common_pb2.ReleaseRequest(session_id=session_id, sent_unix_ns=time.time_ns())
+    async def release(self, session_id: str, forget_output: bool = True) -> None:
+        request = common_pb2.ReleaseRequest(session_id=session_id, sent_unix_ns=time.time_ns(),
+                                            forget_output=forget_output)
         await self.stub.Release(request, timeout=self.timeout_s)
 
     async def save_snapshot(self, session_id: str) -> int:

@@ -220,7 +220,7 @@ class Orchestrator:
         await lengths.finish(self.store)
         if self.config.kv_snapshots:
             self._save_snapshots(state.session_id)
-        if self.config.share_outputs and sent:
+        if self.config.share_outputs and gen.share_output and sent:
             self._spawn(self._publish(state.tokens[gen.start:]))
         chunk.text = text.release(final=True)
         chunk.stats.CopyFrom(generation_stats(gen, sent, state.seed))
@@ -238,10 +238,13 @@ class Orchestrator:
 
     async def close_session(self, session_id: str, principal: str = "") -> bool:
         check_session_id(session_id)
-        if not await self.sessions.may_close(session_id, principal):
+        allowed, state = await self.sessions.closable(session_id, principal)
+        if not allowed:
             return False  # another identity's session: as if it did not exist
         closed = await self.store.delete(session_id)
-        await self._release_caches(session_id)
+        gen = state.generation if state is not None else None
+        shared = self.config.share_outputs and gen is not None and gen.share_output and gen.finish != 0
+        await self._release_caches(session_id, forget_output=not shared)
         return closed
 
     async def _interrupted(self, session_id: str, owner: str, release_caches: bool) -> None:
@@ -254,8 +257,10 @@ class Orchestrator:
     def _pools(self) -> list[Pool]:
         return [self.target] + ([self.draft] if self.draft is not None else [])
 
-    async def _release_caches(self, session_id: str) -> None:
-        await asyncio.gather(*(pool.release(session_id) for pool in self._pools()))
+    async def _release_caches(self, session_id: str, forget_output: bool = True) -> None:
+        """Free the session's caches; only a finished generation that may be shared (`forget_output`
+        False) may join the corpus of a suffix draft that learns from released sessions."""
+        await asyncio.gather(*(pool.release(session_id, forget_output) for pool in self._pools()))
 
     def _save_snapshots(self, session_id: str) -> None:
         """--kv-snapshots: the target and draft replicas holding the session write its caches to

@@ -104,7 +104,8 @@ class Pool(Protocol):
     def members(self) -> list:
         """Each replica's client (`.address`, `info()`)."""
 
-    async def release(self, session_id: str) -> None: ...
+    async def release(self, session_id: str, forget_output: bool = True) -> None:
+        """Free the session's caches; `forget_output`: its output must not join a draft's corpus."""
 
     async def save_snapshot(self, session_id: str) -> int: ...
 
@@ -277,10 +278,12 @@ class ReplicaPool(Generic[B]):
     def members(self) -> list[B]:
         return [r.backend for r in self.replicas.values()]
 
-    async def release(self, session_id: str) -> None:
-        """Free the session's caches on every replica (it may have moved)."""
+    async def release(self, session_id: str, forget_output: bool = True) -> None:
+        """Free the session's caches on every replica (it may have moved); `forget_output`: a draft
+        that learns released sessions' outputs must not learn this one's."""
         self._affinity.pop(session_id, None)
-        results = await asyncio.gather(*(r.backend.release(session_id) for r in self.replicas.values()),
+        results = await asyncio.gather(*(r.backend.release(session_id, forget_output)
+                                         for r in self.replicas.values()),
                                        return_exceptions=True)
         for replica, result in zip(self.replicas.values(), results):
             if isinstance(result, Exception):

@@ -39,6 +39,7 @@ class GenerationSpec:
     logprobs: bool = False
     top_logprobs: int = 0
     prompt_logprobs: bool = False
+    share_output: bool = True  # the output may join the suffix drafts' corpus (with the server's --share-outputs)
 
 
 def parse_resume(request: pb.GenerateRequest) -> GenerationSpec:
@@ -112,6 +113,7 @@ class RequestParser:
         stop_ids = self._token_ids("stop_token_ids", request.stop_token_ids)
         params = parse_sampling(request, self.eos_ids | set(stop_ids), self.vocab_size)
         k = self._draft_length(request)
+        share = self._share_output(request)
         stop = self._stop(request)
         input_ids, chat_after_eos = self._input(request)
         top = request.top_logprobs if request.HasField("top_logprobs") else 0
@@ -124,7 +126,17 @@ class RequestParser:
             stop=stop, draft_length=k, session_id=request.session_id, chat_after_eos=chat_after_eos,
             principal=principal, ignore_eos=request.ignore_eos, stop_token_ids=tuple(stop_ids),
             logprobs=request.logprobs, top_logprobs=top, prompt_logprobs=request.prompt_logprobs,
+            share_output=share,
         )
+
+    def _share_output(self, request: pb.GenerateRequest) -> bool:
+        if not request.HasField("share_output"):
+            return self.config.share_outputs
+        if request.share_output and not self.config.share_outputs:
+            raise FailedPrecondition("share_output: this orchestrator does not share outputs (--share-outputs is "
+                                     "off), so no output joins the suffix drafts' corpus; leave share_output unset "
+                                     "or false")
+        return request.share_output
 
     def _token_ids(self, name: str, ids) -> list[int]:
         ids = [int(t) for t in ids]

@@ -45,7 +45,7 @@ class Sessions:
             id=uuid.uuid4().hex, start=len(state.tokens), prompt_tokens=len(state.tokens),
             max_new_tokens=spec.max_new_tokens, stop=list(spec.stop), stop_token_ids=list(spec.stop_token_ids),
             ignore_eos=spec.ignore_eos, top_logprobs=spec.top_logprobs if spec.logprobs else None,
-            input_tokens=len(input_ids),
+            input_tokens=len(input_ids), share_output=spec.share_output,
             lease_until=time.time() + self.lease_s, owner=uuid.uuid4().hex,
         )
         await self.store.save(state, input_ids)
@@ -117,8 +117,8 @@ class Sessions:
             log.info("could not release the lease of %s: %s", session_id, exc)
         return owned
 
-    async def may_close(self, session_id: str, principal: str) -> bool:
-        """Whether `principal` may close the session: theirs, or none at all (another identity's
-        session looks as if it did not exist)."""
+    async def closable(self, session_id: str, principal: str) -> tuple[bool, SessionState | None]:
+        """Whether `principal` may close the session (theirs, or none at all: another identity's
+        session looks as if it did not exist), and its state."""
         state = await self.store.load(session_id)
-        return state is None or state.principal == principal
+        return state is None or state.principal == principal, state

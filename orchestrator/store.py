@@ -98,6 +98,7 @@ class GenerationRecord:
     stop_token_ids: list[int] = field(default_factory=list)  # end it (finish STOP), kept in the output
     ignore_eos: bool = False  # end-of-sequence does not end it
     top_logprobs: int | None = None  # None: no log-probabilities; else alternatives per token
+    share_output: bool = True  # its output may join the suffix drafts' corpus once it finishes
     input_tokens: int = 0  # this request's input: the history's last input_tokens before `start`
     finish: int = 0
     lease_until: float = 0.0

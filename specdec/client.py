@@ -183,12 +183,14 @@ def build_request(prompt: str | Sequence[int] | None = None, *, messages: Sequen
                   logit_bias: dict[int, float] | None = None, min_tokens: int | None = None,
                   ignore_eos: bool = False, stop_token_ids: Sequence[int] = (), logprobs: bool = False,
                   top_logprobs: int | None = None, prompt_logprobs: bool = False,
-                  grammar: tuple[str, str] | None = None, tools: Sequence[dict] | None = None) -> pb.GenerateRequest:
+                  grammar: tuple[str, str] | None = None, tools: Sequence[dict] | None = None,
+                  share_output: bool | None = None) -> pb.GenerateRequest:
     """A `GenerateRequest`; unset (None) values take the server's defaults. `prompt` is text, or token
     ids used as they are. `grammar`: (kind, text) the output must follow, e.g. ("json_schema", schema
     as JSON), ("regex", pattern), ("choice", a JSON list), ("json_object", ""). `tools`: OpenAI's tool
     list, for the chat template (messages may carry OpenAI's `tool_calls`, and `tool` messages their
-    `tool_call_id` and `name`)."""
+    `tool_call_id` and `name`). `share_output=False` keeps the output out of the corpus that
+    suffix-speculation drafts learn from (unset: the server's --share-outputs)."""
     if (prompt is None) == (messages is None):
         raise ValueError("pass exactly one of prompt or messages")
     if isinstance(draft_length, str):
@@ -214,7 +216,7 @@ def build_request(prompt: str | Sequence[int] | None = None, *, messages: Sequen
                         ("top_k", top_k), ("seed", seed), ("draft_length", draft_length), ("min_p", min_p),
                         ("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty),
                         ("repetition_penalty", repetition_penalty), ("min_tokens", min_tokens),
-                        ("top_logprobs", top_logprobs)):
+                        ("top_logprobs", top_logprobs), ("share_output", share_output)):
         if value is not None:
             setattr(req, name, value)
     return req

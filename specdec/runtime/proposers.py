@@ -54,7 +54,9 @@ class Proposer(Protocol):
     def propose(self, session_id: str, history: list[int], k: int, params: SamplingParams,
                 seed: int) -> Iterator[DraftToken]: ...
 
-    def release(self, session_id: str) -> bool: ...
+    def release(self, session_id: str, learn: bool = True) -> bool:
+        """Free the session's state; `learn`: its output may join a corpus of earlier outputs (a
+        proposer that keeps one); False when the orchestrator says it must not."""
 
 
 
@@ -133,7 +135,7 @@ class ModelProposer:
         """The same proposals as `propose`, as a job for the batcher (with a grammar: masked by it)."""
         return DraftJob(session_id, history, k, params, seed, deadline, grammar)
 
-    def release(self, session_id: str) -> bool:
+    def release(self, session_id: str, learn: bool = True) -> bool:
         return self.caches.release(session_id)
 
 
@@ -155,7 +157,7 @@ class NgramProposer:
         for token in tokens:
             yield DraftToken(token, None, elapsed // max(len(tokens), 1), source="ngram")
 
-    def release(self, session_id: str) -> bool:
+    def release(self, session_id: str, learn: bool = True) -> bool:
         return False
 
 
@@ -213,10 +215,10 @@ class SuffixProposer:
             with self._lock:
                 self.corpus.add(tokens)
 
-    def release(self, session_id: str) -> bool:
+    def release(self, session_id: str, learn: bool = True) -> bool:
         with self._lock:
             session = self._sessions.pop(session_id, None)
-        if session is not None and self.learn_on_release:
+        if session is not None and self.learn_on_release and learn:
             self.add_output(session.output or [])
         return session is not None
 
@@ -281,8 +283,8 @@ class HybridProposer:
         """A finished generation's output joins the suffix corpus."""
         self.suffix.add_output(tokens)
 
-    def release(self, session_id: str) -> bool:
-        suffix = self.suffix.release(session_id)
+    def release(self, session_id: str, learn: bool = True) -> bool:
+        suffix = self.suffix.release(session_id, learn)
         return self.model.release(session_id) or suffix
 
 

@@ -94,3 +94,20 @@ def test_a_published_output_serves_a_later_session(suffix_pipeline, reference):
         assert before.token_ids == expected
         after = generate_fresh_until_drafted(client, prompt, n, expected)
     assert after.stats["accepted_tokens"] >= max(n // 2, before.stats["accepted_tokens"] + 1), after.stats
+
+
+def test_a_request_with_share_output_false_does_not_serve_a_later_session(suffix_pipeline, reference):
+    """share_output=False keeps the output out of the corpus; the same request left to the server's
+    setting then serves the next session (so the first half could have failed)."""
+    n = 8
+    candidates = ["Dear diary,", "Breaking news:", "A journey of a thousand", "Lorem ipsum"]  # not sent above
+    prompt = next(p for p in candidates if own_history_proposes_nothing(reference.encode(p), reference.greedy(p, n), 4))
+    expected = reference.greedy(prompt, n)
+    with Client(orchestrator_address(suffix_pipeline)) as client:
+        for _ in range(2):
+            kept = client.generate(prompt, max_new_tokens=n, draft_length=4, share_output=False)
+            assert kept.token_ids == expected and kept.stats["draft_tokens"] == 0, kept.stats
+            time.sleep(0.5)  # a published output would reach the draft's reader within this
+        client.generate(prompt, max_new_tokens=n, draft_length=4)
+        after = generate_fresh_until_drafted(client, prompt, n, expected)
+    assert after.stats["accepted_tokens"] >= n // 2, after.stats

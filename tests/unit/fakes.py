@@ -78,13 +78,15 @@ class _FakePool:
     def __init__(self, reference: list[int]) -> None:
         self.reference = reference  # the prompt and the text the target model would write after it
         self.released: list[str] = []
+        self.forget_output: list[bool] = []  # each release's flag
         self.snapshots: list[str] = []
 
     def members(self) -> list:
         return [self]
 
-    async def release(self, session_id: str) -> None:
+    async def release(self, session_id: str, forget_output: bool = True) -> None:
         self.released.append(session_id)
+        self.forget_output.append(forget_output)
 
     async def save_snapshot(self, session_id: str) -> int:
         self.snapshots.append(session_id)

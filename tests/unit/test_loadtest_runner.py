@@ -20,6 +20,7 @@ class FakeClient:
         self.delay = delay
         self.fail_prompts = fail_prompts
         self.sent: list[tuple[float, str, str, int]] = []  # (time, mode, prompt, seed)
+        self.shares: list[tuple[str, bool]] = []  # (prompt, whether share_output was left to the server)
         self.in_flight = 0
         self.max_in_flight = 0
 
@@ -28,6 +29,8 @@ class FakeClient:
 
     async def send(self, item, mode, params, rec, clock):
         self.sent.append((clock(), mode, item.id, params["seed"]))
+        assert params.get("share_output", None) in (None, False)  # never True: a server may not share
+        self.shares.append((item.id, "share_output" not in params))
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         try:
@@ -127,3 +130,28 @@ def test_a_bad_config_is_refused_before_any_request():
     with pytest.raises(ValueError):
         run(LoadTestConfig(modes=["x"]), client)
     assert client.sent == []
+
+
+def test_only_the_last_send_of_each_prompt_may_feed_the_suffix_corpus():
+    """A draft learning from earlier outputs must never draft a prompt from an answer to that same
+    prompt (another mode's, another load's, a warm-up's): each prompt's output may be shared once,
+    at its last send; warm-ups and every earlier send say share_output=False."""
+    client = FakeClient()
+    config = LoadTestConfig(modes=["0", "4", "auto"], loads=[Load("concurrency", 1), Load("concurrency", 2)],
+                            num_requests=4, warmup=2, max_tokens=8)
+    result = run(config, client)
+    assert not any(shared for _, shared in client.shares[:6])  # the warm-ups
+    measured = client.shares[6:]
+    prompts = {p for p, _ in measured}
+    shared_at = [i for i, (_, shared) in enumerate(measured) if shared]
+    assert len(shared_at) == len(prompts) == result["shared_outputs"]  # once per prompt
+    for i in shared_at:  # ... and no later send of the same prompt
+        assert measured[i][0] not in {p for p, _ in measured[i + 1:]}
+    assert sum(r["shared_output"] for r in result["records"]) == len(prompts)
+
+
+def test_a_run_bounded_by_duration_shares_no_output():
+    client = FakeClient(delay=0.002)
+    config = LoadTestConfig(modes=["0", "auto"], loads=[Load("concurrency", 1)], duration_s=0.05, warmup=0)
+    result = run(config, client)
+    assert client.shares and not any(shared for _, shared in client.shares) and result["shared_outputs"] == 0

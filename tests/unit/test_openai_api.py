@@ -39,7 +39,9 @@ def test_completion_request_to_generate_request():
     msg = build_request(**completion_kwargs(req))
     assert msg.prompt == "Hi" and msg.max_new_tokens == 9 and msg.temperature == 0 and msg.top_p == 0.5
     assert msg.seed == 3 and list(msg.stop) == ["\n"] and msg.top_k == 4 and msg.draft_length == -1
-    assert msg.session_id == ""
+    assert msg.session_id == "" and not msg.HasField("share_output")
+    kept = build_request(**completion_kwargs(CompletionRequest(model="m", prompt="Hi", share_output=False)))
+    assert kept.HasField("share_output") and kept.share_output is False
 
 
 def test_openai_defaults():

@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from specdec.errors import Aborted
+from specdec.errors import Aborted, FailedPrecondition
 from specdec.v1 import orchestrator_pb2 as pb
 from tests.unit.fakes import EOS, FakeDraft, FakeTarget, InMemorySessionStore, orchestrator, tokens
 
@@ -169,3 +169,40 @@ async def test_a_finished_output_is_shared_for_the_suffix_indexes_unless_turned_
     await run(orchestrator(quiet, FakeTarget(REFERENCE), None, share_outputs=False), max_new_tokens=6)
     await asyncio.sleep(0.05)
     assert quiet.published == []
+
+
+async def test_a_request_keeps_its_output_out_of_the_corpus_with_share_output_false():
+    store = InMemorySessionStore()
+    orch = orchestrator(store, FakeTarget(REFERENCE), None)
+    kept = await run(orch, max_new_tokens=6, share_output=False)
+    shared = await run(orch, max_new_tokens=4, share_output=True)
+    for _ in range(50):  # published in the background, after the last chunk
+        if store.published:
+            break
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.05)
+    assert generated(kept) == REFERENCE[START:START + 6]  # the output itself is the same
+    assert store.published == [generated(shared)]  # only the second
+    with pytest.raises(FailedPrecondition, match="share_output.*--share-outputs is off"):
+        orchestrator(InMemorySessionStore(), FakeTarget(REFERENCE), None, share_outputs=False).parse(
+            request(share_output=True))
+
+
+@pytest.mark.parametrize(("share_outputs", "share_output", "finish", "forget"), [
+    (True, None, True, False),  # a finished, shareable generation: a draft may learn it on release
+    (True, False, True, True),  # the request kept it out
+    (False, None, True, True),  # the orchestrator does not share
+    (True, None, False, True),  # not finished (interrupted): never learned
+])
+async def test_closing_a_session_tells_the_draft_whether_it_may_learn_the_output(share_outputs, share_output,
+                                                                                 finish, forget):
+    store, draft = InMemorySessionStore(), FakeDraft(REFERENCE)
+    orch = orchestrator(store, FakeTarget(REFERENCE), draft, share_outputs=share_outputs, draft_length=2)
+    fields = {} if share_output is None else {"share_output": share_output}
+    session = (await run(orch, max_new_tokens=4, **fields))[0].session_id
+    if not finish:
+        state = await store.load(session)
+        state.generation.finish = 0
+        await store.save(state, [])
+    assert await orch.close_session(session) is True
+    assert draft.released[-1] == session and draft.forget_output[-1] is forget

@@ -39,7 +39,7 @@ class FakeTarget:
                        timed_out=self.timed_out)
         return VerifyReply(num_accepted=0, token_id=len(history), bonus=False, wall_ns=2_000_000, compute_ns=1_000_000)
 
-    async def release(self, session_id):
+    async def release(self, session_id, forget_output=True):
         self.calls.append("release:" + session_id)
 
     async def info(self, timeout=10.0, wait=True):
