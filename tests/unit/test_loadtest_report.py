@@ -70,6 +70,9 @@ def test_markdown_has_every_section_and_row():
     assert "Failures by status: UNAVAILABLE × 1." in md
     assert "target: tiny model float32" in md
     assert "4: 100 %" in md and "Chaos" not in md
+    assert "outputs offered to the suffix drafts' corpus: every request's (the server's setting)" in md  # an old file
+    planned = markdown({**fake_result(), "shared_outputs": 7})
+    assert "corpus: 7 requests', each the last send of its prompt" in planned
 
 
 def test_kind_table_pairs_each_request_with_its_twin_at_k0():
