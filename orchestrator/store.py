@@ -115,6 +115,10 @@ class GenerationRecord:
         return self.finish == 0 and self.lease_until > (time.time() if now is None else now)
 
 
+def _field_names(cls) -> frozenset[str]:
+    return frozenset(f.name for f in fields(cls))
+
+
 _NOT_IN_RECORD = frozenset({"tokens", "version", "session_id"})
 
 
@@ -151,8 +155,12 @@ class SessionState:
     def from_record(cls, session_id: str, version: int, tokens: list[int], raw: bytes) -> SessionState:
         data: dict[str, Any] = json.loads(raw)
         generation = data.pop("generation", None)
+        # Fields this version does not know (written by a newer replica during a rolling upgrade) are
+        # left out; those it knows and the record lacks take their defaults.
+        known, known_gen = _field_names(cls), _field_names(GenerationRecord)
         return cls(session_id=session_id, version=version, tokens=tokens,
-                   generation=GenerationRecord(**generation) if generation else None, **data)
+                   generation=GenerationRecord(**{k: v for k, v in generation.items() if k in known_gen})
+                   if generation else None, **{k: v for k, v in data.items() if k in known})
 
 
 class SessionStore(Protocol):

@@ -170,3 +170,21 @@ async def test_closing_a_session_deletes_it_and_releases_its_caches_for_its_owne
     assert await orch.close_session(session, principal="alice") is False
     with pytest.raises(NotFound):
         [c async for c in orch.generate(orch.parse(request(session_id=session, prompt=PROMPT), principal="alice"))]
+
+
+def test_a_record_from_another_version_loads_with_known_fields_only():
+    """Rolling upgrade: a field a newer replica wrote is ignored, one an older replica never wrote
+    takes its default; the session continues either way."""
+    import json
+
+    from orchestrator.store import GenerationRecord, SessionState
+
+    state = SessionState(session_id="s", seed=3, tokens=[1, 2, 3],
+                         generation=GenerationRecord(id="g", start=2, prompt_tokens=2, max_new_tokens=4, finish=1))
+    record = json.loads(state.record())
+    record["from_the_future"] = 1
+    record["generation"]["also_new"] = [1]
+    del record["generation"]["share_output"]  # as an older replica wrote it
+    loaded = SessionState.from_record("s", 7, [1, 2, 3], json.dumps(record).encode())
+    assert loaded.seed == 3 and loaded.version == 7 and loaded.generation.finish == 1
+    assert loaded.generation.share_output is True
