@@ -49,10 +49,10 @@ class DraftServicer(ModelServicer, draft_pb2_grpc.DraftServiceServicer):
         """A model-free proposer may hold per-session state too (suffix speculation: the session's index);
         a hybrid one holds both the model's KV cache (released through the batcher) and a suffix index."""
         reply = await super().Release(request, context)
-        proposer = self.drafter.proposer
+        proposer, learn = self.drafter.proposer, not request.forget_output
         if isinstance(proposer, HybridProposer):
-            if proposer.suffix.release(request.session_id, learn=not request.forget_output):
+            if proposer.suffix.release(request.session_id, learn=learn):
                 return common_pb2.ReleaseResponse(released=True)
-        elif self.drafter.batcher is None and proposer.release(request.session_id, learn=not request.forget_output):
+        elif self.drafter.batcher is None and proposer.release(request.session_id, learn=learn):
             return common_pb2.ReleaseResponse(released=True)
         return reply

@@ -29,7 +29,7 @@ from orchestrator.replicas import Drafts, Pool, Targets
 from orchestrator.requests import GenerationSpec, RequestParser
 from orchestrator.sessions import Sessions
 from orchestrator.sources import SourcedDraftLength
-from orchestrator.store import SessionState, SessionStore
+from orchestrator.store import GenerationRecord, SessionState, SessionStore
 from orchestrator.text import TextStream
 from specdec.core.policy import PolicyConfig
 from specdec.core.sampling import SamplingParams
@@ -220,7 +220,7 @@ class Orchestrator:
         await lengths.finish(self.store)
         if self.config.kv_snapshots:
             self._save_snapshots(state.session_id)
-        if self.config.share_outputs and gen.share_output and sent:
+        if self._shareable(gen) and sent:
             self._spawn(self._publish(state.tokens[gen.start:]))
         chunk.text = text.release(final=True)
         chunk.stats.CopyFrom(generation_stats(gen, sent, state.seed))
@@ -242,10 +242,13 @@ class Orchestrator:
         if not allowed:
             return False  # another identity's session: as if it did not exist
         closed = await self.store.delete(session_id)
-        gen = state.generation if state is not None else None
-        shared = self.config.share_outputs and gen is not None and gen.share_output and gen.finish != 0
-        await self._release_caches(session_id, forget_output=not shared)
+        await self._release_caches(session_id, forget_output=not self._shareable(state and state.generation))
         return closed
+
+    def _shareable(self, gen: GenerationRecord | None) -> bool:
+        """Whether a generation's output may join the suffix drafts' corpus: finished, and allowed by
+        both the orchestrator (--share-outputs) and the request (share_output)."""
+        return self.config.share_outputs and gen is not None and gen.share_output and gen.finish != 0
 
     async def _interrupted(self, session_id: str, owner: str, release_caches: bool) -> None:
         """A request stopped before its generation's end: free its lease (the generation stays

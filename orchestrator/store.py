@@ -17,6 +17,7 @@ is never applied twice nor reported as a conflict. What a failover may lose: doc
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import re
@@ -115,6 +116,7 @@ class GenerationRecord:
         return self.finish == 0 and self.lease_until > (time.time() if now is None else now)
 
 
+@functools.cache
 def _field_names(cls) -> frozenset[str]:
     return frozenset(f.name for f in fields(cls))
 
