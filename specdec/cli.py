@@ -51,21 +51,13 @@ def _add_plan_flags(parser: argparse.ArgumentParser) -> None:
                             help=f"{helps.get(f.name, f.name.replace('_', ' '))} (default: {default!r})")
 
 
-# What supervisors send to stop a foreground `specdec up` (docker stop, systemd, CI runners: SIGTERM;
-# a closed terminal: SIGHUP). Each stops every process it started, as Ctrl-C does.
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
-
-
-class Stop(Exception):
-    """A stop signal reached `specdec up`."""
-
-
-def _raise_stop(signum: int, _frame) -> None:
-    raise Stop(signal.Signals(signum).name)
+# What stops a foreground `specdec up`: supervisors send SIGTERM (docker stop, systemd, CI runners),
+# a closed terminal SIGHUP, Ctrl-C SIGINT. Each stops every process it started.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from specdec.launcher import Pipeline, Plan, state_file
+    from specdec.launcher import Pipeline, Plan, Stopped, state_file
     from specdec.runtime.models import resolve_model_path
 
     plan = Plan(**{f.name: getattr(args, f.name) for f in fields(Plan) if hasattr(args, f.name)})
@@ -77,8 +69,14 @@ def cmd_up(args: argparse.Namespace) -> int:
     for spec in {plan.target_model, plan.draft_model}:
         resolve_model_path(spec, progress=True)
     pipeline = Pipeline(plan, tied_to_parent=not args.detach)
-    for sig in STOP_SIGNALS:  # SIGINT already raises KeyboardInterrupt
-        signal.signal(sig, _raise_stop)
+
+    def on_signal(signum: int, _frame) -> None:
+        name = signal.Signals(signum).name
+        pipeline.request_stop(name)  # seen by every wait, even if the exception below is dropped
+        raise Stopped(name)  # ends a sleep or a blocking call at once
+
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, on_signal)
     started, up, detached = time.monotonic(), False, False
     try:  # one try from start-up on: a signal is handled wherever it lands
         pipeline.start(echo=print)  # stops what it started if it does not finish
@@ -92,18 +90,16 @@ def cmd_up(args: argparse.Namespace) -> int:
             print("stop it with: specdec down")
             return 0
         print("press Ctrl-C to stop")
-        while all(p.poll() is None for p in pipeline.procs.values()):
-            time.sleep(0.5)
-        dead = [n for n, p in pipeline.procs.items() if p.poll() is not None]
+        dead = pipeline.wait()
         print(f"process exited: {', '.join(dead)}; stopping the rest", file=sys.stderr)
         return 1
-    except (KeyboardInterrupt, Stop) as exc:
+    except (KeyboardInterrupt, Stopped) as exc:
         if not up:
             print(f"stopped during start-up ({exc or 'SIGINT'})", file=sys.stderr)
         return 0 if up else 1
     finally:
         if not detached:
-            for sig in (*STOP_SIGNALS, signal.SIGINT):  # a second signal must not cut the shutdown short
+            for sig in STOP_SIGNALS:  # a second signal must not cut the shutdown short
                 signal.signal(sig, signal.SIG_IGN)
             pipeline.stop()
 

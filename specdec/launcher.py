@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -162,12 +163,33 @@ def state_file() -> Path:
     return run_dir() / "up.json"
 
 
-def wait_healthy(address: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
-    """Block until the gRPC health service at `address` reports SERVING."""
+class Stopped(Exception):
+    """A stop was requested (`Pipeline.request_stop`) while the pipeline was starting or running."""
+
+
+class StopRequest(threading.Event):
+    """Set, with a reason, to end the launcher's waits: each raises `Stopped` at its next poll."""
+
+    reason = ""
+
+    def request(self, reason: str) -> None:
+        self.reason = reason
+        self.set()
+
+
+def _check_stop(stop: StopRequest | None) -> None:
+    if stop is not None and stop.is_set():
+        raise Stopped(stop.reason or "stop requested")
+
+
+def wait_healthy(address: str, timeout_s: float, proc: subprocess.Popen | None = None,
+                 stop: StopRequest | None = None) -> None:
+    """Block until the gRPC health service at `address` reports SERVING; raise `Stopped` once `stop` is set."""
     deadline = time.monotonic() + timeout_s
     with grpc.insecure_channel(address) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         while True:
+            _check_stop(stop)
             if proc is not None and proc.poll() is not None:
                 raise RuntimeError(f"process for {address} exited with code {proc.returncode}")
             try:
@@ -181,13 +203,15 @@ def wait_healthy(address: str, timeout_s: float, proc: subprocess.Popen | None =
             time.sleep(0.2)
 
 
-def wait_http_healthy(url: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
-    """Block until GET `url` answers 200."""
+def wait_http_healthy(url: str, timeout_s: float, proc: subprocess.Popen | None = None,
+                      stop: StopRequest | None = None) -> None:
+    """Block until GET `url` answers 200; raise `Stopped` once `stop` is set."""
     import urllib.error
     import urllib.request
 
     deadline = time.monotonic() + timeout_s
     while True:
+        _check_stop(stop)
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"process for {url} exited with code {proc.returncode}")
         try:
@@ -211,6 +235,15 @@ class Pipeline:
         self.tied_to_parent = tied_to_parent
         self.procs: dict[str, subprocess.Popen] = {}
         self.log_dir = Path(plan.log_dir) if plan.log_dir else run_dir() / "logs"
+        self.stopping = StopRequest()
+
+    def request_stop(self, reason: str) -> None:
+        """Ask `start` and `wait` to end (they raise `Stopped`); safe from a signal handler.
+
+        A signal handler that only raised could lose the stop: Python runs the handler at the next
+        bytecode of the main thread, which may be a finaliser (`__del__` of a gRPC object, say), and
+        an exception there is printed and dropped. The flag is checked by every wait loop."""
+        self.stopping.request(reason)
 
     def start(self, timeout_s: float = 600.0, echo=print) -> None:
         """Redis first, then target and draft loading side by side, then the orchestrator."""
@@ -220,18 +253,21 @@ class Pipeline:
         models = [name for name in ("target", "draft") if name in cmds]
         try:
             self._spawn("redis", cmds["redis"], echo)
-            _wait_redis(self.plan.host, self.plan.redis_port, self.procs["redis"], timeout_s=20)
+            _wait_redis(self.plan.host, self.plan.redis_port, self.procs["redis"], timeout_s=20, stop=self.stopping)
             for name in models:
+                _check_stop(self.stopping)
                 self._spawn(name, cmds[name], echo)
             for name in [*models, "orchestrator"]:
                 if name == "orchestrator":
+                    _check_stop(self.stopping)
                     self._spawn(name, cmds[name], echo)
-                wait_healthy(addresses[name], timeout_s, self.procs[name])
+                wait_healthy(addresses[name], timeout_s, self.procs[name], stop=self.stopping)
                 echo(f"{name:<12} healthy at {addresses[name]}")
             if "http" in cmds:
+                _check_stop(self.stopping)
                 self._spawn("http", cmds["http"], echo)
                 wait_http_healthy(f"http://{self.plan.host}:{self.plan.http_port}/health", timeout_s,
-                                  self.procs["http"])
+                                  self.procs["http"], stop=self.stopping)
                 echo(f"{'http':<12} healthy at {self.plan.http_url()}")
         except BaseException:
             self.stop()
@@ -240,6 +276,16 @@ class Pipeline:
                 if tail.strip():
                     echo(f"--- last lines of {self.log_dir / name}.log ---\n{tail}")
             raise
+
+    def wait(self, poll_s: float = 0.5) -> list[str]:
+        """Block until a process exits (returns the names of those that did) or a stop is requested
+        (raises `Stopped`)."""
+        while True:
+            _check_stop(self.stopping)
+            dead = [n for n, p in self.procs.items() if p.poll() is not None]
+            if dead:
+                return dead
+            self.stopping.wait(poll_s)
 
     def _spawn(self, name: str, cmd: list[str], echo) -> None:
         log_path = self.log_dir / f"{name}.log"
@@ -312,18 +358,23 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _wait_redis(host: str, port: int, proc: subprocess.Popen, timeout_s: float) -> None:
+def _wait_redis(host: str, port: int, proc: subprocess.Popen, timeout_s: float,
+                stop: StopRequest | None = None) -> None:
     import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
 
     deadline = time.monotonic() + timeout_s
-    client = redis.Redis(host=host, port=port)
+    # Short timeouts and no retries inside a ping: this loop is the retry, and it checks `stop` between.
+    client = redis.Redis(host=host, port=port, socket_timeout=1, socket_connect_timeout=1, retry=Retry(NoBackoff(), 0))
     while True:
+        _check_stop(stop)
         if proc.poll() is not None:
             raise RuntimeError(f"redis-server exited with code {proc.returncode} (is port {port} in use?)")
         try:
             client.ping()
             return
-        except redis.ConnectionError:
+        except (redis.ConnectionError, redis.TimeoutError):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"redis on port {port} did not start within {timeout_s}s") from None
             time.sleep(0.1)

@@ -1,0 +1,101 @@
+"""A stop requested while `specdec up` starts or runs ends every wait, even when no exception reaches it.
+
+The launcher's signal handler sets a flag and raises; the raise can be dropped (Python runs handlers at
+the next bytecode of the main thread, which may be a finaliser, where exceptions are only printed), so
+each wait polls the flag. Here the flag is set from another thread and nothing is raised: only the
+polling can end the wait.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from specdec.launcher import Pipeline, Plan, Stopped, StopRequest, _wait_redis, wait_healthy, wait_http_healthy
+
+
+@pytest.fixture
+def silent_port():
+    """A port that accepts connections and never answers: every health check waits out its timeout."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        listener.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                held.append(listener.accept()[0])
+            except OSError:
+                pass
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    yield listener.getsockname()[1]
+    stop.set()
+    thread.join()
+    for conn in held:
+        conn.close()
+    listener.close()
+
+
+def _stop_soon(stop: StopRequest, reason: str, after_s: float = 0.5) -> threading.Timer:
+    timer = threading.Timer(after_s, stop.request, args=(reason,))
+    timer.start()
+    return timer
+
+
+def _ends_with_stop(wait, reason: str) -> float:
+    stop = StopRequest()
+    _stop_soon(stop, reason)
+    started = time.monotonic()
+    with pytest.raises(Stopped, match=reason):
+        wait(stop)
+    return time.monotonic() - started
+
+
+def test_a_grpc_health_wait_ends_when_a_stop_is_requested(silent_port):
+    took = _ends_with_stop(lambda stop: wait_healthy(f"127.0.0.1:{silent_port}", 300, stop=stop), "SIGTERM")
+    assert took < 60  # far below the 300 s it would otherwise wait
+
+
+def test_an_http_health_wait_ends_when_a_stop_is_requested(silent_port):
+    took = _ends_with_stop(lambda stop: wait_http_healthy(f"http://127.0.0.1:{silent_port}/health", 300,
+                                                          stop=stop), "SIGHUP")
+    assert took < 60
+
+
+def test_a_redis_wait_ends_when_a_stop_is_requested(silent_port):
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        took = _ends_with_stop(lambda stop: _wait_redis("127.0.0.1", silent_port, sleeper, 300, stop=stop),
+                               "SIGINT")
+        assert took < 60
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+def test_a_wait_on_running_processes_ends_on_a_stop_or_when_one_exits(tmp_path):
+    pipeline = Pipeline(Plan(log_dir=str(tmp_path)))
+    long = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    short = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1)"])
+    try:
+        pipeline.procs = {"long": long}
+        _stop_soon(pipeline.stopping, "SIGTERM")
+        with pytest.raises(Stopped, match="SIGTERM"):
+            pipeline.wait(poll_s=0.1)
+        pipeline.stopping.clear()
+        pipeline.procs = {"long": long, "short": short}
+        assert pipeline.wait(poll_s=0.1) == ["short"]  # the one that exited, named
+    finally:
+        for proc in (long, short):
+            proc.kill()
+            proc.wait()
