@@ -145,11 +145,15 @@ target = obj(model_service(), required=common_required + ["model", "dtype", "gpu
 draft_props = model_service()
 draft_props.update({
     "enabled": B("Run a draft service (false: plain decoding, k = 0)."),
-    "proposer": {"enum": ["ngram", "model"], "description": "Draft source."},
+    "proposer": {"enum": ["suffix", "ngram", "model", "hybrid"], "description": "Draft source."},
     "ngramMin": I(minimum=1), "ngramMax": I(minimum=1),
+    "suffix": obj({
+        "sharedCorpus": B("Read the orchestrator's stream of finished outputs from its Redis."),
+        "maxTokens": I("Most tokens of earlier outputs indexed per replica.", minimum=1),
+    }),
 })
 draft = obj(draft_props, required=common_required + ["enabled", "proposer", "model", "dtype", "gpu"],
-            desc="The draft service (small model or prompt lookup).")
+            desc="The draft service (suffix speculation, prompt lookup or a small model).")
 
 def service() -> dict:
     """The Service of a public API (orchestrator, gateway)."""

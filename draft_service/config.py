@@ -19,9 +19,10 @@ class DraftConfig(ModelServiceConfig):
 
     port: int = Field(50052, ge=0, le=65535, description="Port to listen on (0 picks a free one).")
     proposer: Literal["model", "ngram", "suffix", "hybrid"] = Field(
-        "ngram", description="Draft source: a causal LM ('model'), prompt lookup ('ngram', no model; the measured "
-        "default on CPU), suffix speculation ('suffix', no model: the session's history and earlier outputs) or "
-        "both ('hybrid': suffix speculation when it is confident, the model otherwise)."
+        "suffix", description="Draft source: suffix speculation ('suffix', no model: the session's history and "
+        "earlier outputs; the measured default on CPU), prompt lookup ('ngram', no model: the session's history "
+        "alone), a causal LM ('model') or both ('hybrid': suffix speculation when it is confident, the model "
+        "otherwise)."
     )
     model: str = Field(
         DEFAULT_MODEL, description="Draft model: the packaged default name, a local directory or a transformers id."
@@ -57,8 +58,8 @@ class DraftConfig(ModelServiceConfig):
     )
     suffix_redis_url: str = Field(
         "", description="Suffix speculation: Redis whose stream of finished outputs (specdec:v1:suffix:outputs) "
-        "feeds the corpus, shared by every draft replica; empty: each session's output joins this replica's "
-        "corpus when the session is released."
+        "feeds the corpus, shared by every draft replica (a password not in the URL comes from $REDIS_PASSWORD); "
+        "empty: each session's output joins this replica's corpus when the session is released."
     )
     suffix_backlog: int = Field(
         1000, ge=0, description="Suffix speculation: newest entries of the outputs stream read at start (0: only "
@@ -75,6 +76,11 @@ class DraftConfig(ModelServiceConfig):
             flags = ", ".join("--" + name.replace("_", "-") for name in engine_options)
             raise ValueError(f"{flags} configure a draft model's KV caches and forward pass: --proposer "
                              f"{self.proposer} runs no model (use --proposer model or hybrid)")
+        ngram_options = sorted(name for name in self.model_fields_set if name.startswith("ngram_"))
+        if ngram_options and self.proposer != "ngram":
+            flags = ", ".join("--" + name.replace("_", "-") for name in ngram_options)
+            raise ValueError(f"{flags} configure prompt lookup, which --proposer {self.proposer} does not run: use "
+                             "--proposer ngram")
         suffix_options = sorted(name for name in self.model_fields_set if name.startswith("suffix_"))
         if suffix_options and self.proposer not in ("suffix", "hybrid"):
             flags = ", ".join("--" + name.replace("_", "-") for name in suffix_options)

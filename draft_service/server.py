@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -71,6 +72,14 @@ def suffix_proposer(config: DraftConfig) -> SuffixProposer:
                           learn_on_release=not config.suffix_redis_url)
 
 
+def redis_password(url: str) -> dict[str, str]:
+    """$REDIS_PASSWORD as the password of `url` when the URL carries none (a Kubernetes Secret fills the
+    variable; a password in argv would show in `ps` and in the pod spec)."""
+    if redis.connection.parse_url(url).get("password") is None and os.environ.get("REDIS_PASSWORD"):
+        return {"password": os.environ["REDIS_PASSWORD"]}
+    return {}
+
+
 class SuffixStreamReader:
     """Feeds a `SuffixProposer`'s corpus from the shared Redis stream of finished outputs.
 
@@ -98,7 +107,7 @@ class SuffixStreamReader:
 
     def _run(self) -> None:
         key = suffix_outputs_key()
-        client = redis.Redis.from_url(self.url, socket_timeout=10)
+        client = redis.Redis.from_url(self.url, socket_timeout=10, **redis_password(self.url))
         last = None
         while not self._stop.is_set():
             try:

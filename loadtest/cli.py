@@ -39,6 +39,8 @@ def _slo(text: str) -> tuple[str, float]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from specdec.launcher import Plan
+
     where = p.add_argument_group("where")
     where.add_argument("--api", choices=("grpc", "http"), default="grpc", help="which API to drive (default: grpc)")
     where.add_argument("--address", default=DEFAULT_ADDRESS,
@@ -46,8 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     where.add_argument("--http-url", default=DEFAULT_HTTP, help=f"OpenAI-compatible base URL (default: {DEFAULT_HTTP})")
     where.add_argument("--start-pipeline", action="store_true",
                        help="start the `specdec up` pipeline (defaults, free ports) for the run and stop it after")
-    where.add_argument("--proposer", default="ngram",
-                       help="with --start-pipeline: model, ngram or none (default ngram)")
+    where.add_argument("--proposer", default=Plan.proposer, choices=("suffix", "ngram", "model", "hybrid", "none"),
+                       help="with --start-pipeline: the draft source, as `specdec up --proposer` "
+                            f"(default {Plan.proposer})")
     where.add_argument("--target-model", default=None, help="with --start-pipeline: the target model")
     where.add_argument("--draft-model", default=None, help="with --start-pipeline: the draft model (--proposer model)")
     where.add_argument("--target-args", default="", metavar="FLAGS",

@@ -15,8 +15,10 @@ from specdec.errors import SpecdecError, Unauthenticated, Unavailable
 DEFAULT_ADDRESS = os.environ.get("SPECDEC_ADDRESS", "127.0.0.1:50051")
 # Flags of `specdec up` whose default differs from the Plan's (a Plan made in code starts no gateway).
 UP_DEFAULTS = {"http_port": 8000}
+# Flags of `specdec up` that only one proposer reads: given with another, they are refused.
+PROPOSER_FLAGS = {"ngram_min": "ngram", "ngram_max": "ngram"}
 # Flags of `specdec up` refused at once, before anything starts, unless one of these.
-PLAN_CHOICES = {"proposer": ("model", "ngram", "suffix", "hybrid", "none")}
+PLAN_CHOICES = {"proposer": ("suffix", "ngram", "model", "hybrid", "none")}
 
 
 def _add_plan_flags(parser: argparse.ArgumentParser) -> None:
@@ -29,8 +31,9 @@ def _add_plan_flags(parser: argparse.ArgumentParser) -> None:
         "draft_dtype": "draft weight dtype", "draft_threads": "torch threads of the draft process",
         "target_device": "where the target runs: auto (a CUDA GPU if any, else the CPU), cpu, cuda or cuda:N",
         "draft_device": "where the draft model runs (auto, cpu, cuda or cuda:N); on one GPU both may share it",
-        "proposer": "draft source: model, ngram (prompt lookup), suffix (suffix speculation), hybrid (suffix "
-                    "speculation when it is confident, the draft model otherwise) or none (plain decoding)",
+        "proposer": "draft source: suffix (suffix speculation: the session's history and earlier outputs), ngram "
+                    "(prompt lookup: the session's history), model (the draft model), hybrid (suffix speculation "
+                    "when it is confident, the draft model otherwise) or none (plain decoding)",
         "draft_length": "default draft length: auto (the controller picks k per round) "
                         "or a fixed k (0 = plain decoding)",
         "ngram_min": "shortest suffix n-gram prompt lookup matches", "ngram_max": "longest suffix n-gram it matches",
@@ -46,7 +49,8 @@ def _add_plan_flags(parser: argparse.ArgumentParser) -> None:
             continue
         kind = int if f.type in ("int", "int | None") else str
         default = UP_DEFAULTS.get(f.name, f.default)
-        parser.add_argument("--" + f.name.replace("_", "-"), type=kind, default=default,
+        parser.add_argument("--" + f.name.replace("_", "-"), type=kind,
+                            default=None if f.name in PROPOSER_FLAGS else default,  # None: not given
                             choices=PLAN_CHOICES.get(f.name),
                             help=f"{helps.get(f.name, f.name.replace('_', ' '))} (default: {default!r})")
 
@@ -60,7 +64,16 @@ def cmd_up(args: argparse.Namespace) -> int:
     from specdec.launcher import Pipeline, Plan, Stopped, state_file
     from specdec.runtime.models import resolve_model_path
 
-    plan = Plan(**{f.name: getattr(args, f.name) for f in fields(Plan) if hasattr(args, f.name)})
+    misplaced = [name for name, proposer in PROPOSER_FLAGS.items()
+                 if getattr(args, name, None) is not None and args.proposer != proposer]
+    if misplaced:
+        flags = ", ".join("--" + name.replace("_", "-") for name in misplaced)
+        wanted = PROPOSER_FLAGS[misplaced[0]]
+        print(f"{flags}: options of --proposer {wanted}, which --proposer {args.proposer} does not run; drop them "
+              f"or choose --proposer {wanted}", file=sys.stderr)
+        return 2
+    given = {f.name: getattr(args, f.name) for f in fields(Plan) if hasattr(args, f.name)}
+    plan = Plan(**{name: value for name, value in given.items() if value is not None or name not in PROPOSER_FLAGS})
     if state_file().exists() and args.detach:
         print(f"a detached pipeline may already be running ({state_file()}); run `specdec down` first",
               file=sys.stderr)

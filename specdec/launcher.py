@@ -45,7 +45,7 @@ class Plan:
     draft_dtype: str = "bfloat16"
     draft_threads: int | None = None
     draft_device: str = "auto"
-    proposer: str = "ngram"  # "model", "ngram", "suffix", "hybrid" (model + suffix) or "none" (no draft service)
+    proposer: str = "suffix"  # "suffix", "ngram", "model", "hybrid" (model + suffix) or "none" (no draft service)
     draft_length: str = "auto"  # "auto" or a fixed k
     ngram_min: int = 2
     ngram_max: int = 3
@@ -91,8 +91,9 @@ class Plan:
         if self.proposer != "none":
             cmds["draft"] = [py, "-m", "draft_service", "--host", self.host, "--port", str(self.draft_port),
                              "--proposer", self.proposer, "--model", self.draft_model, "--dtype", self.draft_dtype,
-                             "--device", self.draft_device,
-                             "--ngram-min", str(self.ngram_min), "--ngram-max", str(self.ngram_max)]
+                             "--device", self.draft_device]
+            if self.proposer == "ngram":
+                cmds["draft"] += ["--ngram-min", str(self.ngram_min), "--ngram-max", str(self.ngram_max)]
             if self.proposer in ("suffix", "hybrid"):  # the corpus of earlier outputs is shared through the Redis
                 cmds["draft"] += ["--suffix-redis-url", f"redis://{self.host}:{self.redis_port}/0"]
             if self.draft_threads:

@@ -257,9 +257,64 @@ def test_only_the_orchestrator_reaches_draft_target_and_redis(render, value_set)
         protected.add(component)
         assert policy["spec"]["policyTypes"] == ["Ingress"]
         [rule] = policy["spec"]["ingress"]
-        assert rule["from"] == [{"podSelector": {"matchLabels": orchestrator_labels}}]
+        peers = [{"podSelector": {"matchLabels": orchestrator_labels}}]
+        if component == "redis" and reads_outputs_stream(r):  # suffix speculation's shared corpus
+            draft_labels = r.component("Deployment", "draft")["spec"]["selector"]["matchLabels"]
+            peers.append({"podSelector": {"matchLabels": draft_labels}})
+        assert rule["from"] == peers
         assert rule["ports"] == [{"protocol": "TCP", "port": ports[component]}]
     assert protected == expected
+
+
+def reads_outputs_stream(r) -> bool:
+    draft = r.component("Deployment", "draft")
+    return bool(draft) and "--suffix-redis-url" in container(draft["spec"]["template"]["spec"])["args"]
+
+
+# --------------------------------------------------------------------------- draft sources
+
+
+def draft_container(r) -> dict:
+    return container(r.component("Deployment", "draft")["spec"]["template"]["spec"])
+
+
+def test_the_default_draft_is_suffix_speculation_reading_the_orchestrators_outputs(render):
+    r = render("default")
+    draft = draft_container(r)
+    orchestrator = container(r.component("Deployment", "orchestrator")["spec"]["template"]["spec"])
+    assert flag(draft["args"], "--proposer") == "suffix"
+    # The stream the orchestrator writes (its session store) is the one the drafts read, with its password.
+    assert flag(draft["args"], "--suffix-redis-url") == flag(orchestrator["args"], "--redis-url")
+    assert flag(draft["args"], "--suffix-max-tokens") == "1000000"
+    password = [e for e in draft.get("env", []) if e["name"] == "REDIS_PASSWORD"]
+    assert password == [e for e in orchestrator["env"] if e["name"] == "REDIS_PASSWORD"] and password
+    assert "--ngram-min" not in draft["args"]  # options of another proposer are not passed (the draft refuses them)
+    assert reads_outputs_stream(r)
+
+
+def test_a_draft_without_the_shared_corpus_or_redis_auth(render):
+    draft = draft_container(render("default", "--set", "draft.suffix.sharedCorpus=false"))
+    assert "--suffix-redis-url" not in draft["args"]
+    assert not [e for e in draft.get("env", []) if e["name"] == "REDIS_PASSWORD"]
+    draft = draft_container(render("default", "--set", "redis.auth.enabled=false"))
+    assert "--suffix-redis-url" in draft["args"]
+    assert not [e for e in draft.get("env", []) if e["name"] == "REDIS_PASSWORD"]
+
+
+def test_prompt_lookup_gets_its_options_and_nothing_of_suffix_speculation(render):
+    r = render("default", "--set", "draft.proposer=ngram", "--set", "draft.ngramMin=1")
+    args = draft_container(r)["args"]
+    assert flag(args, "--proposer") == "ngram" and flag(args, "--ngram-min") == "1"
+    assert not [a for a in args if a.startswith("--suffix-")]
+    assert not reads_outputs_stream(r)
+
+
+def test_a_redis_cluster_needs_the_shared_corpus_off(helm, render):
+    r = render("external-redis-cluster")  # the value set turns it off
+    assert flag(draft_container(r)["args"], "--proposer") == "suffix" and not reads_outputs_stream(r)
+    proc = render_chart(helm, "-f", str(VALUE_SETS["external-redis-cluster"]),
+                        "--set", "draft.suffix.sharedCorpus=true")
+    assert proc.returncode != 0 and "draft.suffix.sharedCorpus=false" in proc.stderr, proc.stderr
 
 
 def test_orchestrator_api_is_open_by_default(render):

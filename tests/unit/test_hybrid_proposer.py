@@ -152,6 +152,45 @@ def test_the_launcher_feeds_a_hybrid_drafts_suffix_index_from_the_pipelines_redi
     assert "--suffix-redis-url" not in Plan(proposer="model").commands()["draft"]
 
 
+@pytest.mark.parametrize("proposer", ["suffix", "model", "hybrid"])
+def test_prompt_lookup_options_with_another_proposer_are_refused(proposer):
+    with pytest.raises(ValidationError, match=f"--ngram-max, --ngram-min configure prompt lookup, which --proposer "
+                                              f"{proposer} does not run: use --proposer ngram"):
+        DraftConfig(proposer=proposer, ngram_min=1, ngram_max=4)
+    assert DraftConfig(proposer="ngram", ngram_min=1).ngram_min == 1
+
+
+def test_specdec_up_refuses_prompt_lookup_options_for_another_proposer(capsys):
+    from specdec.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["up", "--ngram-min", "1"])  # the default proposer is suffix speculation; nothing starts
+    assert exit_info.value.code == 2
+    assert "--ngram-min: options of --proposer ngram, which --proposer suffix does not run" in capsys.readouterr().err
+
+
+def test_the_launcher_passes_each_proposer_only_its_own_options():
+    from specdec.launcher import Plan
+
+    default = Plan(redis_port=6399).commands()["draft"]
+    assert default[default.index("--proposer") + 1] == "suffix"
+    assert default[default.index("--suffix-redis-url") + 1] == "redis://127.0.0.1:6399/0"
+    assert "--ngram-min" not in default
+    ngram = Plan(proposer="ngram", ngram_min=1).commands()["draft"]
+    assert ngram[ngram.index("--ngram-min") + 1] == "1"
+    assert not [a for a in ngram if a.startswith("--suffix-")]
+
+
+def test_the_outputs_stream_password_comes_from_the_environment_unless_the_url_has_one(monkeypatch):
+    from draft_service.server import redis_password
+
+    monkeypatch.delenv("REDIS_PASSWORD", raising=False)
+    assert redis_password("redis://h:6379/0") == {}
+    monkeypatch.setenv("REDIS_PASSWORD", "from-secret")
+    assert redis_password("redis://h:6379/0") == {"password": "from-secret"}
+    assert redis_password("redis://:in-url@h:6379/0") == {}  # the URL's own wins
+
+
 # -- the orchestrator: one controller state per source --------------------------------------------
 
 CONFIG = PolicyConfig(k_max=8)

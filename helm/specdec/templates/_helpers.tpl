@@ -107,6 +107,20 @@ redis-password
 {{- end }}
 
 {{/*
+Non-empty when the draft reads the orchestrator's stream of finished outputs (suffix speculation
+with draft.suffix.sharedCorpus): it then connects to the orchestrator's Redis, which must have one URL.
+*/}}
+{{- define "specdec.draftReadsOutputs" -}}
+{{- $v := .Values.draft }}
+{{- if and $v.enabled (has $v.proposer (list "suffix" "hybrid")) $v.suffix.sharedCorpus }}
+{{- if and (not .Values.redis.enabled) (or .Values.redis.external.clusterNodes .Values.redis.external.sentinels) }}
+{{- fail "draft.suffix.sharedCorpus reads the orchestrator's outputs stream from one Redis URL, and a Redis Cluster or Sentinel has none: set draft.suffix.sharedCorpus=false (each draft replica learns the sessions it served)" }}
+{{- end }}
+{{- true }}
+{{- end }}
+{{- end }}
+
+{{/*
 The orchestrator's --redis-url, without credentials: with auth the orchestrator reads the
 password from its $REDIS_PASSWORD, which the Secret fills, so it is in no value and no argv.
 */}}
