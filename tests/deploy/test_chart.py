@@ -75,3 +75,4 @@ def test_notes_render(helm):
     notes = proc.stdout.split("NOTES:", 1)[1]
     assert "port-forward svc/sd-specdec-orchestrator 50051:50051" in notes
     assert "helm test -n specdec-ns sd" in notes
+    assert "proposer suffix, corpus shared through Redis" in notes
