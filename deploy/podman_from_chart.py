@@ -452,6 +452,22 @@ def log(msg: str) -> None:
     print(f"[image-test {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
+def draft_reads_outputs(name: str, within_s: float = 30.0) -> str:
+    """The line a suffix draft logs once it reads the orchestrator's outputs stream (reached Redis and
+    was let in); raises with its last stream errors if none comes within `within_s`."""
+    deadline = time.monotonic() + within_s
+    while True:
+        out = podman("logs", name, check=False)
+        lines = (out.stdout + out.stderr).splitlines()
+        reading = [line for line in lines if "suffix corpus: reading" in line]
+        if reading:
+            return reading[0].strip()
+        if time.monotonic() > deadline:
+            errors = [line for line in lines if "suffix outputs stream at" in line][-3:]
+            raise RuntimeError(f"{name} does not read the outputs stream: {errors or 'nothing logged'}")
+        time.sleep(1.0)
+
+
 def check_probe(probe: Probe, container_name: str) -> bool:
     """One probe attempt, as the kubelet makes it (this process is in the pod's network namespace)."""
     try:
@@ -666,6 +682,8 @@ def inner(opts: argparse.Namespace) -> int:
             if not said or "native kernels:" not in said[0]:
                 raise RuntimeError(f"{s.container.id} runs without the native kernels: {said or 'nothing logged'}")
             log(f"{s.container.id}: {said[0].strip()[-160:]}")
+        if s.container.component == "draft" and "--suffix-redis-url" in (s.container.args or []):
+            log(f"{s.container.id}: {draft_reads_outputs(s.name)[-160:]}")
 
     for t in p.tests:
         log(f"helm test {t.workload}: {shlex.join((t.command or []) + (t.args or []))}")

@@ -108,7 +108,8 @@ class SuffixStreamReader:
     def _run(self) -> None:
         key = suffix_outputs_key()
         client = redis.Redis.from_url(self.url, socket_timeout=10, **redis_password(self.url))
-        last = None
+        where = self.url.rsplit("@", 1)[-1].split("//")[-1]  # host:port/db, never a password
+        last, reading = None, False
         while not self._stop.is_set():
             try:
                 if last is None:
@@ -116,14 +117,19 @@ class SuffixStreamReader:
                     last = backlog[0][0] if backlog else client.xinfo_stream(key)["last-generated-id"]
                     for _, fields in reversed(backlog):
                         self._add(fields)
-                for _, entries in client.xread({key: last}, block=1000, count=256) or []:
+                new = client.xread({key: last}, block=1000, count=256)
+                if not reading:  # the first round trip that got through (connected, authenticated)
+                    reading = True
+                    log.info("suffix corpus: reading finished outputs from %s (%d from its backlog)", where,
+                             self.entries)
+                for _, entries in new or []:
                     for entry_id, fields in entries:
                         self._add(fields)
                         last = entry_id
             except redis.ResponseError:  # no stream yet: start from its beginning once it exists
                 last = b"0-0"
             except redis.RedisError as exc:
-                log.warning("suffix outputs stream at %s: %s; retrying", self.url, exc)
+                log.warning("suffix outputs stream at %s: %s; retrying", where, exc)
                 self._stop.wait(1.0)
 
     def _add(self, fields: dict[bytes, bytes]) -> None:
