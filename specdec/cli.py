@@ -84,6 +84,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     pipeline = Pipeline(plan, tied_to_parent=not args.detach)
 
     def on_signal(signum: int, _frame) -> None:
+        if pipeline.stopping.is_set():  # a second signal must not cut the shutdown short
+            return
         name = signal.Signals(signum).name
         pipeline.request_stop(name)  # seen by every wait, even if the exception below is dropped
         raise Stopped(name)  # ends a sleep or a blocking call at once

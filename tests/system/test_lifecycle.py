@@ -83,11 +83,14 @@ def test_a_stop_signal_stops_every_process_and_frees_every_port(tiny_models, tmp
         _kill(proc, pids)
 
 
-def test_a_stop_signal_during_start_up_stops_what_was_started(tiny_models, tmp_path):
+@pytest.mark.parametrize("signals", [1, 2])
+def test_a_stop_signal_during_start_up_stops_what_was_started(tiny_models, tmp_path, signals):
     proc, pids, ports = _up(tiny_models, tmp_path, until="started draft")  # redis and target running too
     try:
         assert {"redis", "target", "draft"} <= set(pids)
-        proc.send_signal(signal.SIGTERM)
+        for _ in range(signals):  # a second one (an impatient supervisor) must not cut the shutdown short
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(0.05)
         assert proc.wait(timeout=60) == 1  # the pipeline never came up
         alive, taken = _gone(pids, ports, within_s=5)
         assert not alive and not taken, (alive, taken)
