@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -143,6 +144,22 @@ def redis_url(tmp_path_factory):
     yield f"redis://127.0.0.1:{port}/0"
     proc.terminate()
     proc.wait(10)
+
+
+def wait_redis_client(store, proc) -> None:
+    """Wait until `store` (a redis.Redis with whatever password or TLS its server wants) answers a ping
+    from the redis-server `proc`; fail if it exits or takes over 20 s."""
+    import redis
+
+    deadline = time.monotonic() + 20
+    while True:
+        assert proc.poll() is None, f"redis-server exited with {proc.returncode}"
+        try:
+            store.ping()
+            return
+        except redis.RedisError:
+            assert time.monotonic() < deadline, "redis did not start"
+            time.sleep(0.1)
 
 
 def run_loadtest_cli(argv: list[str]) -> int:

@@ -15,6 +15,7 @@ from specdec.core.suffix import FINGERPRINT_FIELD, OUTPUT_FIELD, encode_output
 from specdec.launcher import free_port, redis_server_binary
 from specdec.runtime.proposers import SuffixProposer
 from specdec.server.keys import suffix_outputs_key
+from tests.conftest import wait_redis_client
 
 PASSWORD = "s3cret-stream"
 
@@ -27,14 +28,7 @@ def locked_redis(tmp_path):
                                  "--appendonly", "no", "--requirepass", PASSWORD], stdout=log,
                                 stderr=subprocess.STDOUT)
     client = redis.Redis(port=port, password=PASSWORD)
-    deadline = time.monotonic() + 20
-    while True:
-        try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            assert time.monotonic() < deadline, "redis-server did not start"
-            time.sleep(0.1)
+    wait_redis_client(client, proc)
     yield port, client
     proc.terminate()
     proc.wait(10)

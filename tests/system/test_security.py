@@ -30,6 +30,7 @@ from specdec import Client, errors
 from specdec.launcher import free_port, redis_server_binary
 from specdec.server.tls import ClientTLS, make_pki
 from specdec.v1 import common_pb2, draft_pb2_grpc, orchestrator_pb2 as pb, orchestrator_pb2_grpc, target_pb2_grpc
+from tests.conftest import wait_redis_client
 
 HOST = "127.0.0.1"
 ALICE = "alice-token-0123456789abcdef"
@@ -94,7 +95,7 @@ def secure(tiny_models, tmp_path_factory):
         redis_url = f"{'rediss' if redis_tls else 'redis'}://{HOST}:{redis_port}/0"
         store = redis.Redis.from_url(redis_url, password=REDIS_PASSWORD,
                                      **({"ssl_ca_certs": str(pki.ca)} if redis_tls else {}))
-        _wait_redis_client(store, procs["redis"])
+        wait_redis_client(store, procs["redis"])
 
         addresses = {name: f"{HOST}:{free_port()}" for name in ("target", "draft", "orchestrator")}
         procs["target"] = _spawn(logs, "target", [
@@ -165,18 +166,6 @@ def _https(secure, method: str, path: str, token: str | None = None, body: dict 
             return reply.status, reply.headers, json.loads(reply.read())
     except urllib.error.HTTPError as err:
         return err.code, err.headers, json.loads(err.read())
-
-
-def _wait_redis_client(store: redis.Redis, proc: subprocess.Popen) -> None:
-    deadline = time.monotonic() + 20
-    while True:
-        assert proc.poll() is None, f"redis-server exited with {proc.returncode}"
-        try:
-            store.ping()
-            return
-        except redis.RedisError:
-            assert time.monotonic() < deadline, "redis did not start"
-            time.sleep(0.1)
 
 
 @pytest.fixture(scope="module")
