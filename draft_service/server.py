@@ -171,6 +171,7 @@ async def serve(config: DraftConfig) -> None:
         reader = SuffixStreamReader(suffix, config.suffix_redis_url, info.tokenizer_fingerprint,
                                     config.suffix_backlog)
         reader.start()
+        info.reads_shared_outputs = True  # orchestrators publish finished outputs only for drafts that read them
     try:
         await serve_model_service(config, servicer, metrics,
                                   lambda s: draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, s),

@@ -220,7 +220,7 @@ class Orchestrator:
         await lengths.finish(self.store)
         if self.config.kv_snapshots:
             self._save_snapshots(state.session_id)
-        if self._shareable(gen) and sent:
+        if self._shareable(gen) and sent and self.draft is not None and self.draft.reads_shared_outputs:
             self._spawn(self._publish(state.tokens[gen.start:]))
         chunk.text = text.release(final=True)
         chunk.stats.CopyFrom(generation_stats(gen, sent, state.seed))
@@ -272,7 +272,9 @@ class Orchestrator:
             self._spawn(pool.save_snapshot(session_id))
 
     async def _publish(self, output: list[int]) -> None:
-        """--share-outputs: offer the output to the suffix indexes of the draft replicas (best effort)."""
+        """--share-outputs: offer the output to the suffix indexes of the draft replicas that read the
+        outputs stream (best effort; with no such replica nothing is written: no tenant's output sits in
+        Redis for nobody)."""
         try:
             await self.store.publish_output(output)
         except SpecdecError as exc:

@@ -410,6 +410,12 @@ class DraftPool(ReplicaPool[DraftBackend]):
     role = "draft"
     kind = ""  # the proposer kind the first replica reported at start-up (ModelInfo.kind: "hybrid", ...)
 
+    @property
+    def reads_shared_outputs(self) -> bool:
+        """Whether a replica, as last probed, feeds its suffix corpus from the outputs stream in Redis
+        (ModelInfo.reads_shared_outputs); probes repeat, so a rollout to or from such drafts is followed."""
+        return any(r.info is not None and r.info.reads_shared_outputs for r in self.replicas.values())
+
     async def propose(self, session_id: str, history: list[int], k: int, params: SamplingParams, seed: int,
                       fingerprint: str, into: DraftReply | None = None,
                       progress: asyncio.Event | None = None, timeout: float | None = None) -> DraftReply:

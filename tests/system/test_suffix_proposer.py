@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import grpc
 import pytest
 import redis
 
@@ -12,6 +13,7 @@ from specdec.core.sampling import SamplingParams
 from specdec.core.suffix import OUTPUT_FIELD, encode_output
 from specdec.runtime.proposers import SuffixProposer
 from specdec.server.keys import suffix_outputs_key
+from specdec.v1 import common_pb2, draft_pb2_grpc
 from tests.conftest import orchestrator_address, start_tiny_pipeline
 from tests.reference import Reference
 
@@ -94,6 +96,11 @@ def test_a_published_output_serves_a_later_session(suffix_pipeline, reference):
         assert before.token_ids == expected
         after = generate_fresh_until_drafted(client, prompt, n, expected)
     assert after.stats["accepted_tokens"] >= max(n // 2, before.stats["accepted_tokens"] + 1), after.stats
+    # the orchestrator wrote the output because its draft says it reads the stream
+    with grpc.insecure_channel(suffix_pipeline.plan.grpc_addresses()["draft"]) as channel:
+        info = draft_pb2_grpc.DraftServiceStub(channel).GetInfo(common_pb2.GetInfoRequest(), timeout=10)
+    assert info.kind == "suffix" and info.reads_shared_outputs
+    assert redis.Redis(port=suffix_pipeline.plan.redis_port).xlen(suffix_outputs_key()) >= 1
 
 
 def test_a_request_with_share_output_false_does_not_serve_a_later_session(suffix_pipeline, reference):

@@ -134,8 +134,9 @@ class FakeDraft(_FakePool):
     role = "draft"
 
     def __init__(self, reference: list[int], wrong_at: frozenset[int] | set[int] = frozenset(),
-                 fail: bool | str = False, available: bool = True) -> None:
+                 fail: bool | str = False, available: bool = True, reads_shared_outputs: bool = False) -> None:
         super().__init__(reference)
+        self.reads_shared_outputs = reads_shared_outputs  # as DraftPool's: a replica reads the outputs stream
         self.wrong_at = set(wrong_at)
         self.fail = fail
         self.available = available

@@ -159,21 +159,32 @@ async def test_a_session_takes_turns_and_refuses_a_second_request_while_leased()
 
 async def test_a_finished_output_is_shared_for_the_suffix_indexes_unless_turned_off():
     store = InMemorySessionStore()
-    chunks = await run(orchestrator(store, FakeTarget(REFERENCE), None), max_new_tokens=6)
+    reader = FakeDraft(REFERENCE, reads_shared_outputs=True)
+    chunks = await run(orchestrator(store, FakeTarget(REFERENCE), reader, draft_length=2), max_new_tokens=6)
     for _ in range(50):  # published in the background, after the last chunk
         if store.published:
             break
         await asyncio.sleep(0.01)
     assert store.published == [generated(chunks)]
     quiet = InMemorySessionStore()
-    await run(orchestrator(quiet, FakeTarget(REFERENCE), None, share_outputs=False), max_new_tokens=6)
+    await run(orchestrator(quiet, FakeTarget(REFERENCE), reader, share_outputs=False, draft_length=2),
+              max_new_tokens=6)
     await asyncio.sleep(0.05)
     assert quiet.published == []
 
 
+@pytest.mark.parametrize("draft", [None, FakeDraft(REFERENCE)], ids=["no draft", "a draft that does not read"])
+async def test_no_output_is_written_where_no_draft_reads_the_stream(draft):
+    """Sharing is on, but nothing would read the stream: no tenant's output is left in Redis."""
+    store = InMemorySessionStore()
+    chunks = await run(orchestrator(store, FakeTarget(REFERENCE), draft, draft_length=2), max_new_tokens=6)
+    await asyncio.sleep(0.05)
+    assert generated(chunks) == REFERENCE[START:START + 6] and store.published == []
+
+
 async def test_a_request_keeps_its_output_out_of_the_corpus_with_share_output_false():
     store = InMemorySessionStore()
-    orch = orchestrator(store, FakeTarget(REFERENCE), None)
+    orch = orchestrator(store, FakeTarget(REFERENCE), FakeDraft(REFERENCE, reads_shared_outputs=True), draft_length=2)
     kept = await run(orch, max_new_tokens=6, share_output=False)
     shared = await run(orch, max_new_tokens=4, share_output=True)
     for _ in range(50):  # published in the background, after the last chunk
