@@ -32,6 +32,12 @@ passes interleaved so that load from elsewhere on a shared machine hits them ali
 
 Each figure also appears as a multiple of its floor: (weight bytes + every row's K/V bytes read)
 / the read bandwidth this script measures (sum of a ~500 MB float32 tensor, median of several).
+Beside it, the compute floor: the pass's multiply-adds (every projection, the output layer
+included, for each of its rows; attention, each query head against every key it sees, scores and
+values) / the float32 FMA rate this script measures (`bench/fma_peak.c`, built with the machine's
+C compiler; no compute floor without one). A pass is bounded by the larger of the two (the
+roofline); batched ÷ one by one is set against the ratio of the two ways' rooflines (the same
+multiply-adds, the weights read once against once per session).
 Caches are filled with random keys/values, not prefilled: a pass costs the same whatever they
 hold, and prefilling 16 x 8000 tokens would take longer than the benchmark. A cell whose
 warm-up pass takes over --max-seconds is recorded as skipped, with every larger cell of that
@@ -44,8 +50,11 @@ import argparse
 import contextlib
 import functools
 import json
+import os
 import platform
+import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -77,6 +86,40 @@ def read_bandwidth(repeats: int = 7) -> float:
         x.sum()
         times.append(time.perf_counter() - start)
     return x.numel() * 4 / statistics.median(times)
+
+
+def fma_peak(threads: int) -> float | None:
+    """Float32 multiply-adds per second x 2 (FLOP/s) on `threads` threads: `bench/fma_peak.c`,
+    built with the machine's C compiler (None, said why, without one)."""
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        print("no C compiler: no compute floor")
+        return None
+    with tempfile.TemporaryDirectory() as folder:
+        binary = Path(folder) / "fma_peak"
+        subprocess.run([compiler, "-O2", "-march=native", "-fopenmp", str(Path(__file__).with_name("fma_peak.c")),
+                        "-o", str(binary)], check=True)
+        out = subprocess.run([str(binary)], check=True, capture_output=True, text=True,
+                             env={**os.environ, "OMP_NUM_THREADS": str(threads)}).stdout
+    return float(out.split()[0]) * 1e9
+
+
+def matmul_params(model) -> int:
+    """Weights a row is multiplied by: every projection of every layer and the output layer."""
+    seen, total = set(), 0
+    for module in [*model.model.layers.modules(), model.lm_head]:
+        if isinstance(module, torch.nn.Linear) and module.weight.data_ptr() not in seen:
+            seen.add(module.weight.data_ptr())
+            total += module.weight.numel()
+    return total
+
+
+def pass_flops(positions: int, context: int, sessions: int, params: int, layers: int, heads: int,
+               head_dim: int) -> float:
+    """FLOPs (2 a multiply-add) of one pass: each row's projections, and its attention (query j of
+    the block sees context + j + 1 keys: a dot product with each, then each one's value added in)."""
+    seen = positions * context + positions * (positions + 1) // 2
+    return sessions * (2.0 * positions * params + 4.0 * layers * heads * head_dim * seen)
 
 
 def weight_bytes(model) -> int:
@@ -223,8 +266,11 @@ def main() -> None:
     layers, heads, dim = kv_geometry(model)
     kv_token_bytes = layers * heads * dim * 2 * next(model.parameters()).element_size()
     weights = weight_bytes(model)
+    peak = fma_peak(args.threads)
+    params, heads = matmul_params(model), model.config.num_attention_heads
     print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s, weights {weights / 1e6:.0f} MB, "
-          f"K/V {kv_token_bytes / 1e3:.1f} KB a token", flush=True)
+          f"K/V {kv_token_bytes / 1e3:.1f} KB a token"
+          + (f", float32 FMA {peak / 1e9:.0f} GFLOP/s on {args.threads} threads" if peak else ""), flush=True)
     engines = args.engines.split(",")
     probe = current.SessionCaches(model, 64, linear_rows="auto")  # as a service's warm-up measures it
     probe.warm_up()
@@ -240,7 +286,12 @@ def main() -> None:
     rows = []
     for positions, context, sessions in cells(args):
         floor_s = (weights + sessions * (context + positions) * kv_token_bytes) / bandwidth
-        row = {"positions": positions, "context": context, "sessions": sessions, "floor_s": floor_s}
+        row = {"positions": positions, "context": context, "sessions": sessions, "floor_s": floor_s,
+               "flops": pass_flops(positions, context, sessions, params, layers, heads, dim)}
+        if peak:
+            row["compute_floor_s"] = row["flops"] / peak
+        if sessions > 1:  # the same rows one session a pass: the weights read once for each
+            row["one_by_one_floor_s"] = sessions * (weights + (context + positions) * kv_token_bytes) / bandwidth
         runs = {}
         for engine in engines:
             copies = 2 if engine == "old" else 1  # the old pass copies every past into a padded batch
@@ -262,12 +313,15 @@ def main() -> None:
             if "median_s" in row.get(key, {}):
                 row[key]["over_floor"] = row[key]["median_s"] / floor_s
         rows.append(row)
-        print(" ".join([f"pos {positions} ctx {context:5d} sessions {sessions:2d}: floor {floor_s * 1e3:7.1f} ms"]
+        compute = f" (compute {row['compute_floor_s'] * 1e3:.1f})" if "compute_floor_s" in row else ""
+        print(" ".join([f"pos {positions} ctx {context:5d} sessions {sessions:2d}: "
+                        f"floor {floor_s * 1e3:7.1f} ms{compute}"]
                        + [f"{key} {row[key]['median_s'] * 1e3:7.1f} ms ({row[key]['over_floor']:.1f}x)"
                           if "median_s" in row.get(key, {}) else f"{key} skipped"
                           for key in KEYS if key in row]), flush=True)
     result = {"model": loaded.name, "dtype": args.dtype, "threads": args.threads, "repeats": args.repeats,
               "read_bandwidth_gb_s": bandwidth / 1e9, "weight_bytes": weights, "kv_bytes_per_token": kv_token_bytes,
+              "fma_gflop_s": peak / 1e9 if peak else None, "matmul_params": params,
               "machine": platform.processor() or platform.machine(), "torch": torch.__version__, "compile_s": compile_s,
               "native_linear_rows": linear_rows,
               "summary": summary(rows), "cells": rows}
@@ -301,6 +355,20 @@ def summary(rows: list[dict]) -> list[str]:
         if got[-1] is not None:
             lines.append(f"{sessions} session(s) x context {context} x {positions} positions: "
                          + ", ".join(part for part in got if part is not None))
+    for r in rows:
+        cell = (r["positions"], r["context"], r["sessions"])
+        if cell != (3, 4096, 8) or "median_s" not in r.get("new_one_by_one", {}):
+            continue
+        measured = r["new"]["median_s"] / r["new_one_by_one"]["median_s"]
+        line = (f"batched / one by one at 8 x 4096 x 3: {measured:.2f} (medians); "
+                f"bytes floors {r['floor_s'] / r['one_by_one_floor_s']:.2f}")
+        if "compute_floor_s" in r:
+            compute = r["compute_floor_s"]
+            roofs = max(r["floor_s"], compute) / max(r["one_by_one_floor_s"], compute)
+            line += (f", rooflines {roofs:.2f} (compute floor "
+                     f"{compute * 1e3:.0f} ms, bytes {r['floor_s'] * 1e3:.0f} ms batched, "
+                     f"{r['one_by_one_floor_s'] * 1e3:.0f} ms one by one)")
+        lines.append(line)
     for key in ("old", "torch_kernels", "native_attention", "avx2_kernels", "batch_invariant", "new", "compiled"):
         one, five = ms(1, 64, 1, key), ms(5, 64, 1, key)
         if one and five:
@@ -337,6 +405,10 @@ def plot(rows: list[dict], path: Path) -> None:
                             label=f"{key}, {positions} pos")
             ax.plot([r["context"] for r in cells], [r["floor_s"] * 1e3 for r in cells], ":", color="grey",
                     marker=markers[positions], label=f"floor, {positions} pos")
+            computed = [(r["context"], r["compute_floor_s"] * 1e3) for r in cells if "compute_floor_s" in r]
+            if computed:
+                ax.plot(*zip(*computed), linestyle=(0, (1, 3)), color="black", marker=markers[positions],
+                        fillstyle="none", label=f"compute floor, {positions} pos")
         ax.set(xscale="log", yscale="log", xlabel="context (tokens)", ylabel="one pass (ms)",
                title=f"{s} session{'s' if s > 1 else ''}")
     handles, labels = axes[0][-1].get_legend_handles_labels()
