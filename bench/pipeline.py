@@ -7,6 +7,11 @@ For each proposer a whole pipeline of real processes is started (`specdec up` ma
 prompt is run at every k in turn (interleaved, so machine noise falls on all k alike). Greedy
 output is checked token for token against the target's own `generate`. Figures are medians of
 per-prompt tokens/s and the ratio of total tokens over total time.
+
+Suffix speculation (`--suffix-ks`) would learn each prompt's output from its first run (the
+orchestrator shares finished outputs with it) and replay it in the next: every request there
+sends `share_output=False`, so each drafts from its own history alone, as a first sight of a
+text would.
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ def summarise(runs: list[dict]) -> dict:
 
 
 def bench_pipeline(proposer: str, ks: list[str], prompts, max_new: int, expected, args) -> dict:
+    share = {"share_output": False} if proposer == "suffix" else {}  # no replay of an earlier run
     plan = Plan(proposer=proposer, draft_dtype=args.draft_dtype, log_dir=tempfile.mkdtemp(prefix="bench-logs-"),
                 orchestrator_port=args.base_port, draft_port=args.base_port + 1,
                 target_port=args.base_port + 2, redis_port=args.base_port + 3,
@@ -62,11 +68,11 @@ def bench_pipeline(proposer: str, ks: list[str], prompts, max_new: int, expected
     runs: dict[str, list[dict]] = {k: [] for k in ks}
     try:
         with Client(f"127.0.0.1:{args.base_port}") as client:
-            client.generate("Warm up.", max_new_tokens=8, draft_length=2)
+            client.generate("Warm up.", max_new_tokens=8, draft_length=2, **share)
             for p in prompts:
                 for k in ks:
                     out = client.generate(messages=p["messages"], max_new_tokens=max_new,
-                                          draft_length=k if k == "auto" else int(k))
+                                          draft_length=k if k == "auto" else int(k), **share)
                     s = out.stats
                     runs[k].append({
                         "prompt": p["id"], "tokens": s["completion_tokens"], "elapsed_s": s["elapsed_s"],
@@ -119,6 +125,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8, help="how many bundled prompts to use")
     parser.add_argument("--ks", default="0,1,2,3,4,6")
     parser.add_argument("--ngram-ks", default="0,2,4")
+    parser.add_argument("--suffix-ks", default="0,4,auto", help="suffix speculation (the default draft); '' for none")
     parser.add_argument("--hf-ks", default="4")
     parser.add_argument("--draft-dtype", default="bfloat16")
     parser.add_argument("--target-threads", type=int, default=None)
@@ -146,10 +153,14 @@ def main() -> None:
     if args.ngram_ks:
         ngram_ks = args.ngram_ks.split(",")
         result["pipeline_ngram_draft"] = bench_pipeline("ngram", ngram_ks, prompts, args.max_new_tokens, expected, args)
-    first = result.get("pipeline_model_draft") or result["pipeline_ngram_draft"]
+    if args.suffix_ks:
+        result["pipeline_suffix_draft"] = bench_pipeline("suffix", args.suffix_ks.split(","), prompts,
+                                                         args.max_new_tokens, expected, args)
+    names = ("pipeline_model_draft", "pipeline_ngram_draft", "pipeline_suffix_draft")
+    first = next(result[name] for name in names if name in result)
     base = first["0"]["summary"]["tokens_per_s"]
     table = {}
-    for name in ("pipeline_model_draft", "pipeline_ngram_draft"):
+    for name in names:
         for k, v in result.get(name, {}).items():
             table[f"{name} k={k}"] = {**v["summary"], "speedup_vs_k0": round(v["summary"]["tokens_per_s"] / base, 3)}
     hf_base = hf["plain"]["summary"]["tokens_per_s"]
