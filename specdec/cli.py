@@ -306,7 +306,8 @@ def _format_status(status: dict) -> list[str]:
         if b["healthy"]:
             lines.append(f"  {b['role']:<7} {b['address']:<22} healthy  {b['model']} ({b['kind']}, {b['dtype']}, "
                          f"{b.get('device') or 'cpu'})  "
-                         f"rtt {b['rtt_ms']:.1f} ms{_kv_summary(b)}")
+                         f"rtt {b['rtt_ms']:.1f} ms{_kv_summary(b)}"
+                         + ("  reads the shared outputs stream" if b.get("reads_shared_outputs") else ""))
         else:
             lines.append(f"  {b['role']:<7} {b['address']:<22} DOWN     {b['error']}")
     return lines

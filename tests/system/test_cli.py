@@ -77,6 +77,7 @@ def test_status(tiny_pipeline):
     assert lines[0].startswith(f"orchestrator {address}  healthy")
     assert any(line.split()[:1] == ["target"] and "healthy" in line and "float64" in line for line in lines)
     assert any(line.strip().startswith("acceptance") for line in lines)
+    assert not any("shared outputs" in line for line in lines)  # a model draft reads no outputs stream
 
 
 def test_unreachable_server_says_what_to_run():

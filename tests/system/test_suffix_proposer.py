@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 
 import grpc
@@ -101,6 +103,10 @@ def test_a_published_output_serves_a_later_session(suffix_pipeline, reference):
         info = draft_pb2_grpc.DraftServiceStub(channel).GetInfo(common_pb2.GetInfoRequest(), timeout=10)
     assert info.kind == "suffix" and info.reads_shared_outputs
     assert redis.Redis(port=suffix_pipeline.plan.redis_port).xlen(suffix_outputs_key()) >= 1
+    status = subprocess.run([sys.executable, "-m", "specdec.cli", "status", "--address",
+                             orchestrator_address(suffix_pipeline)], capture_output=True, text=True, timeout=60)
+    draft = [line for line in status.stdout.splitlines() if line.split()[:1] == ["draft"]]
+    assert status.returncode == 0 and len(draft) == 1 and draft[0].endswith("reads the shared outputs stream"), status
 
 
 def test_a_request_with_share_output_false_does_not_serve_a_later_session(suffix_pipeline, reference):
