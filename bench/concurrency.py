@@ -1,7 +1,8 @@
 """Closed-loop concurrency benchmark: aggregate tokens/s and per-request TPOT at 1, 4 and 16 clients,
 batched against unbatched verification, in one run.
 
-    python bench/concurrency.py                       # the default pair (`specdec up`: SmolLM2 fp32 + n-gram, auto k)
+    python bench/concurrency.py                       # the default pair (`specdec up`: SmolLM2 fp32 + suffix, auto k)
+    python bench/concurrency.py --proposer ngram      # prompt lookup as the draft
     python bench/concurrency.py --proposer model      # SmolLM2 fp32 + its bf16 copy as a batched model draft
     python bench/concurrency.py --draft-length auto,0,2 --concurrency 1,16   # auto against fixed k, side by side
 
@@ -18,6 +19,10 @@ a request's TPOT is the time between its first and last streamed chunk over the 
 first chunk (requests that streamed at least two chunks in the window). Completed outputs are
 checked token for token against the target's own greedy `generate`. The target's /metrics gives
 the mean batch size per cell. JSON and a plot go to bench/results/.
+
+The clients send the bundled prompts over and over: with suffix speculation every request sends
+`share_output=False`, or from the second round on each would replay the shared corpus's copy of
+its own earlier output; it drafts from the session's history alone.
 """
 
 from __future__ import annotations
@@ -84,8 +89,9 @@ class Cell:
     """One closed-loop run at concurrency c against one orchestrator."""
 
     def __init__(self, address: str, prompts, concurrency: int, max_new: int, warmup_s: float, window_s: float,
-                 draft_length: str) -> None:
+                 draft_length: str, share_output: bool | None = None) -> None:
         self.address = address
+        self.share_output = share_output
         self.prompts = prompts
         self.concurrency = concurrency
         self.max_new = max_new
@@ -113,7 +119,7 @@ class Cell:
 
     def one_request(self, stub, prompt) -> None:
         request = build_request(messages=prompt["messages"], max_new_tokens=self.max_new,
-                                draft_length=self.draft_length)
+                                draft_length=self.draft_length, share_output=self.share_output)
         started = time.perf_counter()
         chunks: list[tuple[float, int, int]] = []  # (time, tokens, draft length)
         tokens: list[int] = []
@@ -205,7 +211,7 @@ def plot(results: dict, path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--concurrency", default="1,4,16")
-    parser.add_argument("--proposer", choices=["ngram", "model"], default="ngram")
+    parser.add_argument("--proposer", choices=["suffix", "ngram", "model"], default="suffix")
     parser.add_argument("--draft-length", default="auto",
                         help="auto, a fixed k, or a comma list of them, run side by side in every cell (default: auto)")
     parser.add_argument("--max-batch", type=int, default=16)
@@ -241,7 +247,7 @@ def main() -> None:
                     base = args.base_port + 10 * i
                     before = scrape(base + 4)
                     cell = Cell(f"127.0.0.1:{base}", prompts, c, args.max_new_tokens, args.warmup_s, args.window_s,
-                                length)
+                                length, share_output=False if args.proposer == "suffix" else None)
                     cell.run()
                     after = scrape(base + 4)
                     summary = cell.summary(expected)
