@@ -104,14 +104,15 @@ def fma_peak(threads: int) -> float | None:
     return float(out.split()[0]) * 1e9
 
 
+def distinct(tensors) -> list[torch.Tensor]:
+    """`tensors` with each storage once (a tied embedding and output layer are one weight)."""
+    return list({t.data_ptr(): t for t in tensors}.values())
+
+
 def matmul_params(model) -> int:
     """Weights a row is multiplied by: every projection of every layer and the output layer."""
-    seen, total = set(), 0
-    for module in [*model.model.layers.modules(), model.lm_head]:
-        if isinstance(module, torch.nn.Linear) and module.weight.data_ptr() not in seen:
-            seen.add(module.weight.data_ptr())
-            total += module.weight.numel()
-    return total
+    linears = [m for m in [*model.model.layers.modules(), model.lm_head] if isinstance(m, torch.nn.Linear)]
+    return sum(w.numel() for w in distinct(m.weight for m in linears))
 
 
 def pass_flops(positions: int, context: int, sessions: int, params: int, layers: int, heads: int,
@@ -123,12 +124,7 @@ def pass_flops(positions: int, context: int, sessions: int, params: int, layers:
 
 
 def weight_bytes(model) -> int:
-    seen, total = set(), 0
-    for p in model.parameters():  # a tied embedding counts once
-        if p.data_ptr() not in seen:
-            seen.add(p.data_ptr())
-            total += p.numel() * p.element_size()
-    return total
+    return sum(p.numel() * p.element_size() for p in distinct(model.parameters()))
 
 
 @contextlib.contextmanager
