@@ -60,7 +60,8 @@ class Orchestrator:
         self.fingerprint = target_info.tokenizer_fingerprint
         self.max_context = target_info.max_context
         self.eos_ids = set(target_info.eos_token_ids)
-        self.requests = RequestParser(config, tokenizer, self.max_context, self.eos_ids, target_info.vocab_size)
+        self.requests = RequestParser(config, tokenizer, self.max_context, self.eos_ids, target_info.vocab_size,
+                                      learns_outputs=lambda: self.draft is not None and self.draft.learns_outputs)
         self.sessions = Sessions(store, config.session_lease_s, self.max_context, self.eos_ids)
         self.policy_config = PolicyConfig(k_max=config.max_draft_length, ewma=config.policy_ewma,
                                           explore_every=config.policy_explore_every, overlap=config.overlap)

@@ -416,6 +416,12 @@ class DraftPool(ReplicaPool[DraftBackend]):
         (ModelInfo.reads_shared_outputs); probes repeat, so a rollout to or from such drafts is followed."""
         return any(r.info is not None and r.info.reads_shared_outputs for r in self.replicas.values())
 
+    @property
+    def learns_outputs(self) -> bool:
+        """Whether a replica, as last probed, keeps a corpus of finished outputs (suffix speculation,
+        alone or in a hybrid draft): from the outputs stream, or from the sessions it releases."""
+        return any(r.info is not None and r.info.kind in ("suffix", "hybrid") for r in self.replicas.values())
+
     async def propose(self, session_id: str, history: list[int], k: int, params: SamplingParams, seed: int,
                       fingerprint: str, into: DraftReply | None = None,
                       progress: asyncio.Event | None = None, timeout: float | None = None) -> DraftReply:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from orchestrator.chat import first_turn, next_turn
@@ -96,8 +97,9 @@ class RequestParser:
     """Checks requests against the configured limits and the target's tokenizer and context."""
 
     def __init__(self, config: OrchestratorConfig, tokenizer, max_context: int, eos_ids: set[int],
-                 vocab_size: int | None = None) -> None:
+                 vocab_size: int | None = None, learns_outputs: Callable[[], bool] = lambda: True) -> None:
         self.config = config
+        self.learns_outputs = learns_outputs  # whether a draft keeps a corpus that outputs may join
         self.tokenizer = tokenizer
         self.max_context = max_context
         self.eos_ids = eos_ids
@@ -136,6 +138,10 @@ class RequestParser:
             raise FailedPrecondition("share_output: this orchestrator does not share outputs (--share-outputs is "
                                      "off), so no output joins the suffix drafts' corpus; leave share_output unset "
                                      "or false")
+        if request.share_output and not self.learns_outputs():
+            raise FailedPrecondition("share_output: this orchestrator's draft keeps no corpus of outputs (a model "
+                                     "or prompt-lookup draft, or none; only --proposer suffix or hybrid learns "
+                                     "from them), so no output joins one; leave share_output unset or false")
         return request.share_output
 
     def _token_ids(self, name: str, ids) -> list[int]:

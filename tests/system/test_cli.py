@@ -7,7 +7,9 @@ import re
 import subprocess
 import sys
 
-from specdec import Client
+import pytest
+
+from specdec import Client, errors
 from specdec.launcher import free_port
 from tests.conftest import orchestrator_address
 
@@ -78,6 +80,8 @@ def test_status(tiny_pipeline):
     assert any(line.split()[:1] == ["target"] and "healthy" in line and "float64" in line for line in lines)
     assert any(line.strip().startswith("acceptance") for line in lines)
     assert not any("shared outputs" in line for line in lines)  # a model draft reads no outputs stream
+    with Client(address) as client, pytest.raises(errors.FailedPrecondition, match="share_output"):
+        client.generate("Hi", max_new_tokens=2, share_output=True)  # a model draft keeps no corpus to join
 
 
 def test_unreachable_server_says_what_to_run():

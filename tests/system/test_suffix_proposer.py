@@ -94,7 +94,7 @@ def test_a_published_output_serves_a_later_session(suffix_pipeline, reference):
     prompt, n = "SELECT * FROM", 8
     expected = reference.greedy(prompt, n)
     with Client(orchestrator_address(suffix_pipeline)) as client:
-        before = client.generate(prompt, max_new_tokens=n, draft_length=4)
+        before = client.generate(prompt, max_new_tokens=n, draft_length=4, share_output=True)
         assert before.token_ids == expected
         after = generate_fresh_until_drafted(client, prompt, n, expected)
     assert after.stats["accepted_tokens"] >= max(n // 2, before.stats["accepted_tokens"] + 1), after.stats

@@ -199,6 +199,17 @@ async def test_a_request_keeps_its_output_out_of_the_corpus_with_share_output_fa
             request(share_output=True))
 
 
+@pytest.mark.parametrize("draft", [None, FakeDraft(REFERENCE)], ids=["no draft", "a draft without a corpus"])
+def test_share_output_true_is_refused_where_no_draft_learns_outputs(draft):
+    orch = orchestrator(InMemorySessionStore(), FakeTarget(REFERENCE), draft)
+    with pytest.raises(FailedPrecondition, match="share_output: this orchestrator's draft keeps no corpus"):
+        orch.parse(request(share_output=True))
+    assert orch.parse(request(share_output=False)).share_output is False  # keeping it out is always possible
+    learning = FakeDraft(REFERENCE, learns_outputs=True)  # a suffix draft without the stream learns on release
+    assert orchestrator(InMemorySessionStore(), FakeTarget(REFERENCE), learning).parse(
+        request(share_output=True)).share_output is True
+
+
 @pytest.mark.parametrize(("share_outputs", "share_output", "finish", "forget"), [
     (True, None, True, False),  # a finished, shareable generation: a draft may learn it on release
     (True, False, True, True),  # the request kept it out
