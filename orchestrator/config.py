@@ -127,7 +127,8 @@ class OrchestratorConfig(ServiceConfig):
     share_outputs: bool = Field(
         True, description="Append each finished generation's output tokens to a capped Redis stream that draft "
         "replicas running --proposer suffix read, so a pattern one session produced speeds up the next on any "
-        "replica; written only while a draft replica reports reading it (nothing is stored behind other drafts). "
+        "replica; written only while a draft replica reports reading it (nothing is stored behind other drafts; "
+        "named explicitly with a draft that keeps no corpus, or none, it is refused at start). "
         "Output stays lossless either way; turn it off where tenants must not share even a speed-up."
     )
     max_concurrent: int = Field(

@@ -96,6 +96,9 @@ async def build_orchestrator(config: OrchestratorConfig) -> Orchestrator:
     await target.refresh()
     if draft is not None:
         await start_draft(draft, config, target_info)
+    elif "share_outputs" in config.model_fields_set and config.share_outputs:
+        raise StartupError("--share-outputs: there is no draft (--draft is unset), so no corpus of outputs to share; "
+                           "drop the flag")
     log.info("target %s: %s (%s)", config.target, target_info.model, target_info.dtype)
     for pool in (target, draft):
         if pool is not None:
@@ -115,6 +118,11 @@ async def start_draft(draft: DraftPool, config: OrchestratorConfig, target_info:
             f"tokenizers ({draft_info.tokenizer_fingerprint} vs {target_info.tokenizer_fingerprint}); "
             "speculative decoding needs a draft that shares the target's tokenizer"
         )
+    if "share_outputs" in config.model_fields_set and config.share_outputs and \
+            draft_info.kind not in ("suffix", "hybrid"):
+        raise StartupError(f"--share-outputs: the draft at {config.draft} is a {draft_info.kind!r} draft, which keeps "
+                           "no corpus of outputs, so nothing would be shared; drop the flag, or run the draft with "
+                           "--proposer suffix or hybrid")
     draft.expected_fingerprint = target_info.tokenizer_fingerprint
     draft.kind = draft_info.kind  # "hybrid": the controller keeps one state per draft source (orchestrator.sources)
     await draft.refresh()  # now with the fingerprint: a mismatched replica is left out

@@ -87,3 +87,14 @@ def test_orchestrator_refuses_to_start_with_mismatched_tokenizers(tiny_models, t
     assert "exited with code 2" in str(info.value)
     log = (tmp_path / "orchestrator.log").read_text()
     assert "different tokenizers" in log and "shares the target's tokenizer" in log
+
+
+def test_orchestrator_refuses_share_outputs_with_a_draft_that_keeps_no_corpus(tiny_models, tmp_path):
+    """--share-outputs named explicitly with a model draft would do nothing: refused at start."""
+    with pytest.raises(RuntimeError) as info:
+        start_pipeline(tmp_path, target_model=str(tiny_models["target"]), target_dtype="float64",
+                       draft_model=str(tiny_models["good_draft"]), draft_dtype="float64", proposer="model",
+                       extra_orchestrator_args=["--share-outputs"])
+    assert "exited with code 2" in str(info.value)
+    log = (tmp_path / "orchestrator.log").read_text()
+    assert "--share-outputs" in log and "'model' draft, which keeps no corpus" in log
