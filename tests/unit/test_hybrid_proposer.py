@@ -37,10 +37,9 @@ def loaded(tiny_models):
 
 
 def hybrid(loaded, grammars: SessionGrammars | None = None) -> tuple[Drafter, SessionCaches]:
-    caches = SessionCaches(loaded.model, 512)
-    proposer = HybridProposer(ModelProposer(caches), SuffixProposer())
-    return Drafter(proposer, "fp", "tiny", Batcher(caches, BatchConfig(max_batch=4, window_s=0.0)),
-                   grammars=grammars), caches
+    batcher = Batcher(SessionCaches(loaded.model, 512), BatchConfig(max_batch=4, window_s=0.0))
+    proposer = HybridProposer(ModelProposer.batched(batcher), SuffixProposer())
+    return Drafter(proposer, "fp", "tiny", grammars=grammars), batcher.caches
 
 
 async def drafts(drafter: Drafter, session: str, history: list[int], k: int, params: SamplingParams, seed: int = 0):
@@ -59,8 +58,8 @@ async def test_a_confident_suffix_drafts_the_block_deterministically_without_the
 @pytest.mark.parametrize("params", [SamplingParams(), SAMPLING])
 async def test_otherwise_the_model_drafts_as_a_model_proposer_alone_would(loaded, params):
     drafter, _ = hybrid(loaded)
-    alone = Drafter(ModelProposer(caches := SessionCaches(loaded.model, 512)), "fp", "tiny",
-                    Batcher(caches, BatchConfig(max_batch=4, window_s=0.0)))
+    alone = Drafter(ModelProposer.batched(Batcher(SessionCaches(loaded.model, 512), BatchConfig(4, 0.0))), "fp",
+                    "tiny")
     got = await drafts(drafter, "s", FRESH, 4, params, seed=3)
     expected = await drafts(alone, "s", FRESH, 4, params, seed=3)
     assert [d.token_id for d in got] == [d.token_id for d in expected] and len(got) == 4
@@ -110,9 +109,10 @@ async def test_forced_tokens_leading_a_suffix_block_carry_no_q_either(loaded):
     assert all(d.source == "model" and d.probs is not None for d in model_block)
 
 
-def test_a_hybrid_proposer_needs_a_batcher(loaded):
-    with pytest.raises(ValueError, match="hybrid proposer needs a batcher"):
-        Drafter(HybridProposer(ModelProposer(SessionCaches(loaded.model, 64)), SuffixProposer()), "fp", "tiny")
+async def test_a_hybrid_proposer_needs_a_batcher_for_its_model(loaded):
+    drafter = Drafter(HybridProposer(ModelProposer(SessionCaches(loaded.model, 64)), SuffixProposer()), "fp", "tiny")
+    with pytest.raises(ValueError, match="drafts through a batcher"):
+        await drafts(drafter, "s", FRESH, 4, SamplingParams())
 
 
 # -- flags ---------------------------------------------------------------------------------------
