@@ -21,6 +21,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -45,8 +46,18 @@ from specdec.runtime.drafting import (
 from specdec.runtime.kv import Scored, ScoreRequest, SessionCaches
 from specdec.runtime.latency import LatencyProfile
 
-__all__ = ["SOURCES", "DraftJob", "DraftToken", "HostProposer", "HybridProposer", "ModelProposer", "NgramProposer",
-           "Proposer", "ProposerBase", "SuffixProposer", "draft_token"]
+__all__ = ["SOURCES", "DraftJob", "DraftToken", "HostProposer", "HybridProposer", "LocalProposer", "ModelProposer",
+           "NgramProposer", "Proposer", "ProposerBase", "SuffixProposer", "draft_token"]
+
+
+class LocalProposer(Protocol):
+    """The in-process form of the proposers here (the offline tools', the tests'): propose in the
+    caller's thread, forget a session there."""
+
+    def propose(self, session_id: str, history: list[int], k: int, params: SamplingParams,
+                seed: int) -> Iterator[DraftToken]: ...
+
+    def forget(self, session_id: str, learn: bool = True) -> bool: ...
 
 
 class ProposerBase:
@@ -54,8 +65,12 @@ class ProposerBase:
 
     learns_outputs = False
 
-    async def release(self, session_id: str, learn: bool = True, sent_unix_ns: int = 0) -> bool:
+    def forget(self, session_id: str, learn: bool = True) -> bool:
+        """Drop what is held for the session, in the caller's thread; True if anything was."""
         return False
+
+    async def release(self, session_id: str, learn: bool = True, sent_unix_ns: int = 0) -> bool:
+        return self.forget(session_id, learn)
 
     def add_output(self, tokens: list[int]) -> None:
         """A proposer without a corpus of outputs has nothing to add them to."""
@@ -163,10 +178,13 @@ class ModelProposer(ProposerBase):
         job.sent_unix_ns = request.sent_unix_ns
         return Block(MODEL, self.batcher.stream(job), q_width)
 
+    def forget(self, session_id: str, learn: bool = True) -> bool:
+        return self.caches.release(session_id)
+
     async def release(self, session_id: str, learn: bool = True, sent_unix_ns: int = 0) -> bool:
         """The session's KV cache goes (and its snapshot); its queued and running work stops."""
         if self.batcher is None:
-            return self.caches.release(session_id)
+            return self.forget(session_id)
         self.batcher.cancel_session(session_id, sent_unix_ns)
         released = await self.batcher.call(self.caches.release, session_id)
         if self.caches.snapshots is not None:
@@ -274,9 +292,6 @@ class SuffixProposer(HostProposer):
             self.add_output(session.output or [])
         return session is not None
 
-    async def release(self, session_id: str, learn: bool = True, sent_unix_ns: int = 0) -> bool:
-        return self.forget(session_id, learn)
-
 
 @dataclass
 class _SuffixSession:
@@ -328,6 +343,10 @@ class HybridProposer(ProposerBase):
     def add_output(self, tokens: list[int]) -> None:
         """A finished generation's output joins the suffix corpus."""
         self.suffix.add_output(tokens)
+
+    def forget(self, session_id: str, learn: bool = True) -> bool:
+        suffix = self.suffix.forget(session_id, learn)
+        return self.model.forget(session_id) or suffix
 
     async def release(self, session_id: str, learn: bool = True, sent_unix_ns: int = 0) -> bool:
         suffix = await self.suffix.release(session_id, learn, sent_unix_ns)
