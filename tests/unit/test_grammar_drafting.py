@@ -49,7 +49,8 @@ async def test_a_model_draft_samples_only_what_the_grammar_allows(loaded, gramma
     prompt = list(loaded.tokenizer("Number: ")["input_ids"])
     digits = [loaded.tokenizer.convert_tokens_to_ids(c) for c in "0123456789"]
     free = Batcher(SessionCaches(loaded.model, 512), BatchConfig(4, 0.0))
-    unconstrained = await drafts(Drafter(ModelProposer.batched(free), "fp", "tiny"), "free", prompt, 6, SamplingParams(temperature=1.0))
+    unconstrained = await drafts(Drafter(ModelProposer.batched(free), "fp", "tiny"), "free", prompt, 6,
+                                 SamplingParams(temperature=1.0))
     assert any(d.token_id not in digits for d in unconstrained)  # the model alone writes more than digits
     for seed in range(5):
         got = await drafts(drafter, f"s{seed}", prompt, 6, params(DIGITS, len(prompt)), seed)
