@@ -18,6 +18,7 @@ class DraftConfig(ModelServiceConfig):
     """
 
     port: int = Field(50052, ge=0, le=65535, description="Port to listen on (0 picks a free one).")
+    # The proposers of draft_service.registry (the chart's schema lists them too).
     proposer: Literal["model", "ngram", "suffix", "hybrid"] = Field(
         "suffix", description="Draft source: suffix speculation ('suffix', no model: the session's history and "
         "earlier outputs; the measured default on CPU), prompt lookup ('ngram', no model: the session's history "
@@ -67,26 +68,27 @@ class DraftConfig(ModelServiceConfig):
     )
 
     @model_validator(mode="after")
-    def _snapshots_need_a_model(self):
-        if self.proposer not in ("model", "hybrid") and self.snapshot_redis_url:
-            raise ValueError(f"--snapshot-redis-url needs --proposer model or hybrid: {self.proposer} keeps no KV "
-                             "cache to snapshot")
+    def _options_of_the_proposer(self):
+        """Each option is refused with a proposer that does not read it, naming those that do."""
+        from draft_service.registry import OPTION_GROUPS, PROPOSERS, runs
+
+        entry = PROPOSERS[self.proposer]
+        models = " or ".join(runs(model=True))
+        if not entry.runs_model and self.snapshot_redis_url:
+            raise ValueError(f"--snapshot-redis-url needs --proposer {models}: {self.proposer} keeps no KV cache to "
+                             "snapshot")
         engine_options = [name for name in KV_OPTIONS if name in self.model_fields_set]
-        if engine_options and self.proposer not in ("model", "hybrid"):
+        if engine_options and not entry.runs_model:
             flags = ", ".join("--" + name.replace("_", "-") for name in engine_options)
             raise ValueError(f"{flags} configure a draft model's KV caches and forward pass: --proposer "
-                             f"{self.proposer} runs no model (use --proposer model or hybrid)")
-        ngram_options = sorted(name for name in self.model_fields_set if name.startswith("ngram_"))
-        if ngram_options and self.proposer != "ngram":
-            flags = ", ".join("--" + name.replace("_", "-") for name in ngram_options)
-            raise ValueError(f"{flags} configure prompt lookup, which --proposer {self.proposer} does not run: use "
-                             "--proposer ngram")
-        suffix_options = sorted(name for name in self.model_fields_set if name.startswith("suffix_"))
-        if suffix_options and self.proposer not in ("suffix", "hybrid"):
-            flags = ", ".join("--" + name.replace("_", "-") for name in suffix_options)
-            raise ValueError(f"{flags} configure suffix speculation, which --proposer {self.proposer} does not run: "
-                             "use --proposer suffix (suffix speculation alone) or --proposer hybrid (a draft model "
-                             "with suffix speculation)")
+                             f"{self.proposer} runs no model (use --proposer {models})")
+        for group, what in OPTION_GROUPS.items():
+            options = sorted(name for name in self.model_fields_set if name.startswith(group + "_"))
+            if options and group not in entry.option_groups:
+                flags = ", ".join("--" + name.replace("_", "-") for name in options)
+                users = " or ".join(f"--proposer {name} ({PROPOSERS[name].summary})" for name in runs(group))
+                raise ValueError(f"{flags} configure {what}, which --proposer {self.proposer} does not run: use "
+                                 f"{users}")
         if self.suffix_min_match > self.suffix_max_depth:
             raise ValueError("--suffix-min-match must be <= --suffix-max-depth")
         return self

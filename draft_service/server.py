@@ -6,70 +6,22 @@ import logging
 import os
 import threading
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 import redis
-import torch
 
 from draft_service.config import DraftConfig
+from draft_service.registry import DraftHost, build_proposer
 from draft_service.servicer import DraftServicer
-from specdec.runtime.drafting import Drafter
-from specdec.runtime.grammars import SessionGrammars
-from specdec.runtime.info import model_info
-from specdec.runtime.latency import LatencyProfile
-from specdec.runtime.models import load_tokenizer, tokenizer_fingerprint
-from specdec.runtime.proposers import (
-    HybridProposer,
-    ModelProposer,
-    NgramProposer,
-    Proposer,
-    SuffixProposer,
-    model_of,
-    suffix_of,
-)
+from specdec.runtime.drafting import Drafter, Proposer
 from specdec.server.keys import suffix_outputs_key
 from specdec.server.metrics import ServiceMetrics
-from specdec.server.model_service import admission_and_metrics, batcher_for, load_on, model_thread, serve_model_service
+from specdec.server.model_service import serve_model_service
 from specdec.server.serving import run_main
-from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
+from specdec.v1 import draft_pb2, draft_pb2_grpc
 
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
 
 log = logging.getLogger(__name__)
-
-
-def build_proposer(config: DraftConfig, thread: ThreadPoolExecutor,
-                   ) -> tuple[Proposer, common_pb2.ModelInfo, LatencyProfile, SessionGrammars]:
-    """The configured proposer; a model is loaded on `thread` (`model_thread`), which then runs its passes."""
-    if config.threads:
-        torch.set_num_threads(config.threads)
-    profile = LatencyProfile(per_token_s=config.emulate_draft_per_token_ms / 1e3)
-    if config.proposer in ("ngram", "suffix"):
-        tokenizer = load_tokenizer(config.model)
-        info = common_pb2.ModelInfo(model=config.model, dtype="none", kind=config.proposer, device="cpu",
-                                    tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
-                                    vocab_size=len(tokenizer))
-        grammars = SessionGrammars(tokenizer, len(tokenizer), [tokenizer.eos_token_id], config.max_sessions)
-        return model_free_proposer(config), info, profile, grammars
-    loaded, caches = load_on(thread, config, "draft")
-    grammars = SessionGrammars(loaded.tokenizer, loaded.vocab_size, loaded.eos_token_ids, config.max_sessions)
-    proposer: Proposer = ModelProposer(caches, profile)
-    if config.proposer == "hybrid":  # the model, and suffix speculation whenever it is confident
-        proposer = HybridProposer(proposer, suffix_proposer(config))
-    return proposer, model_info(loaded, proposer.kind, profile, config.max_batch), profile, grammars
-
-
-def model_free_proposer(config: DraftConfig) -> Proposer:
-    if config.proposer == "ngram":
-        return NgramProposer(config.ngram_max, config.ngram_min)
-    return suffix_proposer(config)
-
-
-def suffix_proposer(config: DraftConfig) -> SuffixProposer:
-    """Suffix speculation as configured (alone, or beside the model of a hybrid draft)."""
-    return SuffixProposer(config.suffix_max_depth, config.suffix_min_match, config.suffix_min_prob,
-                          config.suffix_max_tokens, config.max_sessions,
-                          learn_on_release=not config.suffix_redis_url)
 
 
 def redis_password(url: str) -> dict[str, str]:
@@ -81,7 +33,8 @@ def redis_password(url: str) -> dict[str, str]:
 
 
 class SuffixStreamReader:
-    """Feeds a `SuffixProposer`'s corpus from the shared Redis stream of finished outputs.
+    """Feeds a proposer's corpus of outputs (`Proposer.add_output`: suffix speculation) from the shared
+    Redis stream of finished outputs.
 
     A daemon thread: first the newest `backlog` entries, then XREAD blocking (1 s at a time) for
     new ones. Each entry's `tokens` field holds uint32 little-endian ids (`encode_output`); an
@@ -89,7 +42,7 @@ class SuffixStreamReader:
     is logged and retried; the proposer keeps what it has.
     """
 
-    def __init__(self, proposer: SuffixProposer, url: str, fingerprint: str, backlog: int = 1000) -> None:
+    def __init__(self, proposer: Proposer, url: str, fingerprint: str, backlog: int = 1000) -> None:
         self.proposer = proposer
         self.url = url
         self.fingerprint = fingerprint
@@ -148,27 +101,21 @@ class SuffixStreamReader:
 
 
 def build_servicer(config: DraftConfig) -> tuple[DraftServicer, ServiceMetrics]:
-    """Build the proposer and wire batcher (model proposer), admission and metrics (call inside the event loop)."""
-    thread = model_thread("draft")  # a thread starts at its first task: never, for a draft without a model
-    proposer, info, profile, grammars = build_proposer(config, thread)
-    admission, metrics = admission_and_metrics(config, "draft")
-    batcher = None  # prompt lookup and suffix speculation compute nothing to batch
-    model = model_of(proposer)
-    if model is not None:  # a model or hybrid proposer: the model's steps are batched, on the thread that loaded it
-        batcher = batcher_for(config, model.caches, profile, admission, metrics, thread)
-    drafter = Drafter(proposer, info.tokenizer_fingerprint, info.model, batcher, grammars=grammars)
-    servicer = DraftServicer(drafter, info, admission)
-    servicer.grammars = grammars
-    return servicer, metrics
+    """Build the configured proposer (its model, if it has one, loaded and batched on one thread), admission and
+    metrics (call inside the event loop)."""
+    host = DraftHost(config)
+    proposer = build_proposer(config, host)
+    info, grammars = host.info(config.proposer, proposer)
+    drafter = Drafter(proposer, info.tokenizer_fingerprint, info.model, grammars=grammars)
+    return DraftServicer(drafter, info, host.admission, host.batcher_if_loaded), host.metrics
 
 
 async def serve(config: DraftConfig) -> None:
     servicer, metrics = build_servicer(config)
-    info = servicer.info
+    info, proposer = servicer.info, servicer.drafter.proposer
     reader = None
-    suffix = suffix_of(servicer.drafter.proposer)
-    if config.suffix_redis_url and suffix is not None:  # suffix or hybrid: every finished output joins the corpus
-        reader = SuffixStreamReader(suffix, config.suffix_redis_url, info.tokenizer_fingerprint,
+    if config.suffix_redis_url and proposer.learns_outputs:  # every finished output joins the corpus
+        reader = SuffixStreamReader(proposer, config.suffix_redis_url, info.tokenizer_fingerprint,
                                     config.suffix_backlog)
         reader.start()
         info.reads_shared_outputs = True  # orchestrators publish finished outputs only for drafts that read them

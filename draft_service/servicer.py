@@ -5,8 +5,8 @@ from __future__ import annotations
 import time
 
 from specdec.errors import grpc_errors
+from specdec.runtime.batching import Batcher
 from specdec.runtime.drafting import Drafter
-from specdec.runtime.proposers import HybridProposer
 from specdec.server.admission import Admission, deadline_of
 from specdec.server.model_service import ModelServicer
 from specdec.server.wire import probs_to_bytes, sampling_from_pb
@@ -18,10 +18,12 @@ SOURCES = {"model": draft_pb2.DRAFT_SOURCE_MODEL, "ngram": draft_pb2.DRAFT_SOURC
 
 
 class DraftServicer(ModelServicer, draft_pb2_grpc.DraftServiceServicer):
-    """Propose; Release, SaveSnapshot and GetInfo: `ModelServicer`."""
+    """Propose and Release; SaveSnapshot and GetInfo: `ModelServicer` (`batcher`: the one running the draft
+    model, if the proposer has one)."""
 
-    def __init__(self, drafter: Drafter, info: common_pb2.ModelInfo, admission: Admission) -> None:
-        super().__init__(info, admission, drafter.batcher)
+    def __init__(self, drafter: Drafter, info: common_pb2.ModelInfo, admission: Admission,
+                 batcher: Batcher | None = None) -> None:
+        super().__init__(info, admission, batcher)
         self.drafter = drafter
 
     @grpc_errors
@@ -46,13 +48,6 @@ class DraftServicer(ModelServicer, draft_pb2_grpc.DraftServiceServicer):
 
     @grpc_errors
     async def Release(self, request: common_pb2.ReleaseRequest, context) -> common_pb2.ReleaseResponse:
-        """A model-free proposer may hold per-session state too (suffix speculation: the session's index);
-        a hybrid one holds both the model's KV cache (released through the batcher) and a suffix index."""
-        reply = await super().Release(request, context)
-        proposer, learn = self.drafter.proposer, not request.forget_output
-        if isinstance(proposer, HybridProposer):
-            if proposer.suffix.release(request.session_id, learn=learn):
-                return common_pb2.ReleaseResponse(released=True)
-        elif self.drafter.batcher is None and proposer.release(request.session_id, learn=learn):
-            return common_pb2.ReleaseResponse(released=True)
-        return reply
+        released = await self.drafter.release(request.session_id, learn=not request.forget_output,
+                                              sent_unix_ns=request.sent_unix_ns)
+        return common_pb2.ReleaseResponse(released=released)

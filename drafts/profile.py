@@ -44,7 +44,7 @@ from specdec.data import bundled_prompts
 from specdec.defaults import DEFAULT_MODEL, cache_dir
 from specdec.runtime.kv import SessionCaches
 from specdec.runtime.models import LoadedModel, load_model
-from specdec.runtime.proposers import ModelProposer, NgramProposer, Proposer
+from specdec.runtime.proposers import LocalProposer, ModelProposer, NgramProposer
 
 GREEDY = SamplingParams()
 
@@ -171,7 +171,7 @@ def ngram_latency_ms(proposer: NgramProposer, context: list[int], k: int, steps:
 # --------------------------------------------------------------------------- acceptance
 
 
-def simulate_rounds(proposer: Proposer, prompt: list[int], continuation: list[int], k: int) -> dict:
+def simulate_rounds(proposer: LocalProposer, prompt: list[int], continuation: list[int], k: int) -> dict:
     """Greedy speculative rounds over the target's own continuation, as the pipeline runs them.
 
     Each round the draft proposes up to k tokens (never more than the tokens still wanted − 1);
@@ -187,7 +187,7 @@ def simulate_rounds(proposer: Proposer, prompt: list[int], continuation: list[in
         while n < len(proposals) and proposals[n] == continuation[pos + n]:
             n += 1
         drafted, accepted, rounds, pos = drafted + len(proposals), accepted + n, rounds + 1, pos + n + 1
-    proposer.release(sid)
+    proposer.forget(sid)
     return {"drafted": drafted, "accepted": accepted, "rounds": rounds, "tokens": len(continuation)}
 
 
@@ -215,7 +215,7 @@ def ngram_agreement(proposer: NgramProposer, data: TeacherData) -> float:
     return hits / max(total, 1)
 
 
-def acceptance(proposer: Proposer, data: TeacherData, k: int) -> dict:
+def acceptance(proposer: LocalProposer, data: TeacherData, k: int) -> dict:
     totals = {"drafted": 0, "accepted": 0, "rounds": 0, "tokens": 0}
     for tokens, start in zip(data.tokens, data.start):
         ids = tokens.tolist()

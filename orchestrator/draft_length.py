@@ -1,6 +1,14 @@
-"""The draft length of each round: the request's fixed k, or the controller's choice (auto)."""
+"""The draft length of each round: the request's fixed k, or the controller's choice (auto).
+
+Every generation runs one `DraftLengthController`, chosen before its first round by
+`orchestrator.sources.controller_for` from what the draft pool reports: `DraftLength` (one
+controller state) for a draft that names one source, `SourcedDraftLength` (one state per source)
+for a draft that names several. The loop sees only the interface.
+"""
 
 from __future__ import annotations
+
+from typing import Protocol
 
 from orchestrator.requests import AUTO
 from orchestrator.store import SessionState, SessionStore
@@ -14,6 +22,25 @@ from specdec.core.policy import (
     step,
 )
 from specdec.v1 import orchestrator_pb2 as pb
+
+
+class DraftLengthController(Protocol):
+    """What the loop asks of a generation's draft-length controller."""
+
+    @property
+    def wanted(self) -> int:
+        """k for the next round."""
+
+    @property
+    def upcoming(self) -> int:
+        """What the controller would choose now: the length of a block drafted ahead (overlap)."""
+
+    def observe(self, state: SessionState, stats: pb.RoundStats, loop_s: float, source: str = "") -> None:
+        """Learn from a round (`loop_s`: the orchestrator's own time since the previous one; `source`:
+        the source that drafted its block, "" when none did); the state travels with the session."""
+
+    async def finish(self, store: SessionStore) -> None:
+        """The generation ended: fold what it learnt into the prior new sessions start from."""
 
 
 def observation(stats: pb.RoundStats, loop_s: float = 0.0) -> Observation:
@@ -30,9 +57,23 @@ def observation(stats: pb.RoundStats, loop_s: float = 0.0) -> Observation:
     )
 
 
+def within_budget(wanted: int, upcoming: int, remaining: int, first: bool, drafting: bool) -> tuple[int, int]:
+    """k for this round and k_next for the block an overlapped draft proposes during its verify.
+
+    The first round drafts nothing: its token comes from the target's prefill alone (the shortest
+    time to first token) while the draft prefills, overlapped, for the next block. `upcoming` is
+    what the controller would choose now: 0 while it holds k = 0 (a plain round then makes no
+    second call). Neither block outruns the tokens still wanted (docs/orchestrator.md).
+    """
+    if not drafting:
+        return 0, 0
+    k = 0 if first else max(0, min(wanted, remaining - 1))
+    return k, max(0, min(upcoming, remaining - k - 2))
+
+
 class DraftLength:
-    """`wanted`: k for the next round; `upcoming`: what the controller would choose now (the
-    length of a block drafted ahead). Fixed unless the session runs the controller."""
+    """One controller state for every round (a draft that names one source): fixed unless the
+    session runs the controller (`policy`)."""
 
     def __init__(self, fixed: int, policy: PolicyState | None, config: PolicyConfig) -> None:
         self.fixed = fixed
@@ -57,8 +98,8 @@ class DraftLength:
     def wanted(self) -> int:
         return self.policy.k if self.policy is not None else self.fixed
 
-    def observe(self, state: SessionState, stats: pb.RoundStats, loop_s: float) -> None:
-        """Let the controller learn from a round; its state travels with the session."""
+    def observe(self, state: SessionState, stats: pb.RoundStats, loop_s: float, source: str = "") -> None:
+        """Let the controller learn from a round, whichever source drafted it."""
         if self.policy is not None:
             _, self.upcoming, self.policy = step(self.policy, observation(stats, loop_s), self.config)
             state.policy = self.policy.to_dict()

@@ -1,8 +1,9 @@
 """The request path: admit a validated request, open or resume its session, run its rounds.
 
-Validation lives in orchestrator.requests, the session and its lease in orchestrator.sessions,
-each round's counters and stop conditions in orchestrator.bookkeeping, the rounds themselves
-(draft, verify, overlap) in orchestrator.loop. The design: docs/orchestrator.md.
+Validation lives in orchestrator.requests, the session and its lease in orchestrator.sessions
+(a round's counters and stop conditions are the session record's own, orchestrator.store), the
+draft length in orchestrator.draft_length (the controller picked by orchestrator.sources), the
+rounds themselves (draft, verify, overlap) in orchestrator.loop. The design: docs/orchestrator.md.
 """
 
 from __future__ import annotations
@@ -13,30 +14,22 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
-from orchestrator.bookkeeping import (
-    apply_stops,
-    draft_lengths,
-    finish_label,
-    generation_stats,
-    push_text,
-    record_round,
-    remaining_tokens,
-)
 from orchestrator.config import OrchestratorConfig
-from orchestrator.draft_length import DraftLength
+from orchestrator.detokenizer import Detokenizer
+from orchestrator.draft_length import DraftLengthController, within_budget
 from orchestrator.loop import Round, Speculator
 from orchestrator.replicas import Drafts, Pool, Targets
 from orchestrator.requests import GenerationSpec, RequestParser
 from orchestrator.sessions import Sessions
-from orchestrator.sources import SourcedDraftLength
+from orchestrator.sources import controller_for
+from orchestrator.status import Counters
 from orchestrator.store import GenerationRecord, SessionState, SessionStore
-from orchestrator.text import TextStream
 from specdec.core.policy import PolicyConfig
 from specdec.core.sampling import SamplingParams
 from specdec.errors import SpecdecError
 from specdec.server.admission import Admission
 from specdec.server.limits import check_session_id
-from specdec.server.metrics import OrchestratorMetrics
+from specdec.server.metrics import OrchestratorMetrics, SpecDecodingStats
 from specdec.v1 import common_pb2, orchestrator_pb2 as pb
 
 log = logging.getLogger("specdec.orchestrator")
@@ -50,6 +43,7 @@ class Orchestrator:
                  metrics: OrchestratorMetrics | None = None) -> None:
         self.config = config
         self.metrics = metrics if metrics is not None else OrchestratorMetrics()
+        self.counters = Counters()  # what GetStatus reports; fed the same round stats as the metrics
         self._background: set[asyncio.Task] = set()
         self.admission = Admission(config.max_concurrent, config.max_queued, name="orchestrator")
         self.metrics.track_admission(self.admission)
@@ -82,11 +76,12 @@ class Orchestrator:
         `deadline` (time.monotonic()) bounds every downstream call; `context` receives the retry
         hint of a refusal as trailing metadata.
         """
-        async with self.admission.slot(deadline=deadline, context=context):
-            with self.metrics.start_request() as timer:
-                async with contextlib.aclosing(self._generate(spec, deadline, timer)) as chunks:
-                    async for chunk in chunks:  # closed with this one: a client that leaves frees at once
-                        yield chunk
+        with self.counters.generation():
+            async with self.admission.slot(deadline=deadline, context=context):
+                with self.metrics.start_request() as timer:
+                    async with contextlib.aclosing(self._generate(spec, deadline, timer)) as chunks:
+                        async for chunk in chunks:  # closed with this one: a client that leaves frees at once
+                            yield chunk
 
     async def _generate(self, spec: GenerationSpec, deadline: float | None, timer) -> AsyncIterator[pb.GenerateChunk]:
         start = time.perf_counter()
@@ -114,10 +109,10 @@ class Orchestrator:
     async def _stream(self, spec: GenerationSpec, state: SessionState, deadline: float | None, timer,
                       start: float) -> AsyncIterator[pb.GenerateChunk]:
         """The chunks of a generation whose session is open and leased: the header, what a resume
-        lacks, then one chunk per round until the generation finishes."""
+        lacks (or the input's log-probabilities), then one chunk per round until it finishes."""
         gen, sent = state.generation, spec.resume_from or 0
         yield pb.GenerateChunk(session_id=state.session_id, offset=sent)  # header: the session is recorded
-        text = TextStream(self.tokenizer, gen.stop)
+        text = Detokenizer(self.tokenizer, gen.stop)
         if spec.resume_from is not None:
             for chunk in await self._catch_up(state, text, sent, timer, deadline):
                 yield chunk
@@ -129,30 +124,31 @@ class Orchestrator:
             if gen.max_new_tokens == 0:  # scoring only
                 yield await self._score_only_end(state, timer)
                 return
-        drafting = self.draft is not None
-        # A hybrid draft (model + suffix speculation): one controller state per source (orchestrator.sources).
-        sourced = drafting and getattr(self.draft, "kind", "") == "hybrid"
-        lengths = await (SourcedDraftLength if sourced else DraftLength).of(state, drafting, self.store,
-                                                                            self.policy_config)
+        async with contextlib.aclosing(self._rounds(state, text, sent, deadline, timer, start)) as chunks:
+            async for chunk in chunks:
+                yield chunk
+
+    async def _rounds(self, state: SessionState, text: Detokenizer, sent: int, deadline: float | None, timer,
+                      start: float) -> AsyncIterator[pb.GenerateChunk]:
+        """One chunk per round, from the `sent`-th token of the generation on, until it finishes."""
+        gen, drafting = state.generation, self.draft is not None
+        lengths = await controller_for(state, self.store, self.policy_config, drafting,
+                                       self.draft.sources if self.draft is not None else ())
         speculator = Speculator(state.session_id, SamplingParams(**state.sampling), state.seed, self.draft,
                                 self.target, self.fingerprint, overlap=self.config.overlap, deadline=deadline,
                                 top_logprobs=gen.top_logprobs)
-        ends, stop_ids = (set() if gen.ignore_eos else self.eos_ids), set(gen.stop_token_ids)
         first, round_end = True, None
         try:
             while not gen.finish:
-                remaining = remaining_tokens(state, self.max_context)
-                k, k_next = draft_lengths(lengths.wanted, lengths.upcoming, remaining, first, drafting)
+                remaining = state.remaining(self.max_context)
+                k, k_next = within_budget(lengths.wanted, lengths.upcoming, remaining, first, drafting)
                 round_start, first = time.perf_counter(), False
                 rnd = await speculator.round(state.tokens, k, k_next)
                 loop_s = round_start - round_end if round_end is not None else 0.0
                 round_end = time.perf_counter()
-                if isinstance(lengths, SourcedDraftLength):
-                    lengths.observe(state, rnd.stats, loop_s, rnd.source)
-                else:
-                    lengths.observe(state, rnd.stats, loop_s)
-                kept, finish = apply_stops(rnd.emitted, remaining, text, ends, stop_ids)
-                record_round(state, rnd.stats, kept, finish, self.config.session_lease_s, time.perf_counter() - start)
+                lengths.observe(state, rnd.stats, loop_s, rnd.source)
+                kept, finish = gen.apply_stops(rnd.emitted, remaining, text, self.eos_ids)
+                state.record_round(rnd.stats, kept, finish, self.config.session_lease_s, time.perf_counter() - start)
                 await self.store.save(state, kept)
                 yield await self._round_chunk(state, rnd, kept, sent, text, timer, lengths)
                 sent += len(kept)
@@ -177,22 +173,22 @@ class Orchestrator:
         gen.finish, gen.lease_until = pb.FINISH_REASON_LENGTH, 0.0
         await self.store.save(state, [])
         chunk = pb.GenerateChunk(session_id=state.session_id, finish_reason=gen.finish,
-                                 stats=generation_stats(gen, 0, state.seed))
-        timer.observe_finish(finish_label(gen.finish), gen.prompt_tokens, 0)
+                                 stats=gen.stats(0, state.seed))
+        timer.observe_finish(gen.finish_label, gen.prompt_tokens, 0)
         return chunk
 
-    async def _catch_up(self, state: SessionState, text: TextStream, sent: int, timer,
+    async def _catch_up(self, state: SessionState, text: Detokenizer, sent: int, timer,
                         deadline: float | None) -> list[pb.GenerateChunk]:
         """A resume: catch the detokenizer up to what the client holds, then send what it lacks
         (nothing when it holds all of a generation still running), with log-probabilities when the
         generation asked for them (the target scores the tokens again: the rounds' are not kept)."""
         gen = state.generation
         produced = state.tokens[gen.start:]
-        push_text(text, produced[:sent], self.eos_ids)
+        text.replay(produced[:sent], self.eos_ids)
         text.release()
         if sent == len(produced) and not gen.finish:
             return []
-        push_text(text, produced[sent:], self.eos_ids)
+        text.replay(produced[sent:], self.eos_ids)
         chunk = pb.GenerateChunk(session_id=state.session_id, token_ids=produced[sent:], offset=sent,
                                  finish_reason=gen.finish, text=text.release(final=bool(gen.finish)))
         if gen.top_logprobs is not None:
@@ -201,19 +197,19 @@ class Orchestrator:
                                             timeout=None if deadline is None else deadline - time.monotonic())
             chunk.logprobs.extend(self._named(e) for e in reply.logprobs)
         if gen.finish:
-            chunk.stats.CopyFrom(generation_stats(gen, len(produced), state.seed))
-            timer.observe_finish(finish_label(gen.finish), gen.prompt_tokens, len(produced) - sent)
+            chunk.stats.CopyFrom(gen.stats(len(produced), state.seed))
+            timer.observe_finish(gen.finish_label, gen.prompt_tokens, len(produced) - sent)
         timer.observe_chunk(len(produced) - sent)
         return [chunk]
 
-    async def _round_chunk(self, state: SessionState, rnd: Round, kept: list[int], offset: int, text: TextStream,
-                           timer, lengths: DraftLength | SourcedDraftLength) -> pb.GenerateChunk:
+    async def _round_chunk(self, state: SessionState, rnd: Round, kept: list[int], offset: int, text: Detokenizer,
+                           timer, lengths: DraftLengthController) -> pb.GenerateChunk:
         """A round's chunk; the last one also ends the generation (prior, snapshots, stats)."""
         gen, sent = state.generation, offset + len(kept)
         chunk = pb.GenerateChunk(session_id=state.session_id, token_ids=kept, round=rnd.stats,
                                  finish_reason=gen.finish, offset=offset,
                                  logprobs=[self._named(entry) for entry in rnd.logprobs[:len(kept)]])
-        self.metrics.observe_round(rnd.stats, rnd.source)
+        self.observe_round(SpecDecodingStats.of_round(rnd.stats, len(kept), rnd.source))
         timer.observe_chunk(len(kept))
         if not gen.finish:
             chunk.text = text.release()
@@ -224,9 +220,14 @@ class Orchestrator:
         if self._shareable(gen) and sent and self.draft is not None and self.draft.reads_shared_outputs:
             self._spawn(self._publish(state.tokens[gen.start:]))
         chunk.text = text.release(final=True)
-        chunk.stats.CopyFrom(generation_stats(gen, sent, state.seed))
-        timer.observe_finish(finish_label(gen.finish), chunk.stats.prompt_tokens, sent)
+        chunk.stats.CopyFrom(gen.stats(sent, state.seed))
+        timer.observe_finish(gen.finish_label, chunk.stats.prompt_tokens, sent)
         return chunk
+
+    def observe_round(self, stats: SpecDecodingStats) -> None:
+        """Count a round once, in every sink: the Prometheus metrics and GetStatus's counters."""
+        for sink in (self.metrics, self.counters):
+            sink.observe_round(stats)
 
     def _named(self, entry: common_pb2.TokenLogprobs) -> common_pb2.TokenLogprobs:
         """A log-probability entry with the text of its tokens (each decoded alone)."""

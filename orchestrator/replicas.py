@@ -127,6 +127,19 @@ class Drafts(Pool, Protocol):
     def available(self) -> bool:
         """Whether a draft replica is up (else the round runs at k = 0 without asking)."""
 
+    @property
+    def sources(self) -> tuple[str, ...]:
+        """The sources the drafts' proposals may name (ModelInfo.draft_sources), the one that drafts
+        when the others propose nothing first."""
+
+    @property
+    def learns_outputs(self) -> bool:
+        """Whether a draft keeps a corpus of finished outputs (ModelInfo.learns_outputs)."""
+
+    @property
+    def reads_shared_outputs(self) -> bool:
+        """Whether a draft feeds that corpus from the outputs stream in Redis (ModelInfo.reads_shared_outputs)."""
+
     async def propose(self, session_id: str, history: list[int], k: int, params: SamplingParams, seed: int,
                       fingerprint: str, into: DraftReply | None = None,
                       progress: asyncio.Event | None = None, timeout: float | None = None) -> DraftReply: ...
@@ -408,19 +421,28 @@ class DraftPool(ReplicaPool[DraftBackend]):
     """Propose on the session's draft replica; a failure marks it down and the round runs at k = 0."""
 
     role = "draft"
-    kind = ""  # the proposer kind the first replica reported at start-up (ModelInfo.kind: "hybrid", ...)
+
+    def _infos(self) -> list[common_pb2.ModelInfo]:
+        """The replicas' ModelInfo as last probed (probes repeat, so a rollout is followed)."""
+        return [r.info for r in self.replicas.values() if r.info is not None]
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        """The sources the replicas' proposals may name (ModelInfo.draft_sources), in the order the first
+        replica lists them, then any that only others name (replicas of two kinds, during a rollout)."""
+        return tuple(dict.fromkeys(source for info in self._infos() for source in info.draft_sources))
 
     @property
     def reads_shared_outputs(self) -> bool:
-        """Whether a replica, as last probed, feeds its suffix corpus from the outputs stream in Redis
-        (ModelInfo.reads_shared_outputs); probes repeat, so a rollout to or from such drafts is followed."""
-        return any(r.info is not None and r.info.reads_shared_outputs for r in self.replicas.values())
+        """Whether a replica feeds its corpus of outputs from the outputs stream in Redis
+        (ModelInfo.reads_shared_outputs)."""
+        return any(info.reads_shared_outputs for info in self._infos())
 
     @property
     def learns_outputs(self) -> bool:
-        """Whether a replica, as last probed, keeps a corpus of finished outputs (suffix speculation,
-        alone or in a hybrid draft): from the outputs stream, or from the sessions it releases."""
-        return any(r.info is not None and r.info.kind in ("suffix", "hybrid") for r in self.replicas.values())
+        """Whether a replica keeps a corpus of finished outputs (ModelInfo.learns_outputs): from the
+        outputs stream, or from the sessions it releases."""
+        return any(info.learns_outputs for info in self._infos())
 
     async def propose(self, session_id: str, history: list[int], k: int, params: SamplingParams, seed: int,
                       fingerprint: str, into: DraftReply | None = None,

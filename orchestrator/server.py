@@ -118,13 +118,11 @@ async def start_draft(draft: DraftPool, config: OrchestratorConfig, target_info:
             f"tokenizers ({draft_info.tokenizer_fingerprint} vs {target_info.tokenizer_fingerprint}); "
             "speculative decoding needs a draft that shares the target's tokenizer"
         )
-    if "share_outputs" in config.model_fields_set and config.share_outputs and \
-            draft_info.kind not in ("suffix", "hybrid"):
+    if "share_outputs" in config.model_fields_set and config.share_outputs and not draft_info.learns_outputs:
         raise StartupError(f"--share-outputs: the draft at {config.draft} is a {draft_info.kind!r} draft, which keeps "
                            "no corpus of outputs, so nothing would be shared; drop the flag, or run the draft with "
                            "--proposer suffix or hybrid")
     draft.expected_fingerprint = target_info.tokenizer_fingerprint
-    draft.kind = draft_info.kind  # "hybrid": the controller keeps one state per draft source (orchestrator.sources)
     await draft.refresh()  # now with the fingerprint: a mismatched replica is left out
     log.info("draft %s: %s (%s, %s)", config.draft, draft_info.model, draft_info.kind, draft_info.dtype)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 
 from orchestrator.generation import Orchestrator
-from orchestrator.status import Counters, status
+from orchestrator.status import status
 from specdec.errors import InvalidArgument, grpc_errors
 from specdec.server.admission import deadline_of
 from specdec.server.auth import current_principal
@@ -15,12 +15,11 @@ from specdec.v1 import orchestrator_pb2 as pb, orchestrator_pb2_grpc
 class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
     def __init__(self, orchestrator: Orchestrator) -> None:
         self.orchestrator = orchestrator
-        self.counters = Counters()
 
     @grpc_errors
     async def Generate(self, request: pb.GenerateRequest, context):
         spec = self.orchestrator.parse(request, principal=current_principal())
-        chunks = self.counters.observe(self.orchestrator.generate(spec, deadline_of(context), context))
+        chunks = self.orchestrator.generate(spec, deadline_of(context), context)
         async with contextlib.aclosing(chunks):  # closed with this handler: cleanup runs at once
             async for chunk in chunks:
                 yield chunk
@@ -29,15 +28,16 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
     async def GenerateUnary(self, request: pb.GenerateRequest, context):
         spec = self.orchestrator.parse(request, principal=current_principal())
         reply = pb.GenerateResponse()
-        async for chunk in self.counters.observe(self.orchestrator.generate(spec, deadline_of(context), context)):
-            reply.session_id = chunk.session_id
-            reply.token_ids.extend(chunk.token_ids)
-            reply.logprobs.extend(chunk.logprobs)
-            reply.prompt_logprobs.extend(chunk.prompt_logprobs)
-            reply.text += chunk.text
-            reply.finish_reason = chunk.finish_reason
-            if chunk.HasField("stats"):
-                reply.stats.CopyFrom(chunk.stats)
+        async with contextlib.aclosing(self.orchestrator.generate(spec, deadline_of(context), context)) as chunks:
+            async for chunk in chunks:
+                reply.session_id = chunk.session_id
+                reply.token_ids.extend(chunk.token_ids)
+                reply.logprobs.extend(chunk.logprobs)
+                reply.prompt_logprobs.extend(chunk.prompt_logprobs)
+                reply.text += chunk.text
+                reply.finish_reason = chunk.finish_reason
+                if chunk.HasField("stats"):
+                    reply.stats.CopyFrom(chunk.stats)
         return reply
 
     @grpc_errors
@@ -49,4 +49,5 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
 
     @grpc_errors
     async def GetStatus(self, request: pb.GetStatusRequest, context):
-        return await status(self.counters, self.orchestrator.backends(), self.orchestrator.config.draft_length)
+        orchestrator = self.orchestrator
+        return await status(orchestrator.counters, orchestrator.backends(), orchestrator.config.draft_length)

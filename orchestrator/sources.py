@@ -1,40 +1,53 @@
-"""Per-source draft lengths for a hybrid draft (`python -m draft_service --proposer hybrid`).
+"""Per-source draft lengths, for a draft that names several sources (`ModelInfo.draft_sources`: a
+hybrid draft, `python -m draft_service --proposer hybrid`, names "model" and "suffix"), and the
+factory that picks a generation's controller.
 
-A hybrid draft proposes each block from one of two sources: suffix speculation when it is
-confident, the model otherwise (`Proposal.source` names it). Their acceptance and costs differ
+Such a draft proposes each block from one of its sources (`Proposal.source` names it): a hybrid's
+suffix speculation when it is confident, its model otherwise. Their acceptance and costs differ
 by far (a confident suffix match is mostly accepted and costs no forward pass; the model's
 acceptance is its own), so one controller state fed by both would price every round with a
 blend that fits neither. `SourcedDraftLength` keeps one `PolicyState` per source:
 
-- the model's is the session's usual state (`SessionState.policy`, the one folded into the
-  global prior when the generation ends); the suffix's lives beside it in the same record,
-  under `policy["by_source"]["suffix"]` (a key `PolicyState.from_dict` ignores, so a replica
-  without this module reads the record and merely drops it on its next write);
-- a round drafted by one source teaches that source's state only; a round that drafted nothing
-  (k = 0, the first round, a draft that failed) teaches both: it says nothing about acceptance,
-  only about the verify cost and the draft's health (a failure backs both off);
-- the next round is priced with the state of the source predicted to draft it: suffix
-  speculation after a round it drafted (a confident match tends to last while the text repeats),
-  the model otherwise. The draft still decides per call: a round priced for the suffix that the
-  model drafts teaches the model's state, and the next is priced for the model.
+- the primary source's (the first the draft names: the one that drafts when the others propose
+  nothing, a hybrid's model) is the session's usual state (`SessionState.policy`, the one folded
+  into the global prior when the generation ends); each other source's lives beside it in the
+  same record, under `policy["by_source"][source]` (for a hybrid, `policy["by_source"]["suffix"]`:
+  a key `PolicyState.from_dict` ignores, so a replica that keeps one state reads the record and
+  merely drops it on its next write);
+- a round drafted by one source teaches that source's state only (a source the draft did not
+  name teaches the primary's); a round that drafted nothing (k = 0, the first round, a draft that
+  failed) teaches them all: it says nothing about acceptance, only about the verify cost and the
+  draft's health (a failure backs them all off);
+- the next round is priced with the state of the source predicted to draft it: another source
+  after a round it drafted (a confident match tends to last while the text repeats), the primary
+  otherwise. The draft still decides per call: a round priced for the suffix that the model
+  drafts teaches the model's state, and the next is priced for the model.
 
-The suffix's state starts from the model's as it stands (verify cost, round trips, the loop's
-own time are the session's, whatever drafts), with its acceptance, draft cost and proposal rate
-unknown. A fixed draft length (not `auto`) needs no state: rounds are only counted by source.
+Another source's state starts from the primary's as it stands (verify cost, round trips, the
+loop's own time are the session's, whatever drafts), with its acceptance, draft cost and proposal
+rate unknown. A fixed draft length (not `auto`) needs no state: rounds are only counted by source.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 
-from orchestrator.draft_length import DraftLength, observation
+from orchestrator.draft_length import DraftLength, DraftLengthController, observation
 from orchestrator.store import SessionState, SessionStore
 from specdec.core.policy import PolicyConfig, PolicyState, choose_k, step
 from specdec.v1 import orchestrator_pb2 as pb
 
-BY_SOURCE = "by_source"  # key of the secondary sources' states inside SessionState.policy
-SUFFIX = "suffix"
-MODEL = "model"
+BY_SOURCE = "by_source"  # key of the other sources' states inside SessionState.policy
+
+
+async def controller_for(state: SessionState, store: SessionStore, config: PolicyConfig, drafting: bool,
+                         sources: Sequence[str]) -> DraftLengthController:
+    """A generation's draft-length controller, from what the draft pool reports: one state per source
+    when the draft names several (`sources`, ModelInfo.draft_sources), one state otherwise."""
+    if drafting and len(sources) > 1:
+        return await SourcedDraftLength.of(state, drafting, store, config, sources)
+    return await DraftLength.of(state, drafting, store, config)
 
 
 def fresh_source_state(main: PolicyState) -> PolicyState:
@@ -44,30 +57,33 @@ def fresh_source_state(main: PolicyState) -> PolicyState:
 
 
 class SourcedDraftLength:
-    """`DraftLength` for a hybrid draft: `wanted` and `upcoming` priced with the state of the source
-    predicted to draft the next round (`next_source`); `observe` takes the round's source."""
+    """`DraftLength` with one state per source: `wanted` and `upcoming` priced with the state of the
+    source predicted to draft the next round (`next_source`); `observe` teaches the round's source."""
 
-    def __init__(self, main: DraftLength, suffix: PolicyState | None, config: PolicyConfig) -> None:
-        self.main = main  # the model's state (SessionState.policy)
-        self.suffix = suffix  # suffix speculation's (None with a fixed draft length)
+    def __init__(self, main: DraftLength, primary: str, others: dict[str, PolicyState],
+                 config: PolicyConfig) -> None:
+        self.main = main  # the primary source's state (SessionState.policy)
+        self.primary = primary
+        self.others = others  # every other source's (none with a fixed draft length)
         self.config = config
-        self.suffix_upcoming = choose_k(suffix, config) if suffix is not None else main.fixed
-        self.next_source = MODEL
+        self.others_upcoming = {source: choose_k(policy, config) for source, policy in others.items()}
+        self.next_source = primary
 
     @classmethod
-    async def of(cls, state: SessionState, drafting: bool, store: SessionStore,
-                 config: PolicyConfig) -> SourcedDraftLength:
+    async def of(cls, state: SessionState, drafting: bool, store: SessionStore, config: PolicyConfig,
+                 sources: Sequence[str]) -> SourcedDraftLength:
         main = await DraftLength.of(state, drafting, store, config)
-        suffix = None
+        others: dict[str, PolicyState] = {}
         if main.policy is not None:
-            stored = (state.policy or {}).get(BY_SOURCE, {}).get(SUFFIX)
-            suffix = PolicyState.from_dict(stored) if stored else fresh_source_state(main.policy)
-        return cls(main, suffix, config)
+            stored = (state.policy or {}).get(BY_SOURCE, {})
+            others = {source: PolicyState.from_dict(stored[source]) if stored.get(source)
+                      else fresh_source_state(main.policy) for source in sources[1:]}
+        return cls(main, sources[0], others, config)
 
     @property
     def policy(self) -> PolicyState | None:
         """The state pricing the next round."""
-        return self.suffix if self.next_source == SUFFIX else self.main.policy
+        return self.others.get(self.next_source, self.main.policy)
 
     @property
     def wanted(self) -> int:
@@ -76,28 +92,28 @@ class SourcedDraftLength:
 
     @property
     def upcoming(self) -> int:
-        if self.main.policy is None:
-            return self.main.fixed
-        return self.suffix_upcoming if self.next_source == SUFFIX else self.main.upcoming
+        return self.others_upcoming.get(self.next_source, self.main.upcoming)
 
     def observe(self, state: SessionState, stats: pb.RoundStats, loop_s: float, source: str = "") -> None:
         """Let the state of the round's source learn from it (every state, when it drafted nothing)."""
         drafted = stats.proposed > 0
-        self.next_source = SUFFIX if drafted and source == SUFFIX else MODEL
-        if self.main.policy is None or self.suffix is None:
+        self.next_source = source if drafted and source in self.others else self.primary
+        if self.main.policy is None:
             return
         obs = observation(stats, loop_s)
-        if not drafted or source != SUFFIX:
+        if not drafted or source not in self.others:
             _, self.main.upcoming, self.main.policy = step(self.main.policy, obs, self.config)
-        if not drafted or source == SUFFIX:
-            _, self.suffix_upcoming, self.suffix = step(self.suffix, obs, self.config)
-        state.policy = {**self.main.policy.to_dict(), BY_SOURCE: {SUFFIX: self.suffix.to_dict()}}
+        for name, policy in self.others.items():
+            if not drafted or source == name:
+                _, self.others_upcoming[name], self.others[name] = step(policy, obs, self.config)
+        state.policy = {**self.main.policy.to_dict(),
+                        BY_SOURCE: {name: policy.to_dict() for name, policy in self.others.items()}}
 
     def acceptance(self) -> dict[str, float | None]:
         """Each source's acceptance estimate α (None: not measured yet, or a fixed draft length)."""
-        return {MODEL: self.main.policy.alpha if self.main.policy is not None else None,
-                SUFFIX: self.suffix.alpha if self.suffix is not None else None}
+        main = self.main.policy.alpha if self.main.policy is not None else None
+        return {self.primary: main, **{name: policy.alpha for name, policy in self.others.items()}}
 
     async def finish(self, store: SessionStore) -> None:
-        """The model's state joins the global prior (the prior describes the model draft)."""
+        """The primary source's state joins the global prior (the prior describes the drafts' primary source)."""
         await self.main.finish(store)

@@ -1,8 +1,9 @@
 """What GetStatus reports: this orchestrator's counters and a live look at its backends.
 
-The counters are observed from the chunks a generation streams (each chunk carries its round's
-statistics), so they stay true for generations that are cancelled or fail half-way, and the
-generation logic does not need to know they exist. They are per process, since start.
+The counters are GetStatus's sink of the per-round `SpecDecodingStats` the orchestrator builds
+once and feeds to the Prometheus metrics too (`Orchestrator.observe_round`), so both count the
+same rounds, and stay true for generations that are cancelled or fail half-way. They are per
+process, since start.
 """
 
 from __future__ import annotations
@@ -10,10 +11,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from importlib import metadata
 
+from specdec.server.metrics import SpecDecodingStats
 from specdec.v1 import orchestrator_pb2 as pb
 
 
@@ -35,19 +37,17 @@ class Counters:
     draft_tokens: int = 0
     accepted_tokens: int = 0
 
-    def observe_chunk(self, chunk: pb.GenerateChunk) -> None:
-        self.generated_tokens += len(chunk.token_ids)
-        self.draft_tokens += chunk.round.proposed
-        self.accepted_tokens += chunk.round.accepted
+    def observe_round(self, stats: SpecDecodingStats) -> None:
+        self.generated_tokens += stats.num_emitted_tokens
+        self.draft_tokens += stats.num_draft_tokens
+        self.accepted_tokens += stats.num_accepted_tokens
 
-    async def observe(self, chunks: AsyncIterator[pb.GenerateChunk]) -> AsyncIterator[pb.GenerateChunk]:
-        """Pass a generation's chunks through, counting it while it runs and once it ends."""
+    @contextlib.contextmanager
+    def generation(self) -> Iterator[None]:
+        """Count a generation while it runs and once it ends (any outcome)."""
         self.active_generations += 1
         try:
-            async with contextlib.aclosing(chunks):  # closed with this wrapper: its cleanup runs now
-                async for chunk in chunks:
-                    self.observe_chunk(chunk)
-                    yield chunk
+            yield
         finally:
             self.active_generations -= 1
             self.generations_total += 1

@@ -24,7 +24,7 @@ import re
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import redis.asyncio as redis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
@@ -42,6 +42,10 @@ from redis.exceptions import (
 from specdec.core.suffix import encode_output
 from specdec.errors import Aborted, Unavailable
 from specdec.server.keys import PRIOR_KEY, session_meta_key, session_tokens_key, suffix_outputs_key
+from specdec.v1 import orchestrator_pb2 as pb
+
+if TYPE_CHECKING:
+    from orchestrator.detokenizer import Detokenizer
 
 # KEYS: meta, tokens. ARGV: expected version ("0" = must not exist), new state JSON, ttl, tokens...
 _APPEND = """
@@ -81,6 +85,11 @@ _BACKOFF_S = (0.05, 1.0)  # first and largest pause between retries
 PRIOR_TTL_S = 7 * 24 * 3600
 SHARED_OUTPUTS_MAXLEN = 20_000  # finished outputs kept for the suffix indexes (approximately, oldest go first)
 
+# Finish reasons by name, as the SDK (specdec.client) names them.
+FINISH_NAMES = {pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_EOS: "eos", pb.FINISH_REASON_STOP: "stop"}
+# The `finish_reason` label of specdec_request_success_total speaks OpenAI: EOS counts as "stop".
+METRIC_LABELS = {"length": "length", "eos": "stop", "stop": "stop"}
+
 
 @dataclass
 class GenerationRecord:
@@ -115,6 +124,54 @@ class GenerationRecord:
     def leased(self, now: float | None = None) -> bool:
         return self.finish == 0 and self.lease_until > (time.time() if now is None else now)
 
+    @property
+    def finish_label(self) -> str:
+        """The metric label of its finish reason."""
+        return METRIC_LABELS[FINISH_NAMES[self.finish]]
+
+    def apply_stops(self, emitted: list[int], remaining: int, text: Detokenizer,
+                    eos_ids: set[int]) -> tuple[list[int], int]:
+        """A round's tokens up to its first stop (an end of sequence unless it ignores them, one of its
+        stop tokens or strings, the budget of `remaining` tokens), and the finish reason (0: none)."""
+        ends = set() if self.ignore_eos else eos_ids
+        kept: list[int] = []
+        for token in emitted[:remaining]:
+            kept.append(token)
+            if token in ends:
+                return kept, pb.FINISH_REASON_EOS
+            if token in self.stop_token_ids:
+                return kept, pb.FINISH_REASON_STOP
+            text.push(token)
+            if text.stopped:
+                return kept, pb.FINISH_REASON_STOP
+        return kept, (pb.FINISH_REASON_LENGTH if len(kept) == remaining else pb.FINISH_REASON_UNSPECIFIED)
+
+    def record_round(self, stats: pb.RoundStats, finish: int, lease_s: float, since_start_s: float) -> None:
+        """Count a round, and renew the lease (for `lease_s`) or end it with `finish`."""
+        self.rounds += 1
+        self.draft_tokens += stats.proposed
+        self.accepted_tokens += stats.accepted
+        self.fallbacks += stats.draft_fallback
+        self.overlapped += stats.overlapped
+        if not self.first_token_s:
+            self.first_token_s = since_start_s
+        self.finish = finish
+        self.lease_until = 0.0 if finish else time.time() + lease_s
+
+    def stats(self, completion_tokens: int, seed: int) -> pb.GenerationStats:
+        """The statistics its last chunk carries."""
+        elapsed = max(time.time() - self.started_at, 0.0)
+        n = completion_tokens
+        return pb.GenerationStats(
+            prompt_tokens=self.prompt_tokens, completion_tokens=n, rounds=self.rounds,
+            draft_tokens=self.draft_tokens, accepted_tokens=self.accepted_tokens,
+            acceptance_rate=self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0,
+            mean_accepted_length=n / self.rounds if self.rounds else 0.0,
+            elapsed_s=elapsed, tokens_per_second=n / elapsed if elapsed > 0 else 0.0,
+            time_to_first_token_s=self.first_token_s, seed=seed, draft_fallbacks=self.fallbacks,
+            overlapped_rounds=self.overlapped,
+        )
+
 
 @functools.cache
 def _field_names(cls) -> frozenset[str]:
@@ -142,6 +199,23 @@ class SessionState:
     created_at: float = field(default_factory=time.time)
     generation: GenerationRecord | None = None  # the latest generation
     principal: str = ""  # hash of the identity that opened it (specdec.server.auth.principal_of; "" = anonymous)
+
+    def remaining(self, max_context: int) -> int:
+        """Tokens its generation may still add: its own limit, or the room left in the context."""
+        gen = self.generation
+        assert gen is not None, "no generation to continue"
+        return min(gen.max_new_tokens - (len(self.tokens) - gen.start), max_context - len(self.tokens))
+
+    def record_round(self, stats: pb.RoundStats, kept: list[int], finish: int, lease_s: float,
+                     since_start_s: float) -> None:
+        """Count a round on the generation and the session, and append the tokens it kept."""
+        assert self.generation is not None, "a round outside a generation"
+        self.generation.record_round(stats, finish, lease_s, since_start_s)
+        self.tokens.extend(kept)
+        self.rounds += 1
+        self.draft_tokens += stats.proposed
+        self.accepted_tokens += stats.accepted
+        self.generated_tokens += len(kept)
 
     def record(self) -> str:
         """The JSON record of everything but the history (kept as a Redis list) and the key.

@@ -1,42 +1,214 @@
-"""Serving a proposer's drafts: which requests it takes, and where its tokens are computed.
+"""Serving a proposer's drafts: one interface for every draft source, and the `Drafter` that drives it.
 
-A model proposer drafts through the `Batcher` (the blocks of concurrent requests share one forward
-pass per token); a model-free one (prompt lookup, suffix speculation) runs on a thread of its own.
-A hybrid proposer asks suffix speculation first (on that thread) and the model, through the
-batcher, only when suffix speculation proposed nothing. Either way each token comes with a
-`StepInfo` and names its source (`DraftToken.source`), so a caller streams every kind alike.
+Every draft source (a causal LM, prompt lookup, suffix speculation, a hybrid of two, or anything
+added later) is a `Proposer`: asked for a block, it names the block's source and hands back its
+tokens as each is made, each with its q row when it has one (a model sampling) and a `StepInfo`;
+asked to release a session, it frees what it holds for it. The `Drafter` takes a request, checks
+it, proposes what the grammar forces itself, asks the proposer for the rest of the block, and
+streams the lot, without knowing which kind of proposer it drives.
+
+Where a proposer computes is its own business. A model drafts through the `Batcher` (the blocks of
+concurrent requests share one forward pass per token); a host-computed one (prompt lookup, suffix
+speculation) runs on the drafter's worker thread through `DraftEnv.proposal`, which also cuts its
+proposal at the first token the grammar refuses; a model forks the session's grammar state
+(`DraftEnv.fork`) and masks every position with it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from typing import Protocol, TypeVar
 
 import numpy as np
 
+from specdec.core.grammar import GrammarSpec, GrammarState
 from specdec.core.sampling import SamplingParams
 from specdec.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument
-from specdec.runtime.batching import Batcher, StepInfo
+from specdec.runtime.batching import StepInfo
 from specdec.runtime.grammars import SessionGrammars, grammar_of
-from specdec.runtime.proposers import DraftToken, HybridProposer, Proposer, model_of
+
+T = TypeVar("T")
+
+MODEL, NGRAM, SUFFIX = "model", "ngram", "suffix"
+SOURCES = (MODEL, NGRAM, SUFFIX)
+"""The draft sources a proposal may name (`Proposal.source` on the wire)."""
+
+
+@dataclass(frozen=True)
+class DraftToken:
+    token_id: int
+    probs: np.ndarray | None  # [V] float32 q after temperature/top-k/top-p; None if greedy/deterministic
+    compute_ns: int
+    prefill_tokens: int = 0
+    source: str = ""  # the source that drafted it (`SOURCES`)
+
+
+Drafted = tuple[DraftToken, StepInfo]
+ProposeFn = Callable[[str, list[int], int, SamplingParams, int], Iterator[DraftToken]]
+"""A host-computed proposal: (session_id, history, k, params, seed) -> up to k draft tokens."""
+
+
+@dataclass(frozen=True)
+class DraftRequest:
+    """One call for up to `k` draft tokens after `history`. `arrived`: when it reached the service
+    (`time.monotonic()`), so that the queue wait counts from there; `sent_unix_ns`: when its caller sent
+    it (see `Batcher.cancel_session`); `deadline`: `time.monotonic()` past which it is dropped."""
+
+    session_id: str
+    history: list[int]
+    k: int
+    params: SamplingParams
+    seed: int
+    deadline: float | None = None
+    arrived: float = 0.0
+    sent_unix_ns: int = 0
+
+    @property
+    def grammar(self) -> GrammarSpec | None:
+        return grammar_of(self.params)
+
+    @property
+    def output(self) -> list[int]:
+        """The session's output so far: what its grammar state follows."""
+        return self.history[self.params.output_start:]
+
+    def after(self, tokens: list[int]) -> DraftRequest:
+        """The rest of this request once `tokens` are proposed."""
+        return replace(self, history=self.history + tokens, k=self.k - len(tokens))
+
+    def check_deadline(self) -> None:
+        if self.deadline is not None and time.monotonic() >= self.deadline:
+            raise DeadlineExceeded("the request's deadline passed while it was queued; dropped before compute")
+
+
+@dataclass
+class Block:
+    """A proposer's answer to a request: its tokens as they are made, all of one `source`.
+
+    `q_width` is the width V of the q rows its tokens carry (a model sampling), 0 when they carry
+    none (deterministic: the verifier reads q as one-hot). Tokens the grammar forces before the block
+    take its source and its form, so that a block is all q rows or none.
+    """
+
+    source: str
+    tokens: AsyncIterator[Drafted]
+    q_width: int = 0
+
+    @classmethod
+    def listed(cls, source: str, drafts: list[DraftToken], arrived: float) -> Block:
+        """A block computed at once on the host: the queue wait (since `arrived`) goes on its first token."""
+        return cls(source, _listed(drafts, arrived))
+
+    @classmethod
+    def empty(cls, source: str, q_width: int = 0) -> Block:
+        """Nothing to draft (the grammar forced the whole block): only its source and form count."""
+        return cls(source, _listed([], 0.0), q_width)
+
+    def forced(self, token: int) -> Drafted:
+        """A token the grammar forces, in this block's form (a one-hot q row when it carries rows)."""
+        q = None
+        if self.q_width:
+            q = np.zeros(self.q_width, dtype=np.float32)
+            q[token] = 1.0
+        return DraftToken(token, q, 0, source=self.source), StepInfo(batch_size=0, compute_ns=0, queue_ns=0)
+
+
+async def _listed(drafts: list[DraftToken], arrived: float) -> AsyncIterator[Drafted]:
+    queue_ns = int((time.monotonic() - arrived) * 1e9)
+    for draft in drafts:
+        yield draft, StepInfo(batch_size=0, compute_ns=draft.compute_ns, queue_ns=queue_ns)
+        queue_ns = 0
+
+
+class Proposer(Protocol):
+    """A draft source, as the `Drafter` drives it (`ProposerBase` gives the optional parts)."""
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        """The sources its blocks may name (`SOURCES`), the one that drafts when the others propose
+        nothing first. The orchestrator keeps one draft-length controller state per source."""
+
+    @property
+    def learns_outputs(self) -> bool:
+        """Whether it keeps a corpus of finished outputs (fed by `add_output`, or on `release`)."""
+
+    async def block(self, request: DraftRequest, env: DraftEnv) -> Block:
+        """Up to `request.k` draft tokens after `request.history` (`k` may be 0: the grammar forced the
+        whole block; the block then only names its source and form)."""
+
+    async def release(self, session_id: str, learn: bool = True, sent_unix_ns: int = 0) -> bool:
+        """Free what it holds for the session; True if it held anything. `learn`: the session's output
+        may join a corpus of earlier outputs; `sent_unix_ns`: when the release was sent (work sent
+        before it stops)."""
+
+    def add_output(self, tokens: list[int]) -> None:
+        """A finished generation's output joins its corpus (a proposer without one ignores it)."""
+
+
+class DraftEnv:
+    """What a proposer drafts with besides itself: the drafter's worker thread and the sessions'
+    grammar states (None: a service without a tokenizer refuses grammars)."""
+
+    def __init__(self, executor: ThreadPoolExecutor, grammars: SessionGrammars | None) -> None:
+        self.executor = executor
+        self.grammars = grammars
+
+    async def run(self, fn: Callable[..., T], *args) -> T:
+        """`fn(*args)` on the worker thread."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    def _grammars(self) -> SessionGrammars:
+        if self.grammars is None:
+            raise FailedPrecondition("this draft service has no tokenizer to apply grammars with")
+        return self.grammars
+
+    async def forced(self, request: DraftRequest) -> list[int]:
+        """The tokens the request's grammar forces (none without one), at most `k`."""
+        spec = request.grammar
+        if spec is None:
+            return []
+        return await self.run(self._grammars().forced, request.session_id, spec, request.output, request.k)
+
+    async def fork(self, request: DraftRequest) -> GrammarState | None:
+        """A private copy of the session's grammar state at the end of the history, for a model to
+        advance along its proposal (None without a grammar)."""
+        spec = request.grammar
+        if spec is None:
+            return None
+        return await self.run(self._grammars().fork, request.session_id, spec, request.output)
+
+    async def cut(self, request: DraftRequest, drafts: list[DraftToken]) -> list[DraftToken]:
+        """A host-computed proposal up to its first token the grammar refuses (all of it without one)."""
+        spec = request.grammar
+        if spec is None or not drafts:
+            return drafts
+        allowed = await self.run(self._grammars().cut, request.session_id, spec, request.output,
+                                 [d.token_id for d in drafts])
+        return drafts[:len(allowed)]
+
+    async def proposal(self, propose: ProposeFn, request: DraftRequest) -> list[DraftToken]:
+        """A host-computed proposal for `request`, made on the worker thread and cut by the grammar."""
+        request.check_deadline()
+        r = request
+        drafts = await self.run(lambda: list(propose(r.session_id, r.history, r.k, r.params, r.seed)))
+        return await self.cut(request, drafts)
 
 
 class Drafter:
-    """Streams the drafts of `proposer` (a model or hybrid proposer needs `batcher`) for a model whose
-    tokenizer has `fingerprint`; `model` names it in errors."""
+    """Streams the drafts of `proposer` for a model whose tokenizer has `fingerprint`; `model` names it
+    in errors. `executor`: the worker thread of host-computed proposals and grammar calls."""
 
-    def __init__(self, proposer: Proposer, fingerprint: str, model: str, batcher: Batcher | None = None,
-                 executor: ThreadPoolExecutor | None = None, grammars: SessionGrammars | None = None) -> None:
-        if model_of(proposer) is not None and batcher is None:
-            raise ValueError(f"a {proposer.kind} proposer needs a batcher")
+    def __init__(self, proposer: Proposer, fingerprint: str, model: str, executor: ThreadPoolExecutor | None = None,
+                 grammars: SessionGrammars | None = None) -> None:
         self.proposer = proposer
         self.fingerprint = fingerprint
         self.model = model
-        self.batcher = batcher
-        self.executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft")
         self.grammars = grammars
+        self.env = DraftEnv(executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft"), grammars)
 
     def check(self, history: list[int], k: int, fingerprint: str) -> None:
         """Refuse a request this drafter cannot serve; `fingerprint` is the caller's tokenizer's ("" skips it)."""
@@ -51,92 +223,19 @@ class Drafter:
             )
 
     async def stream(self, session_id: str, history: list[int], k: int, params: SamplingParams, seed: int,
-                     deadline: float | None, arrived: float,
-                     sent_unix_ns: int = 0) -> AsyncIterator[tuple[DraftToken, StepInfo]]:
-        """Up to `k` draft tokens as each is made. `arrived`: when the request reached the service
-        (`time.monotonic()`), so that the queue wait counts from there; `sent_unix_ns`: when its caller
-        sent it (see `Batcher.cancel_session`)."""
-        proposer = self.proposer
-        spec = grammar_of(params)
-        grammar = None
-        loop = asyncio.get_running_loop()
-        forced: list[int] = []
-        if spec is not None:
-            if self.grammars is None:
-                raise FailedPrecondition("this draft service has no tokenizer to apply grammars with")
-            # What the grammar forces is proposed without the model (q one-hot), then the proposer goes on.
-            forced = await loop.run_in_executor(self.executor, self.grammars.forced, session_id, spec,
-                                                history[params.output_start:], k)
-        if isinstance(proposer, HybridProposer):
-            # Suffix speculation first: a confident proposal drafts the block, the model only otherwise.
-            drafts = []
-            if k > len(forced):
-                if deadline is not None and time.monotonic() >= deadline:
-                    raise DeadlineExceeded("the request's deadline passed while it was queued; dropped before compute")
-                drafts = await loop.run_in_executor(self.executor, proposer.suffix_proposal, session_id,
-                                                    history + forced, k - len(forced), params, seed)
-                drafts = await self._cut(drafts, session_id, spec, history + forced, params)
-            if drafts:
-                async for item in self._deterministic(forced, drafts, arrived):
-                    yield item
-                return
-        free = StepInfo(batch_size=0, compute_ns=0, queue_ns=0)
-        model = model_of(proposer)
-        source = "model" if model is not None else proposer.kind
+                     deadline: float | None, arrived: float, sent_unix_ns: int = 0) -> AsyncIterator[Drafted]:
+        """Up to `k` draft tokens as each is made: those the grammar forces (proposed without the
+        proposer), then the proposer's block (see `DraftRequest` for the arguments)."""
+        request = DraftRequest(session_id, history, k, params, seed, deadline, arrived, sent_unix_ns)
+        forced = await self.env.forced(request)
+        block = await self.proposer.block(request.after(forced), self.env)
         for token in forced:
-            yield DraftToken(token, self._one_hot(token, params), 0, source=source), free
-        history, k = history + forced, k - len(forced)
-        if k == 0:
-            return
-        if spec is not None and model is not None and self.grammars is not None:
-            grammar = await loop.run_in_executor(self.executor, self.grammars.fork, session_id, spec,
-                                                 history[params.output_start:])
-        if self.batcher is not None and model is not None:
-            job = model.job(session_id, history, k, params, seed, deadline, grammar)
-            job.enqueued = arrived
-            job.sent_unix_ns = sent_unix_ns
-            async for draft, step in self.batcher.stream(job):
-                yield draft, step
-            return
-        if deadline is not None and time.monotonic() >= deadline:
-            raise DeadlineExceeded("the request's deadline passed while it was queued; dropped before compute")
-        proposals = proposer.propose(session_id, history, k, params, seed)
-        if spec is not None:  # a model-free proposal stops at its first refused token
-            drafts = await loop.run_in_executor(self.executor, list, proposals)
-            proposals = iter(await self._cut(drafts, session_id, spec, history, params))
-        first = True
-        while (draft := await loop.run_in_executor(self.executor, next, proposals, None)) is not None:
-            queue_ns = int((time.monotonic() - arrived) * 1e9) if first else 0
-            yield draft, StepInfo(batch_size=0, compute_ns=draft.compute_ns, queue_ns=queue_ns)
-            first = False
+            yield block.forced(token)
+        async for drafted in block.tokens:
+            yield drafted
 
-    async def _cut(self, drafts: list[DraftToken], session_id: str, spec, history: list[int],
-                   params: SamplingParams) -> list[DraftToken]:
-        """A model-free proposal up to its first token the grammar refuses (all of it without a grammar)."""
-        if spec is None or self.grammars is None or not drafts:
-            return drafts
-        allowed = await asyncio.get_running_loop().run_in_executor(
-            self.executor, self.grammars.cut, session_id, spec, history[params.output_start:],
-            [d.token_id for d in drafts])
-        return drafts[:len(allowed)]
-
-    async def _deterministic(self, forced: list[int], drafts: list[DraftToken],
-                             arrived: float) -> AsyncIterator[tuple[DraftToken, StepInfo]]:
-        """A hybrid's suffix-drafted block: the forced tokens, then the suffix proposal, q one-hot for all
-        (no probs: the block must be all rows or none)."""
-        source = drafts[0].source
-        queue_ns = int((time.monotonic() - arrived) * 1e9)
-        for token in forced:
-            yield DraftToken(token, None, 0, source=source), StepInfo(batch_size=0, compute_ns=0, queue_ns=queue_ns)
-            queue_ns = 0
-        for draft in drafts:
-            yield draft, StepInfo(batch_size=0, compute_ns=draft.compute_ns, queue_ns=queue_ns)
-            queue_ns = 0
-
-    def _one_hot(self, token: int, params: SamplingParams):
-        """q of a forced token when the other drafts carry their q rows (a model sampling); else None."""
-        if params.greedy or model_of(self.proposer) is None or self.batcher is None:
-            return None
-        q = np.zeros(self.batcher.caches.vocab_size, dtype=np.float32)
-        q[token] = 1.0
-        return q
+    async def release(self, session_id: str, learn: bool = True, sent_unix_ns: int = 0) -> bool:
+        """Free everything held for the session: its grammar state and the proposer's (see `Proposer.release`)."""
+        if self.grammars is not None:
+            self.grammars.release(session_id)
+        return await self.proposer.release(session_id, learn, sent_unix_ns)

@@ -1,19 +1,20 @@
-"""Draft sources behind one interface: a causal LM, model-free prompt lookup or suffix speculation,
-or a hybrid of a causal LM and suffix speculation.
+"""The draft sources: a causal LM, model-free prompt lookup or suffix speculation, and a hybrid of a
+causal LM and suffix speculation; each one `Proposer` (`specdec.runtime.drafting`).
 
-A proposer yields draft tokens one at a time so the draft service can stream each as soon as it
-exists. With sampling, a model proposer also yields the processed draft distribution q of each
-position; a deterministic proposer (prompt lookup) yields none, which the verifier reads as a
-one-hot q at the proposed token.
+Each also proposes synchronously in process (`propose`: up to k `DraftToken`s after a history), the
+form the offline tools and the equivalence tests use. With sampling, a model proposer yields the
+processed draft distribution q of each position; a deterministic proposer (prompt lookup, suffix
+speculation) yields none, which the verifier reads as a one-hot q at the proposed token.
 
-A model proposer also makes `DraftJob`s for the `Batcher`: each decoding step of every session in
-a batch is one forward pass, and each token is handed to its session's stream as soon as its
-step ends. A job samples with the same per-session generator as `propose`, so batching does not
-change what is proposed.
+In the draft service a model proposer drafts through its `Batcher` instead: each decoding step of
+every session in a batch is one forward pass (`DraftJob`), and each token is handed to its
+session's stream as soon as its step ends. A job samples with the same per-session generator as
+`propose`, so batching does not change what is proposed.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import threading
 import time
@@ -30,34 +31,49 @@ from specdec.core.ngram import propose_ngram
 from specdec.core.processors import process_block
 from specdec.core.sampling import DRAFT_STREAM, SamplingParams, derive_generator, logits_to_probs, sample
 from specdec.core.suffix import SuffixIndex, best_speculation
-from specdec.runtime.batching import Job
+from specdec.runtime.batching import Batcher, Job
+from specdec.runtime.drafting import (
+    MODEL,
+    NGRAM,
+    SOURCES,
+    SUFFIX,
+    Block,
+    DraftEnv,
+    DraftRequest,
+    DraftToken,
+    Proposer,
+)
 from specdec.runtime.kv import Scored, ScoreRequest, SessionCaches
 from specdec.runtime.latency import LatencyProfile
 
-
-@dataclass(frozen=True)
-class DraftToken:
-    token_id: int
-    probs: np.ndarray | None  # [V] float32 q after temperature/top-k/top-p; None if greedy/deterministic
-    compute_ns: int
-    prefill_tokens: int = 0
-    source: str = ""  # the proposer that drafted it: "model", "ngram" or "suffix" (`SOURCES`)
+__all__ = ["SOURCES", "DraftJob", "DraftToken", "HostProposer", "HybridProposer", "LocalProposer", "ModelProposer",
+           "NgramProposer", "Proposer", "ProposerBase", "SuffixProposer", "draft_token"]
 
 
-SOURCES = ("model", "ngram", "suffix")
-"""The draft sources a proposal names (`Proposal.source` on the wire)."""
-
-
-class Proposer(Protocol):
-    kind: str
+class LocalProposer(Protocol):
+    """The in-process form of the proposers here (the offline tools', the tests'): propose in the
+    caller's thread, forget a session there."""
 
     def propose(self, session_id: str, history: list[int], k: int, params: SamplingParams,
                 seed: int) -> Iterator[DraftToken]: ...
 
-    def release(self, session_id: str, learn: bool = True) -> bool:
-        """Free the session's state; `learn`: its output may join a corpus of earlier outputs (a
-        proposer that keeps one); False when the orchestrator says it must not."""
+    def forget(self, session_id: str, learn: bool = True) -> bool: ...
 
+
+class ProposerBase:
+    """The optional parts of a `Proposer`: no corpus of outputs, nothing held per session."""
+
+    learns_outputs = False
+
+    def forget(self, session_id: str, learn: bool = True) -> bool:
+        """Drop what is held for the session, in the caller's thread; True if anything was."""
+        return False
+
+    async def release(self, session_id: str, learn: bool = True, sent_unix_ns: int = 0) -> bool:
+        return self.forget(session_id, learn)
+
+    def add_output(self, tokens: list[int]) -> None:
+        """A proposer without a corpus of outputs has nothing to add them to."""
 
 
 def draft_token(logits: torch.Tensor, context: list[int], params: SamplingParams, generator: torch.Generator | None,
@@ -104,17 +120,31 @@ class DraftJob(Job):
     def advance(self, scored: Scored, caches: SessionCaches) -> tuple[DraftToken, bool]:
         token, q = draft_token(scored.logits, self.context, self.params, self.generator, self.grammar)
         self.context.append(token)
-        return DraftToken(token, q, 0, scored.prefilled, "model"), len(self.context) >= self.target_length
+        return DraftToken(token, q, 0, scored.prefilled, MODEL), len(self.context) >= self.target_length
 
 
-class ModelProposer:
-    """Autoregressive proposals from a causal LM with a per-session KV cache."""
+class ModelProposer(ProposerBase):
+    """Autoregressive proposals from a causal LM with a per-session KV cache.
 
-    kind = "model"
+    Served, it drafts through `batcher` (which runs the model on `caches`), masked by a fork of the
+    session's grammar state, and releases a session's cache on the batcher's thread; `propose` runs
+    the model in the caller's thread, one step per token, without a grammar.
+    """
 
-    def __init__(self, caches: SessionCaches, profile: LatencyProfile = LatencyProfile()) -> None:
+    sources = (MODEL,)
+
+    def __init__(self, caches: SessionCaches, profile: LatencyProfile = LatencyProfile(),
+                 batcher: Batcher | None = None) -> None:
+        if batcher is not None and batcher.caches is not caches:
+            raise ValueError("the batcher must run the proposer's own caches")
         self.caches = caches
         self.profile = profile
+        self.batcher = batcher
+
+    @classmethod
+    def batched(cls, batcher: Batcher, profile: LatencyProfile = LatencyProfile()) -> ModelProposer:
+        """The proposer of the model `batcher` runs."""
+        return cls(batcher.caches, profile, batcher)
 
     def propose(self, session_id: str, history: list[int], k: int, params: SamplingParams,
                 seed: int) -> Iterator[DraftToken]:
@@ -128,22 +158,64 @@ class ModelProposer:
             token, q = draft_token(logits, context, params, generator)
             context.append(token)
             self.profile.pad(start, 1)
-            yield DraftToken(token, q, time.perf_counter_ns() - start, prefilled, "model")
+            yield DraftToken(token, q, time.perf_counter_ns() - start, prefilled, MODEL)
 
     def job(self, session_id: str, history: list[int], k: int, params: SamplingParams, seed: int,
             deadline: float | None = None, grammar: GrammarState | None = None) -> DraftJob:
         """The same proposals as `propose`, as a job for the batcher (with a grammar: masked by it)."""
         return DraftJob(session_id, history, k, params, seed, deadline, grammar)
 
-    def release(self, session_id: str, learn: bool = True) -> bool:
+    async def block(self, request: DraftRequest, env: DraftEnv) -> Block:
+        if self.batcher is None:
+            raise ValueError("a model proposer drafts through a batcher: build it with one (ModelProposer.batched)")
+        q_width = 0 if request.params.greedy else self.caches.vocab_size
+        if request.k == 0:
+            return Block.empty(MODEL, q_width)
+        grammar = await env.fork(request)
+        job = self.job(request.session_id, request.history, request.k, request.params, request.seed,
+                       request.deadline, grammar)
+        job.enqueued = request.arrived
+        job.sent_unix_ns = request.sent_unix_ns
+        return Block(MODEL, self.batcher.stream(job), q_width)
+
+    def forget(self, session_id: str, learn: bool = True) -> bool:
         return self.caches.release(session_id)
 
+    async def release(self, session_id: str, learn: bool = True, sent_unix_ns: int = 0) -> bool:
+        """The session's KV cache goes (and its snapshot); its queued and running work stops."""
+        if self.batcher is None:
+            return self.forget(session_id)
+        self.batcher.cancel_session(session_id, sent_unix_ns)
+        released = await self.batcher.call(self.caches.release, session_id)
+        if self.caches.snapshots is not None:
+            await asyncio.to_thread(self.caches.snapshots.store.delete, session_id)
+        return released
 
 
-class NgramProposer:
+class HostProposer(ProposerBase):
+    """A proposer computed on the host, with no model (prompt lookup, suffix speculation): `propose`
+    runs on the drafter's worker thread, and its proposal is cut at the first token the grammar refuses."""
+
+    source = ""
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        return (self.source,)
+
+    def propose(self, session_id: str, history: list[int], k: int, params: SamplingParams,
+                seed: int) -> Iterator[DraftToken]:
+        raise NotImplementedError
+
+    async def block(self, request: DraftRequest, env: DraftEnv) -> Block:
+        if request.k == 0:
+            return Block.empty(self.source)
+        return Block.listed(self.source, await env.proposal(self.propose, request), request.arrived)
+
+
+class NgramProposer(HostProposer):
     """Prompt lookup: propose the tokens that followed the latest earlier match of the suffix."""
 
-    kind = "ngram"
+    source = NGRAM
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
         self.max_ngram = max_ngram
@@ -155,14 +227,10 @@ class NgramProposer:
         tokens = propose_ngram(history, k, self.max_ngram, self.min_ngram)
         elapsed = time.perf_counter_ns() - start
         for token in tokens:
-            yield DraftToken(token, None, elapsed // max(len(tokens), 1), source="ngram")
-
-    def release(self, session_id: str, learn: bool = True) -> bool:
-        return False
+            yield DraftToken(token, None, elapsed // max(len(tokens), 1), source=NGRAM)
 
 
-
-class SuffixProposer:
+class SuffixProposer(HostProposer):
     """Suffix speculation: the most frequent continuation of the longest match of the history's end,
     in the session's own history or in a corpus of earlier outputs (`specdec.core.suffix`).
 
@@ -173,7 +241,8 @@ class SuffixProposer:
     proposer itself on `release` when `learn_on_release`). Thread-safe: one lock guards the indexes.
     """
 
-    kind = "suffix"
+    source = SUFFIX
+    learns_outputs = True
 
     def __init__(self, max_depth: int = 32, min_match: int = 2, min_prob: float = 0.1,
                  max_tokens: int = 1_000_000, max_sessions: int = 256, learn_on_release: bool = False) -> None:
@@ -195,7 +264,7 @@ class SuffixProposer:
         tokens = best_speculation(own, shared).tokens
         elapsed = time.perf_counter_ns() - start
         for token in tokens:
-            yield DraftToken(token, None, elapsed // max(len(tokens), 1), source="suffix")
+            yield DraftToken(token, None, elapsed // max(len(tokens), 1), source=SUFFIX)
 
     def _session(self, session_id: str, history: list[int], output_start: int) -> _SuffixSession:
         session = self._sessions.get(session_id)
@@ -215,7 +284,8 @@ class SuffixProposer:
             with self._lock:
                 self.corpus.add(tokens)
 
-    def release(self, session_id: str, learn: bool = True) -> bool:
+    def forget(self, session_id: str, learn: bool = True) -> bool:
+        """Drop the session's index (its output joins the corpus first when `learn_on_release` and `learn`)."""
         with self._lock:
             session = self._sessions.pop(session_id, None)
         if session is not None and self.learn_on_release and learn:
@@ -234,7 +304,7 @@ class _SuffixSession:
         return len(history) >= self.indexed and (self.indexed == 0 or history[self.indexed - 1] == self.last)
 
 
-class HybridProposer:
+class HybridProposer(ProposerBase):
     """A causal LM and suffix speculation: each call takes the suffix proposal when it is confident
     and the model's otherwise.
 
@@ -251,56 +321,33 @@ class HybridProposer:
     drafted every round would.
     """
 
-    kind = "hybrid"
+    sources = (MODEL, SUFFIX)  # the model drafts whatever suffix speculation does not
+    learns_outputs = True
 
     def __init__(self, model: ModelProposer, suffix: SuffixProposer) -> None:
         self.model = model
         self.suffix = suffix
 
-    @property
-    def caches(self) -> SessionCaches:
-        return self.model.caches
-
-    def suffix_proposal(self, session_id: str, history: list[int], k: int, params: SamplingParams,
-                        seed: int) -> list[DraftToken]:
-        """The suffix proposer's confident proposal (up to `k` tokens; empty: the model drafts)."""
-        return list(self.suffix.propose(session_id, history, k, params, seed))
-
     def propose(self, session_id: str, history: list[int], k: int, params: SamplingParams,
                 seed: int) -> Iterator[DraftToken]:
-        drafts = self.suffix_proposal(session_id, history, k, params, seed)
-        if drafts:
-            yield from drafts
-            return
-        yield from self.model.propose(session_id, history, k, params, seed)
+        drafts = list(self.suffix.propose(session_id, history, k, params, seed))
+        yield from drafts or self.model.propose(session_id, history, k, params, seed)
 
-    def job(self, session_id: str, history: list[int], k: int, params: SamplingParams, seed: int,
-            deadline: float | None = None, grammar: GrammarState | None = None) -> DraftJob:
-        """The model's block as a batcher job (once `suffix_proposal` came back empty)."""
-        return self.model.job(session_id, history, k, params, seed, deadline, grammar)
+    async def block(self, request: DraftRequest, env: DraftEnv) -> Block:
+        if request.k > 0:
+            drafts = await env.proposal(self.suffix.propose, request)
+            if drafts:
+                return Block.listed(SUFFIX, drafts, request.arrived)
+        return await self.model.block(request, env)
 
     def add_output(self, tokens: list[int]) -> None:
         """A finished generation's output joins the suffix corpus."""
         self.suffix.add_output(tokens)
 
-    def release(self, session_id: str, learn: bool = True) -> bool:
-        suffix = self.suffix.release(session_id, learn)
-        return self.model.release(session_id) or suffix
+    def forget(self, session_id: str, learn: bool = True) -> bool:
+        suffix = self.suffix.forget(session_id, learn)
+        return self.model.forget(session_id) or suffix
 
-
-def model_of(proposer: Proposer) -> ModelProposer | None:
-    """The causal LM behind a proposer (a model or hybrid proposer), or None for a model-free one."""
-    if isinstance(proposer, ModelProposer):
-        return proposer
-    if isinstance(proposer, HybridProposer):
-        return proposer.model
-    return None
-
-
-def suffix_of(proposer: Proposer) -> SuffixProposer | None:
-    """The suffix speculation of a suffix or hybrid proposer (what the outputs stream feeds)."""
-    if isinstance(proposer, SuffixProposer):
-        return proposer
-    if isinstance(proposer, HybridProposer):
-        return proposer.suffix
-    return None
+    async def release(self, session_id: str, learn: bool = True, sent_unix_ns: int = 0) -> bool:
+        suffix = await self.suffix.release(session_id, learn, sent_unix_ns)
+        return await self.model.release(session_id, learn, sent_unix_ns) or suffix

@@ -22,8 +22,9 @@ Model services (`ServiceMetrics`):
 - `specdec_admission_rejections_total` (counter): RESOURCE_EXHAUSTED refusals.
 - `specdec_requests_dropped_total{reason="deadline"|"cancelled"}` (counter): dropped before compute.
 
-Orchestrator (`OrchestratorMetrics`; the orchestrator calls `observe_round` and a
-`RequestTimer`'s `observe_chunk` / `observe_finish`):
+Orchestrator (`OrchestratorMetrics`; the orchestrator feeds it each round's `SpecDecodingStats`
+through `observe_round`, the same object GetStatus's counters read, and calls a `RequestTimer`'s
+`observe_chunk` / `observe_finish`):
 
 - `specdec_time_to_first_token_seconds`, `specdec_inter_token_latency_seconds` (between
   streamed chunks: one round, 1..k+1 tokens), `specdec_time_per_output_token_seconds`
@@ -65,6 +66,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -201,12 +203,45 @@ class RequestTimer:
             self.observe_finish(reason, 0, 0)
 
 
+@dataclass(frozen=True)
+class SpecDecodingStats:
+    """What one speculative round adds to the orchestrator's counters: built once per round and read
+    by every sink (the Prometheus counters of `OrchestratorMetrics.observe_round`, GetStatus's of
+    `orchestrator.status.Counters.observe_round`), as vLLM's spec-decode metrics do.
+
+    A *draft* is a round that proposed tokens; its *accepted* tokens are the draft tokens the target
+    kept; `num_emitted_tokens` are the tokens the round added to the output (the accepted ones and
+    the target's own, cut at a stop condition).
+    """
+
+    draft_length: int = 0  # k asked for
+    num_draft_tokens: int = 0  # proposed (may be fewer than k)
+    num_accepted_tokens: int = 0
+    num_emitted_tokens: int = 0
+    source: str = ""  # the source that drafted the block ("model", "ngram", "suffix"; "" unknown or none)
+    fallback: bool = False  # the draft failed: the round ran at k = 0
+    draft_ns: int = 0  # the draft call's wall time, and the compute the draft reported
+    draft_compute_ns: int = 0
+    verify_ns: int = 0  # the verify call's
+    verify_compute_ns: int = 0
+
+    @classmethod
+    def of_round(cls, stats, emitted: int, source: str = "") -> SpecDecodingStats:
+        """From a round's `specdec.v1.orchestrator_pb2.RoundStats` and the tokens it emitted."""
+        return cls(stats.draft_length, stats.proposed, stats.accepted, emitted, source, stats.draft_fallback,
+                   stats.draft_ns, stats.draft_compute_ns, stats.verify_ns, stats.verify_compute_ns)
+
+    @property
+    def num_drafts(self) -> int:
+        return 1 if self.num_draft_tokens > 0 else 0
+
+
 class OrchestratorMetrics:
-    """The orchestrator's metrics. Call `observe_round` per round and time each request::
+    """The orchestrator's metrics. Feed `observe_round` each round's stats and time each request::
 
         with metrics.start_request() as timer:
             ...
-            metrics.observe_round(chunk.round)
+            metrics.observe_round(SpecDecodingStats.of_round(chunk.round, len(chunk.token_ids)))
             timer.observe_chunk(len(chunk.token_ids))
             ...
             timer.observe_finish("length", prompt_tokens, completion_tokens)
@@ -283,22 +318,21 @@ class OrchestratorMetrics:
     def start_request(self) -> RequestTimer:
         return RequestTimer(self)
 
-    def observe_round(self, stats, source: str = "") -> None:
-        """One speculative round (`specdec.v1.orchestrator_pb2.RoundStats`); `source`: the proposer that
-        drafted its block ("model", "ngram", "suffix"; "" unknown)."""
+    def observe_round(self, stats: SpecDecodingStats) -> None:
+        """The Prometheus sink of one round's stats."""
         self.draft_length.observe(stats.draft_length)
-        if stats.draft_fallback:
+        if stats.fallback:
             self.fallbacks.inc()
-        if stats.proposed > 0:
+        if stats.num_drafts:
             self.num_drafts.inc()
-            self.num_draft_tokens.inc(stats.proposed)
-            self.num_accepted_tokens.inc(stats.accepted)
-            for position in range(stats.accepted):
+            self.num_draft_tokens.inc(stats.num_draft_tokens)
+            self.num_accepted_tokens.inc(stats.num_accepted_tokens)
+            for position in range(stats.num_accepted_tokens):
                 self._accepted_per_pos.labels(self.service, str(position)).inc()
-            label = source or "unspecified"
+            label = stats.source or "unspecified"
             self._drafts_by_source.labels(self.service, label).inc()
-            self._draft_tokens_by_source.labels(self.service, label).inc(stats.proposed)
-            self._accepted_by_source.labels(self.service, label).inc(stats.accepted)
+            self._draft_tokens_by_source.labels(self.service, label).inc(stats.num_draft_tokens)
+            self._accepted_by_source.labels(self.service, label).inc(stats.num_accepted_tokens)
         if stats.draft_ns > 0:
             self._observe_call("draft", stats.draft_ns, stats.draft_compute_ns)
         if stats.verify_ns > 0:

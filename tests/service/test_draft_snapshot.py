@@ -125,6 +125,8 @@ async def test_release_deletes_the_draft_snapshot_and_leaves_the_targets(tiny_mo
 
 async def test_a_model_draft_without_a_store_refuses_to_save(tiny_models):
     async with draft_service(**model_draft(tiny_models, None)) as replica:
+        described = await info(replica)
+        assert list(described.draft_sources) == ["model"] and not described.learns_outputs
         await propose(replica, "no-store", HISTORY)
         with pytest.raises(grpc.aio.AioRpcError) as error:
             await save(replica, "no-store")
@@ -136,5 +138,7 @@ async def test_prompt_lookup_saves_nothing_and_refuses_a_store(tiny_models):
         await propose(replica, "ngram-1", HISTORY)
         reply = await save(replica, "ngram-1")
         assert (reply.tokens, reply.bytes) == (0, 0)
+        described = await info(replica)
+        assert list(described.draft_sources) == ["ngram"] and not described.learns_outputs
     with pytest.raises(ValidationError, match="--snapshot-redis-url needs --proposer model"):
         DraftConfig(proposer="ngram", snapshot_redis_url="redis://127.0.0.1:6379/0")

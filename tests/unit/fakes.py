@@ -135,8 +135,9 @@ class FakeDraft(_FakePool):
 
     def __init__(self, reference: list[int], wrong_at: frozenset[int] | set[int] = frozenset(),
                  fail: bool | str = False, available: bool = True, reads_shared_outputs: bool = False,
-                 learns_outputs: bool | None = None) -> None:
+                 learns_outputs: bool | None = None, sources: tuple[str, ...] = ("model",)) -> None:
         super().__init__(reference)
+        self.sources = sources  # as DraftPool's: the sources the drafts' proposals may name
         self.reads_shared_outputs = reads_shared_outputs  # as DraftPool's: a replica reads the outputs stream
         self.learns_outputs = reads_shared_outputs if learns_outputs is None else learns_outputs  # a suffix corpus
         self.wrong_at = set(wrong_at)

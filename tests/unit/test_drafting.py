@@ -28,9 +28,12 @@ def test_a_request_it_can_serve_passes():
     drafter.check([5, 6], 2, "")  # no fingerprint: not checked
 
 
-def test_a_model_proposer_needs_a_batcher():
-    with pytest.raises(ValueError, match="needs a batcher"):
-        Drafter(ModelProposer.__new__(ModelProposer), "fp", "tiny")
+async def test_a_model_proposer_drafts_only_through_a_batcher():
+    proposer = ModelProposer.__new__(ModelProposer)
+    proposer.batcher = None
+    with pytest.raises(ValueError, match="drafts through a batcher"):
+        async for _ in Drafter(proposer, "fp", "tiny").stream("s", [1, 2], 2, SamplingParams(), 0, None, 0.0):
+            pass
 
 
 async def test_prompt_lookup_streams_its_tokens_with_the_queue_wait_on_the_first():

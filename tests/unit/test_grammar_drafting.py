@@ -45,12 +45,12 @@ async def drafts(drafter: Drafter, session: str, history: list[int], k: int, p: 
 async def test_a_model_draft_samples_only_what_the_grammar_allows(loaded, grammars):
     caches = SessionCaches(loaded.model, 512)
     batcher = Batcher(caches, BatchConfig(max_batch=4, window_s=0.0))
-    drafter = Drafter(ModelProposer(caches), "fp", "tiny", batcher, grammars=grammars)
+    drafter = Drafter(ModelProposer.batched(batcher), "fp", "tiny", grammars=grammars)
     prompt = list(loaded.tokenizer("Number: ")["input_ids"])
     digits = [loaded.tokenizer.convert_tokens_to_ids(c) for c in "0123456789"]
-    unconstrained = await drafts(Drafter(ModelProposer(SessionCaches(loaded.model, 512)), "fp", "tiny",
-                                         Batcher(SessionCaches(loaded.model, 512), BatchConfig(4, 0.0))),
-                                 "free", prompt, 6, SamplingParams(temperature=1.0))
+    free = Batcher(SessionCaches(loaded.model, 512), BatchConfig(4, 0.0))
+    unconstrained = await drafts(Drafter(ModelProposer.batched(free), "fp", "tiny"), "free", prompt, 6,
+                                 SamplingParams(temperature=1.0))
     assert any(d.token_id not in digits for d in unconstrained)  # the model alone writes more than digits
     for seed in range(5):
         got = await drafts(drafter, f"s{seed}", prompt, 6, params(DIGITS, len(prompt)), seed)

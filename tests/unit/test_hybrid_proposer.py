@@ -13,7 +13,7 @@ from pydantic import ValidationError
 
 from draft_service.config import DraftConfig
 from orchestrator.draft_length import DraftLength
-from orchestrator.sources import BY_SOURCE, SourcedDraftLength
+from orchestrator.sources import BY_SOURCE, SourcedDraftLength, controller_for
 from orchestrator.store import SessionState
 from specdec.core.policy import PolicyConfig, initial_state
 from specdec.core.sampling import SamplingParams
@@ -23,7 +23,7 @@ from specdec.runtime.grammars import SessionGrammars
 from specdec.runtime.kv import SessionCaches
 from specdec.runtime.models import load_model
 from specdec.runtime.proposers import HybridProposer, ModelProposer, SuffixProposer
-from specdec.server.metrics import OrchestratorMetrics
+from specdec.server.metrics import OrchestratorMetrics, SpecDecodingStats
 from specdec.v1 import orchestrator_pb2 as pb
 
 REPEATING = [5, 6, 7, 8, 9, 5, 6, 7]  # the end "5 6 7" was followed by "8 9": suffix speculation is sure
@@ -37,10 +37,9 @@ def loaded(tiny_models):
 
 
 def hybrid(loaded, grammars: SessionGrammars | None = None) -> tuple[Drafter, SessionCaches]:
-    caches = SessionCaches(loaded.model, 512)
-    proposer = HybridProposer(ModelProposer(caches), SuffixProposer())
-    return Drafter(proposer, "fp", "tiny", Batcher(caches, BatchConfig(max_batch=4, window_s=0.0)),
-                   grammars=grammars), caches
+    batcher = Batcher(SessionCaches(loaded.model, 512), BatchConfig(max_batch=4, window_s=0.0))
+    proposer = HybridProposer(ModelProposer.batched(batcher), SuffixProposer())
+    return Drafter(proposer, "fp", "tiny", grammars=grammars), batcher.caches
 
 
 async def drafts(drafter: Drafter, session: str, history: list[int], k: int, params: SamplingParams, seed: int = 0):
@@ -59,8 +58,8 @@ async def test_a_confident_suffix_drafts_the_block_deterministically_without_the
 @pytest.mark.parametrize("params", [SamplingParams(), SAMPLING])
 async def test_otherwise_the_model_drafts_as_a_model_proposer_alone_would(loaded, params):
     drafter, _ = hybrid(loaded)
-    alone = Drafter(ModelProposer(caches := SessionCaches(loaded.model, 512)), "fp", "tiny",
-                    Batcher(caches, BatchConfig(max_batch=4, window_s=0.0)))
+    alone = Drafter(ModelProposer.batched(Batcher(SessionCaches(loaded.model, 512), BatchConfig(4, 0.0))), "fp",
+                    "tiny")
     got = await drafts(drafter, "s", FRESH, 4, params, seed=3)
     expected = await drafts(alone, "s", FRESH, 4, params, seed=3)
     assert [d.token_id for d in got] == [d.token_id for d in expected] and len(got) == 4
@@ -110,12 +109,21 @@ async def test_forced_tokens_leading_a_suffix_block_carry_no_q_either(loaded):
     assert all(d.source == "model" and d.probs is not None for d in model_block)
 
 
-def test_a_hybrid_proposer_needs_a_batcher(loaded):
-    with pytest.raises(ValueError, match="hybrid proposer needs a batcher"):
-        Drafter(HybridProposer(ModelProposer(SessionCaches(loaded.model, 64)), SuffixProposer()), "fp", "tiny")
+async def test_a_hybrid_proposer_needs_a_batcher_for_its_model(loaded):
+    drafter = Drafter(HybridProposer(ModelProposer(SessionCaches(loaded.model, 64)), SuffixProposer()), "fp", "tiny")
+    with pytest.raises(ValueError, match="drafts through a batcher"):
+        await drafts(drafter, "s", FRESH, 4, SamplingParams())
 
 
 # -- flags ---------------------------------------------------------------------------------------
+
+def test_the_proposer_choices_are_the_registrys():
+    import typing
+
+    from draft_service.registry import PROPOSERS
+
+    assert set(typing.get_args(DraftConfig.model_fields["proposer"].annotation)) == set(PROPOSERS)
+
 
 def test_hybrid_takes_the_suffix_options_the_stream_and_snapshots():
     config = DraftConfig(proposer="hybrid", suffix_min_prob=0.5, suffix_redis_url="redis://127.0.0.1:1/0",
@@ -205,7 +213,7 @@ def round_stats(k: int, proposed: int, accepted: int) -> pb.RoundStats:
 def sourced() -> tuple[SourcedDraftLength, SessionState]:
     state = SessionState(session_id="s", seed=0, draft_length=-1)
     main = DraftLength(0, initial_state(CONFIG), CONFIG)
-    lengths = SourcedDraftLength(main, initial_state(CONFIG), CONFIG)
+    lengths = SourcedDraftLength(main, "model", {"suffix": initial_state(CONFIG)}, CONFIG)
     return lengths, state
 
 
@@ -218,20 +226,20 @@ def test_each_source_learns_its_own_acceptance_and_prices_the_round_it_is_predic
     assert alpha["suffix"] > 0.9 and alpha["model"] < 0.1
     assert lengths.next_source == "model" and lengths.wanted == lengths.main.policy.k
     lengths.observe(state, round_stats(4, 4, 4), 0.001, "suffix")
-    assert lengths.next_source == "suffix" and lengths.wanted == lengths.suffix.k
-    assert lengths.suffix.k > lengths.main.policy.k  # the sure source gets the longer block
+    assert lengths.next_source == "suffix" and lengths.wanted == lengths.others["suffix"].k
+    assert lengths.others["suffix"].k > lengths.main.policy.k  # the sure source gets the longer block
     # Both travel with the session: the model's as usual, the suffix's beside it.
     assert state.policy["alpha"] == lengths.main.policy.alpha
-    assert state.policy[BY_SOURCE]["suffix"]["alpha"] == lengths.suffix.alpha
+    assert state.policy[BY_SOURCE]["suffix"]["alpha"] == lengths.others["suffix"].alpha
 
 
 def test_a_round_that_drafted_nothing_teaches_every_source():
     lengths, state = sourced()
-    before = (lengths.main.policy.rounds, lengths.suffix.rounds)
+    before = (lengths.main.policy.rounds, lengths.others["suffix"].rounds)
     lengths.observe(state, pb.RoundStats(draft_length=2, draft_fallback=True, verify_ns=20_000_000,
                                          verify_compute_ns=15_000_000), 0.001, "")
-    assert (lengths.main.policy.rounds, lengths.suffix.rounds) == (before[0] + 1, before[1] + 1)
-    assert lengths.main.policy.backoff > 0 and lengths.suffix.backoff > 0  # a failed draft backs both off
+    assert (lengths.main.policy.rounds, lengths.others["suffix"].rounds) == (before[0] + 1, before[1] + 1)
+    assert lengths.main.policy.backoff > 0 and lengths.others["suffix"].backoff > 0  # a failed draft backs both off
     assert lengths.next_source == "model"
 
 
@@ -243,18 +251,21 @@ async def test_a_stored_suffix_state_is_restored_and_a_new_one_starts_from_the_m
     lengths, state = sourced()
     for _ in range(3):
         lengths.observe(state, round_stats(4, 4, 4), 0.001, "suffix")
-    restored = await SourcedDraftLength.of(state, True, Store(), CONFIG)
-    assert restored.suffix == lengths.suffix and restored.main.policy == lengths.main.policy
+    restored = await controller_for(state, Store(), CONFIG, True, ("model", "suffix"))
+    assert isinstance(restored, SourcedDraftLength)
+    assert restored.others == lengths.others and restored.main.policy == lengths.main.policy
     plain = SessionState(session_id="p", seed=0, draft_length=-1, policy=lengths.main.policy.to_dict())
-    fresh = await SourcedDraftLength.of(plain, True, Store(), CONFIG)
-    assert fresh.suffix.alpha is None and fresh.suffix.verify_s == lengths.main.policy.verify_s
+    fresh = await controller_for(plain, Store(), CONFIG, True, ("model", "suffix"))
+    assert fresh.others["suffix"].alpha is None and fresh.others["suffix"].verify_s == lengths.main.policy.verify_s
+    one = await controller_for(state, Store(), CONFIG, True, ("model",))  # one source: one state, read as ever
+    assert isinstance(one, DraftLength) and one.policy == lengths.main.policy
 
 
 def test_rounds_are_counted_by_source_in_the_metrics():
     metrics = OrchestratorMetrics()
-    metrics.observe_round(round_stats(4, 4, 3), "suffix")
-    metrics.observe_round(round_stats(4, 4, 1), "model")
-    metrics.observe_round(round_stats(4, 2, 2), "")
+    metrics.observe_round(SpecDecodingStats.of_round(round_stats(4, 4, 3), 4, "suffix"))
+    metrics.observe_round(SpecDecodingStats.of_round(round_stats(4, 4, 1), 2, "model"))
+    metrics.observe_round(SpecDecodingStats.of_round(round_stats(4, 2, 2), 3, ""))
     value = metrics.registry.get_sample_value
     assert value("specdec_spec_decode_num_draft_tokens_by_source_total",
                  {"service": "orchestrator", "source": "suffix"}) == 4

@@ -7,7 +7,7 @@ import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from specdec.server.metrics import OrchestratorMetrics, ServiceMetrics, serve_metrics
+from specdec.server.metrics import OrchestratorMetrics, ServiceMetrics, SpecDecodingStats, serve_metrics
 from specdec.v1 import orchestrator_pb2
 
 
@@ -36,7 +36,7 @@ def test_orchestrator_round_and_request_metrics():
     with m.start_request() as timer:
         assert value(m.registry, "specdec_num_requests_running", service="orchestrator") == 1
         for stats, n in zip(rounds, (3, 5, 1)):
-            m.observe_round(stats)
+            m.observe_round(SpecDecodingStats.of_round(stats, n))
             time.sleep(0.01)
             timer.observe_chunk(n)
         timer.observe_finish("length", prompt_tokens=7, completion_tokens=9)

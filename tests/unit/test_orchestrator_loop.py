@@ -141,6 +141,32 @@ async def test_auto_runs_the_controller_and_folds_it_into_the_prior():
     assert await store.load_prior() is not None
 
 
+@pytest.mark.parametrize("sources,by_source", [(("model",), False), (("model", "suffix"), True)])
+async def test_the_controller_keeps_a_state_per_source_the_draft_names(sources, by_source):
+    store = InMemorySessionStore()
+    orch = orchestrator(store, FakeTarget(REFERENCE), FakeDraft(REFERENCE, sources=sources), draft_length="auto")
+    chunks = await run(orch, max_new_tokens=12)
+    assert generated(chunks) == REFERENCE[START:START + 12]
+    policy = (await store.load(chunks[0].session_id)).policy
+    assert ("by_source" in policy) == by_source and (not by_source or set(policy["by_source"]) == {"suffix"})
+
+
+async def test_getstatus_and_the_metrics_count_the_same_rounds():
+    orch = orchestrator(InMemorySessionStore(), FakeTarget(REFERENCE), FakeDraft(REFERENCE, wrong_at={START + 2}),
+                        draft_length=4)
+    chunks = await run(orch, max_new_tokens=12)
+    reply = pb.GetStatusResponse()
+    orch.counters.fill(reply)
+    metric = orch.metrics.registry.get_sample_value
+    labels = {"service": "orchestrator"}
+    assert reply.generations_total == 1 and reply.active_generations == 0
+    assert reply.generated_tokens == 12 == len(generated(chunks))
+    assert reply.draft_tokens == metric("specdec_spec_decode_num_draft_tokens_total", labels) == \
+        chunks[-1].stats.draft_tokens
+    assert reply.accepted_tokens == metric("specdec_spec_decode_num_accepted_tokens_total", labels) == \
+        chunks[-1].stats.accepted_tokens
+
+
 async def test_a_session_takes_turns_and_refuses_a_second_request_while_leased():
     store, target = InMemorySessionStore(), FakeTarget(REFERENCE)
     orch = orchestrator(store, target, FakeDraft(REFERENCE), draft_length=2)

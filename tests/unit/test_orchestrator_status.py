@@ -1,4 +1,4 @@
-"""GetStatus's parts: counters observed from chunks, and backend probes that report failures."""
+"""GetStatus's parts: counters fed each round's stats, and backend probes that report failures."""
 
 from __future__ import annotations
 
@@ -9,31 +9,22 @@ import pytest
 
 from orchestrator.status import Counters, backend_status, status
 from specdec.client import _as_dict
+from specdec.server.metrics import SpecDecodingStats
 from specdec.v1 import common_pb2, orchestrator_pb2 as pb
 
-
-async def _chunks(fail: bool = False):
-    yield pb.GenerateChunk(session_id="s")  # header
-    yield pb.GenerateChunk(session_id="s", token_ids=[1, 2, 3], round=pb.RoundStats(proposed=4, accepted=2))
-    if fail:
-        raise RuntimeError("target gone")
-    yield pb.GenerateChunk(session_id="s", token_ids=[4], round=pb.RoundStats(proposed=4, accepted=0))
+ROUNDS = [SpecDecodingStats(draft_length=4, num_draft_tokens=4, num_accepted_tokens=2, num_emitted_tokens=3),
+          SpecDecodingStats(draft_length=4, num_draft_tokens=4, num_accepted_tokens=0, num_emitted_tokens=1)]
 
 
 def test_counters_follow_generations_as_they_run():
     counters = Counters()
-
-    async def main():
-        gen = counters.observe(_chunks())
-        await anext(gen)
+    with counters.generation():
         assert counters.active_generations == 1 and counters.generations_total == 0
-        rest = [c async for c in gen]
-        assert len(rest) == 2
-        with pytest.raises(RuntimeError):
-            async for _ in counters.observe(_chunks(fail=True)):
-                pass
-
-    asyncio.run(main())
+        for stats in ROUNDS:
+            counters.observe_round(stats)
+    with pytest.raises(RuntimeError), counters.generation():
+        counters.observe_round(ROUNDS[0])
+        raise RuntimeError("target gone")
     reply = pb.GetStatusResponse()
     counters.fill(reply)
     assert reply.active_generations == 0 and reply.generations_total == 2  # a failed one counts too

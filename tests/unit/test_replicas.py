@@ -12,6 +12,7 @@ from orchestrator.backends import Busy, DraftReply, VerifyReply
 from orchestrator.replicas import DraftPool, Replica, TargetPool, parse_addresses, resolve
 from specdec.core.sampling import SamplingParams
 from specdec.errors import Unavailable
+from specdec.v1 import common_pb2
 
 
 class FakeTarget:
@@ -157,6 +158,16 @@ def test_draft_snapshot_is_asked_of_the_replica_holding_the_session_only():
     pool._affinity["s"] = "b:1"
     assert asyncio.run(pool.save_snapshot("s")) == 300
     assert pool.replicas["a:1"].backend.calls == [] and pool.replicas["b:1"].backend.calls == ["snapshot:s"]
+
+
+def test_what_the_drafts_report_comes_from_their_model_info():
+    pool = draft_pool_of(**{"a:1": {}, "b:1": {}, "c:1": {}})
+    assert pool.sources == () and not pool.learns_outputs and not pool.reads_shared_outputs  # none probed yet
+    pool.replicas["a:1"].info = common_pb2.ModelInfo(draft_sources=["model", "suffix"], learns_outputs=True)
+    pool.replicas["b:1"].info = common_pb2.ModelInfo(draft_sources=["ngram"])  # a rollout to another draft
+    assert pool.sources == ("model", "suffix", "ngram") and pool.learns_outputs and not pool.reads_shared_outputs
+    pool.replicas["c:1"].info = common_pb2.ModelInfo(draft_sources=["suffix"], reads_shared_outputs=True)
+    assert pool.sources == ("model", "suffix", "ngram") and pool.reads_shared_outputs
 
 
 def test_failed_draft_snapshot_is_logged_never_raised(caplog):

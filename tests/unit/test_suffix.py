@@ -152,15 +152,15 @@ def test_proposer_sessions_are_bounded_and_released():
         propose(proposer, s, [1, 2, 3], 1)
     assert list(proposer._sessions) == ["b", "c"]
     propose(proposer, "c", [1, 2, 3, 4, 5, 6], 1, output_start=3)
-    assert proposer.release("c") is True and proposer.release("c") is False
+    assert proposer.forget("c") is True and proposer.forget("c") is False
     assert propose(proposer, "d", [0, 4, 5], 1) == [6]  # c's output joined the corpus on release
 
 
-def test_a_release_the_orchestrator_marks_forget_output_does_not_join_the_corpus():
+async def test_a_release_the_orchestrator_marks_forget_output_does_not_join_the_corpus():
     proposer = SuffixProposer(learn_on_release=True)
     propose(proposer, "c", [1, 2, 3, 4, 5, 6], 1, output_start=3)
-    assert proposer.release("c", learn=False) is True
+    assert await proposer.release("c", learn=False) is True
     assert propose(proposer, "d", [0, 4, 5], 1) == []  # c's output was forgotten with it
     propose(proposer, "e", [1, 2, 3, 4, 5, 6], 1, output_start=3)
-    assert proposer.release("e") is True
+    assert await proposer.release("e") is True
     assert propose(proposer, "d", [0, 4, 5], 1) == [6]  # the same output, learned when allowed

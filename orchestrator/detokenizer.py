@@ -1,4 +1,4 @@
-"""Incremental detokenization with stop strings.
+"""The incremental detokenizer of a generation's stream, with stop strings.
 
 Text is released as tokens arrive, holding back an incomplete UTF-8 character (decoded as
 U+FFFD) and any tail that could still grow into a stop string. Decoding works on a short window
@@ -11,7 +11,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 
-class TextStream:
+class Detokenizer:
+    """Turns a generation's tokens into text as they arrive (`push`, then `release` the text ready)."""
+
     def __init__(self, tokenizer, stop: Sequence[str] = ()) -> None:
         self.tokenizer = tokenizer
         self.stop = [s for s in stop if s]
@@ -42,6 +44,13 @@ class TextStream:
         if hits:
             self.text = self.text[:min(hits)]
             self.stopped = True
+
+    def replay(self, tokens: list[int], eos_ids: set[int]) -> None:
+        """Push tokens already generated (a resume catching up), as the rounds pushed them: an
+        end-of-sequence token has no text, and nothing follows a stop string."""
+        for token in tokens:
+            if token not in eos_ids and not self.stopped:
+                self.push(token)
 
     def _open_prefix(self) -> int:
         """Length of the longest tail of the text that could still grow into a stop string."""
