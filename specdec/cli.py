@@ -142,7 +142,7 @@ def _client(args: argparse.Namespace, address: str | None = None):
 
 def _report_error(exc: SpecdecError, args: argparse.Namespace) -> int:
     """Print what went wrong and what to do about it; the exit status for it."""
-    print(f"\nerror ({exc.code.name}): {exc}", file=sys.stderr)
+    print(f"\nerror ({exc.code}): {exc}", file=sys.stderr)
     if isinstance(exc, Unavailable) and _UNREACHABLE in str(exc):
         print(f"Nothing answers at {args.address}. Is the pipeline running? Start it with `specdec up` "
               "(or `specdec up --detach`), or point --address (or $SPECDEC_ADDRESS) at a running orchestrator.",
