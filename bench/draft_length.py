@@ -44,7 +44,7 @@ CHAT = [{"role": "user", "content": "Explain in simple words how a refrigerator 
 
 
 def tiny_models(root: Path) -> dict[str, str]:
-    from specdec.runtime.tiny import make_tiny_model
+    from specdec.testing.tiny import make_tiny_model
 
     target = make_tiny_model(root / "target", seed=0)
     return {

@@ -69,7 +69,7 @@ def tiny_model(tmp_path_factory, one_torch_thread):
     """The tiny target (seed 0) as a float64 transformers model in this process, on one torch
     thread while the module runs: for engine tests that compare with a plain forward pass."""
     from specdec.runtime.models import load_model
-    from specdec.runtime.tiny import make_tiny_model
+    from specdec.testing.tiny import make_tiny_model
 
     path = make_tiny_model(tmp_path_factory.mktemp("tiny-model") / "m", seed=0)
     return load_model(str(path), dtype="float64", progress=False).model
@@ -78,7 +78,7 @@ def tiny_model(tmp_path_factory, one_torch_thread):
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
     """A tiny target, a good draft (small perturbation), a poor draft and a mismatched one."""
-    from specdec.runtime.tiny import make_mismatched_tokenizer_model, make_tiny_model
+    from specdec.testing.tiny import make_mismatched_tokenizer_model, make_tiny_model
 
     root = tmp_path_factory.mktemp("models")
     target = make_tiny_model(root / "target", seed=0)
