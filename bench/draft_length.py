@@ -36,7 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specdec import Client
-from specdec.launcher import Pipeline, Plan, free_port, wait_healthy
+from specdec.launcher import Pipeline, PipelineSpec, free_port, wait_healthy
 
 RTTS_MS = [0, 2, 10, 30]
 MODES = ["auto", "0", "1", "2", "4", "6", "8", "12"]
@@ -145,8 +145,8 @@ def run_mode(client: Client, cell: dict, mode: str) -> dict:
 
 def run_cell(cell: dict, args, log_root: Path) -> dict:
     log_dir = Path(tempfile.mkdtemp(prefix=f"{cell['regime']}-{cell['draft']}-", dir=log_root))
-    plan = Plan(orchestrator_port=free_port(), draft_port=free_port(), target_port=free_port(),
-                redis_port=free_port(), log_dir=str(log_dir), **cell["plan"])
+    plan = PipelineSpec(orchestrator_port=free_port(), draft_port=free_port(), target_port=free_port(),
+                        redis_port=free_port(), log_dir=str(log_dir), **cell["plan"])
     pipeline = Pipeline(plan)
     pipeline.start(echo=lambda *_: None)
     fleet = RttFleet(pipeline, log_dir, overlap=args.overlap)

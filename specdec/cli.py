@@ -13,7 +13,7 @@ from dataclasses import fields
 from specdec.errors import SpecdecError, Unauthenticated, Unavailable
 
 DEFAULT_ADDRESS = os.environ.get("SPECDEC_ADDRESS", "127.0.0.1:50051")
-# Flags of `specdec up` whose default differs from the Plan's (a Plan made in code starts no gateway).
+# Flags of `specdec up` whose default differs from the PipelineSpec's (one made in code starts no gateway).
 UP_DEFAULTS = {"http_port": 8000}
 # Flags of `specdec up` that only one proposer reads: given with another, they are refused.
 PROPOSER_FLAGS = {"ngram_min": "ngram", "ngram_max": "ngram"}
@@ -22,7 +22,7 @@ PLAN_CHOICES = {"proposer": ("suffix", "ngram", "model", "hybrid", "none")}
 
 
 def _add_plan_flags(parser: argparse.ArgumentParser) -> None:
-    from specdec.launcher import Plan
+    from specdec.launcher import PipelineSpec
 
     helps = {
         "target_model": "target model: packaged default name, local directory or transformers id",
@@ -44,7 +44,7 @@ def _add_plan_flags(parser: argparse.ArgumentParser) -> None:
         "log_format": "log lines of every service: text or json",
         "otel_endpoint": "OTLP/gRPC collector every service exports traces to (unset: no export)",
     }
-    for f in fields(Plan):
+    for f in fields(PipelineSpec):
         if f.name not in helps and not f.name.endswith("_port"):
             continue
         kind = int if f.type in ("int", "int | None") else str
@@ -61,7 +61,7 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from specdec.launcher import Pipeline, Plan, Stopped, state_file
+    from specdec.launcher import Pipeline, PipelineSpec, Stopped, state_file
     from specdec.runtime.models import resolve_model_path
 
     misplaced = [name for name, proposer in PROPOSER_FLAGS.items()
@@ -72,8 +72,9 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(f"{flags}: options of --proposer {wanted}, which --proposer {args.proposer} does not run; drop them "
               f"or choose --proposer {wanted}", file=sys.stderr)
         return 2
-    given = {f.name: getattr(args, f.name) for f in fields(Plan) if hasattr(args, f.name)}
-    plan = Plan(**{name: value for name, value in given.items() if value is not None or name not in PROPOSER_FLAGS})
+    given = {f.name: getattr(args, f.name) for f in fields(PipelineSpec) if hasattr(args, f.name)}
+    plan = PipelineSpec(**{name: value for name, value in given.items()
+                           if value is not None or name not in PROPOSER_FLAGS})
     if state_file().exists() and args.detach:
         print(f"a detached pipeline may already be running ({state_file()}); run `specdec down` first",
               file=sys.stderr)

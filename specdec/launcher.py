@@ -34,7 +34,7 @@ def redis_server_binary() -> str:
 
 
 @dataclass
-class Plan:
+class PipelineSpec:
     """What `specdec up` starts; every field has a matching CLI flag."""
 
     target_model: str = DEFAULT_MODEL
@@ -229,7 +229,7 @@ def wait_http_healthy(url: str, timeout_s: float, proc: subprocess.Popen | None 
 class Pipeline:
     """The running processes of one `specdec up`."""
 
-    def __init__(self, plan: Plan, tied_to_parent: bool = False) -> None:
+    def __init__(self, plan: PipelineSpec, tied_to_parent: bool = False) -> None:
         """`tied_to_parent`: the processes die with this one, even when it is SIGKILLed (a
         foreground `specdec up`); a detached pipeline outlives the command that started it."""
         self.plan = plan

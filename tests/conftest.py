@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from specdec import launcher
-from specdec.launcher import Pipeline, Plan, free_port
+from specdec.launcher import Pipeline, PipelineSpec, free_port
 
 
 def pytest_configure(config):
@@ -94,7 +94,7 @@ def start_pipeline(log_dir: Path, **plan_fields) -> Pipeline:
     """A pipeline on free ports. A port `free_port` found free can be taken before the service binds
     it (another process's outgoing connection, seen once in CI): then it starts again on new ports."""
     for attempt in range(3):
-        plan = Plan(
+        plan = PipelineSpec(
             orchestrator_port=free_port(), draft_port=free_port(), target_port=free_port(),
             redis_port=free_port(), log_dir=str(log_dir), **plan_fields,
         )
