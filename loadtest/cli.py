@@ -18,6 +18,7 @@ import tempfile
 import time
 
 from loadtest.metrics import parse_slo
+from specdec.extras import require_serving
 
 DEFAULT_ADDRESS = os.environ.get("SPECDEC_ADDRESS", "127.0.0.1:50051")
 DEFAULT_HTTP = "http://127.0.0.1:8000/v1"
@@ -145,6 +146,7 @@ def config_from_args(args: argparse.Namespace):
 
 def start_pipeline(args: argparse.Namespace, http: bool, echo=print):
     """The `specdec up` defaults on free ports (others may run a pipeline on the usual ones)."""
+    require_serving("specdec loadtest --start-pipeline")
     from specdec.launcher import Pipeline, PipelineSpec, free_port
     from specdec.runtime.models import resolve_model_path
 

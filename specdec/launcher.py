@@ -15,7 +15,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specdec.defaults import DEFAULT_MODEL, cache_dir
 
@@ -186,6 +185,8 @@ def _check_stop(stop: StopRequest | None) -> None:
 def wait_healthy(address: str, timeout_s: float, proc: subprocess.Popen | None = None,
                  stop: StopRequest | None = None) -> None:
     """Block until the gRPC health service at `address` reports SERVING; raise `Stopped` once `stop` is set."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc  # the serve extra: only `specdec up` waits
+
     deadline = time.monotonic() + timeout_s
     with grpc.insecure_channel(address) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
