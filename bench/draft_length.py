@@ -18,7 +18,7 @@ Regimes
 
 Every cell runs the same prompt at every mode, interleaved (the order rotated each
 repetition), after one unmeasured warm-up of `auto` (so the session prior is warm, as in a
-running server). Output: JSON with tokens/s per mode, the ratios the issue asks for, and the k
+running server). Output: JSON with tokens/s per mode, `auto` against the best fixed k and k = 0, and the k
 chosen by `auto` per round; `--plot` adds a PNG.
 """
 
@@ -186,7 +186,7 @@ def run_cell(cell: dict, args, log_root: Path) -> dict:
 
 
 def judge(results: dict) -> dict:
-    """The issue's targets, per cell."""
+    """Per cell: `auto` against the best fixed k and against k = 0 (on the CPU pair, the target alone on both cores)."""
     verdicts = {}
     for key, by_rtt in results.items():
         if key.endswith("plain-2-cores"):

@@ -461,7 +461,7 @@ def best_speedup(cand: dict, k: int) -> float:
 
 
 def judge(candidates: list[dict], k: int, latency_goal: float = 0.25, acceptance_goal: float = 0.6) -> dict:
-    """The issue's goal per trained draft: latency ≤ 0.25 × target step, acceptance ≥ 0.6, and an
+    """The goal per trained draft: latency ≤ 0.25 × target step, acceptance ≥ 0.6, and an
     end-to-end speedup above every draft that needs no training."""
     untrained = [c for c in candidates if not c["trained"]]
     bar = max((best_speedup(c, k) for c in untrained), default=0.0)
