@@ -19,6 +19,7 @@ import runpy
 import shlex
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from unittest import mock
 
@@ -104,7 +105,8 @@ def _captured(run, name: str) -> argparse.ArgumentParser:
     saved_path, saved_argv = list(sys.path), list(sys.argv)
     sys.argv[:] = [name]  # a program that reads sys.argv itself sees no arguments
     try:
-        with mock.patch.object(argparse.ArgumentParser, "parse_known_args", grab):
+        with mock.patch.object(argparse.ArgumentParser, "parse_known_args", grab), warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # runpy: a module already imported as a library
             run()
     except _Parsed as parsed:
         return parsed.parser
