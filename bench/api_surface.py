@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specdec import Client
-from specdec.launcher import Pipeline, Plan
+from specdec.launcher import Pipeline, PipelineSpec
 
 SCHEMAS = {
     "person": {"type": "object", "properties": {
@@ -140,8 +140,9 @@ def main() -> None:
     parser.add_argument("--base-port", type=int, default=51151)
     parser.add_argument("--proposer", default="model", choices=["model", "ngram"])
     args = parser.parse_args()
-    plan = Plan(log_dir=tempfile.mkdtemp(prefix="bench-api-"), orchestrator_port=args.base_port, proposer=args.proposer,
-                draft_port=args.base_port + 1, target_port=args.base_port + 2, redis_port=args.base_port + 3)
+    plan = PipelineSpec(log_dir=tempfile.mkdtemp(prefix="bench-api-"), orchestrator_port=args.base_port,
+                        proposer=args.proposer, draft_port=args.base_port + 1, target_port=args.base_port + 2,
+                        redis_port=args.base_port + 3)
     pipeline = Pipeline(plan)
     pipeline.start(echo=lambda *_: None)
     settings = [("json k=0", 0, True, False), ("json k=auto", "auto", True, False),

@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specdec.client import build_request
 from specdec.data import bundled_prompts
-from specdec.launcher import Pipeline, Plan
+from specdec.launcher import Pipeline, PipelineSpec
 from specdec.runtime.models import DEFAULT_MODEL
 from specdec.v1 import orchestrator_pb2_grpc
 
@@ -172,11 +172,11 @@ def start_pipeline(base_port: int, max_batch: int, args) -> Pipeline:
     batching = ["--max-batch", str(max_batch)]
     if args.window_ms is not None:
         batching += ["--batch-window-ms", str(args.window_ms)]
-    plan = Plan(proposer=args.proposer, log_dir=tempfile.mkdtemp(prefix=f"bench-concurrency-{max_batch}-"),
-                target_threads=args.target_threads or None, orchestrator_port=base_port, draft_port=base_port + 1,
-                target_port=base_port + 2,
-                redis_port=base_port + 3, extra_target_args=[*batching, "--metrics-port", str(base_port + 4)],
-                extra_draft_args=batching if args.proposer == "model" else [])
+    plan = PipelineSpec(proposer=args.proposer, log_dir=tempfile.mkdtemp(prefix=f"bench-concurrency-{max_batch}-"),
+                        target_threads=args.target_threads or None, orchestrator_port=base_port,
+                        draft_port=base_port + 1, target_port=base_port + 2, redis_port=base_port + 3,
+                        extra_target_args=[*batching, "--metrics-port", str(base_port + 4)],
+                        extra_draft_args=batching if args.proposer == "model" else [])
     pipeline = Pipeline(plan)
     pipeline.start(echo=lambda *_: None)
     return pipeline

@@ -18,7 +18,7 @@ Regimes
 
 Every cell runs the same prompt at every mode, interleaved (the order rotated each
 repetition), after one unmeasured warm-up of `auto` (so the session prior is warm, as in a
-running server). Output: JSON with tokens/s per mode, the ratios the issue asks for, and the k
+running server). Output: JSON with tokens/s per mode, `auto` against the best fixed k and k = 0, and the k
 chosen by `auto` per round; `--plot` adds a PNG.
 """
 
@@ -36,7 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specdec import Client
-from specdec.launcher import Pipeline, Plan, free_port, wait_healthy
+from specdec.launcher import Pipeline, PipelineSpec, free_port, wait_healthy
 
 RTTS_MS = [0, 2, 10, 30]
 MODES = ["auto", "0", "1", "2", "4", "6", "8", "12"]
@@ -44,7 +44,7 @@ CHAT = [{"role": "user", "content": "Explain in simple words how a refrigerator 
 
 
 def tiny_models(root: Path) -> dict[str, str]:
-    from specdec.runtime.tiny import make_tiny_model
+    from specdec.testing.tiny import make_tiny_model
 
     target = make_tiny_model(root / "target", seed=0)
     return {
@@ -145,8 +145,8 @@ def run_mode(client: Client, cell: dict, mode: str) -> dict:
 
 def run_cell(cell: dict, args, log_root: Path) -> dict:
     log_dir = Path(tempfile.mkdtemp(prefix=f"{cell['regime']}-{cell['draft']}-", dir=log_root))
-    plan = Plan(orchestrator_port=free_port(), draft_port=free_port(), target_port=free_port(),
-                redis_port=free_port(), log_dir=str(log_dir), **cell["plan"])
+    plan = PipelineSpec(orchestrator_port=free_port(), draft_port=free_port(), target_port=free_port(),
+                        redis_port=free_port(), log_dir=str(log_dir), **cell["plan"])
     pipeline = Pipeline(plan)
     pipeline.start(echo=lambda *_: None)
     fleet = RttFleet(pipeline, log_dir, overlap=args.overlap)
@@ -186,7 +186,7 @@ def run_cell(cell: dict, args, log_root: Path) -> dict:
 
 
 def judge(results: dict) -> dict:
-    """The issue's targets, per cell."""
+    """Per cell: `auto` against the best fixed k and against k = 0 (on the CPU pair, the target alone on both cores)."""
     verdicts = {}
     for key, by_rtt in results.items():
         if key.endswith("plain-2-cores"):

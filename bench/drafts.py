@@ -1,5 +1,5 @@
 """Shallow self-distilled drafts for the default target: build several depths, then profile them
-next to the bf16 copy of the target and prompt lookup (issue 10).
+next to the bf16 copy of the target and prompt lookup.
 
     python bench/drafts.py --depths 2,4,8 --budget 10 --threads 1 --out bench/results/drafts.json
     python bench/drafts.py --depths 2,4,8 --budget 10 --device cuda --out bench/results/drafts-gpu.json

@@ -9,8 +9,8 @@ in ONE `SessionCaches.score_batch` pass. Timed: the median (and the minimum) of 
 passes after one warm-up, each followed by an untimed rollback to `context`, the engines'
 passes interleaved so that load from elsewhere on a shared machine hits them alike. Engines:
 
-- `old`: the engine before issue #17, frozen in `bench/_legacy_kv.py` (a DynamicCache per
-  session, the pasts copied into a padded batch every pass);
+- `old`: the engine before K/V moved into per-session buffers written in place, frozen in
+  `bench/_legacy_kv.py` (a DynamicCache per session, the pasts copied into a padded batch every pass);
 - `new`: `specdec.runtime.kv` (in-place buffers, packed pass), as a service runs it: projections
   of up to `native_linear_rows` rows through the native linear kernel, that count measured once at
   the start as a service's warm-up measures it (`--native-linear-rows auto`; recorded in the JSON);
@@ -74,7 +74,7 @@ GRID = {"positions": [1, 3, 5, 9], "contexts": [64, 1024, 4096, 8000], "sessions
 QUICK = {"positions": [1, 5], "contexts": [64, 4096], "sessions": [1, 8]}
 KEYS = ("old", "torch_kernels", "native_attention", "avx2_kernels", "batch_invariant", "new", "new_one_by_one",
         "compiled")
-QUICK_EXTRA = [(3, 4096, 8), (3, 4096, 1), (3, 64, 1)]  # the figures the issue quotes
+QUICK_EXTRA = [(3, 4096, 8), (3, 4096, 1), (3, 64, 1)]  # the cells the summary reports
 
 
 def read_bandwidth(repeats: int = 7) -> float:
@@ -244,7 +244,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--quick", action="store_true",
-                    help="positions {1,5} x contexts {64,4096} x sessions {1,8}, plus the cells the issue quotes")
+                    help="positions {1,5} x contexts {64,4096} x sessions {1,8}, plus the cells the summary reports")
     ap.add_argument("--positions", help="comma-separated, overrides the grid's")
     ap.add_argument("--contexts", help="comma-separated, overrides the grid's")
     ap.add_argument("--sessions", help="comma-separated, overrides the grid's")
@@ -331,7 +331,7 @@ def main() -> None:
 
 
 def summary(rows: list[dict]) -> list[str]:
-    """The figures the issue quotes, where the grid has them."""
+    """The headline figures (decode step, verify cost, batched against one by one), where the grid has them."""
     def ms(positions: int, context: int, sessions: int, key: str, stat: str = "median_s") -> float | None:
         for r in rows:
             if (r["positions"], r["context"], r["sessions"]) == (positions, context, sessions):

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specdec import Client
 from specdec.data import bundled_prompts
-from specdec.launcher import Pipeline, Plan
+from specdec.launcher import Pipeline, PipelineSpec
 from specdec.runtime.models import DEFAULT_MODEL, load_model
 
 
@@ -58,11 +58,11 @@ def summarise(runs: list[dict]) -> dict:
 
 def bench_pipeline(proposer: str, ks: list[str], prompts, max_new: int, expected, args) -> dict:
     share = {"share_output": False} if proposer == "suffix" else {}  # no replay of an earlier run
-    plan = Plan(proposer=proposer, draft_dtype=args.draft_dtype, log_dir=tempfile.mkdtemp(prefix="bench-logs-"),
-                orchestrator_port=args.base_port, draft_port=args.base_port + 1,
-                target_port=args.base_port + 2, redis_port=args.base_port + 3,
-                target_threads=args.target_threads, draft_threads=args.draft_threads,
-                ngram_min=args.ngram_min, ngram_max=args.ngram_max)
+    plan = PipelineSpec(proposer=proposer, draft_dtype=args.draft_dtype, log_dir=tempfile.mkdtemp(prefix="bench-logs-"),
+                        orchestrator_port=args.base_port, draft_port=args.base_port + 1,
+                        target_port=args.base_port + 2, redis_port=args.base_port + 3,
+                        target_threads=args.target_threads, draft_threads=args.draft_threads,
+                        ngram_min=args.ngram_min, ngram_max=args.ngram_max)
     pipeline = Pipeline(plan)
     pipeline.start(echo=lambda *_: None)
     runs: dict[str, list[dict]] = {k: [] for k in ks}

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specdec.client import build_request
 from specdec.data import bundled_prompts
-from specdec.launcher import Pipeline, Plan
+from specdec.launcher import Pipeline, PipelineSpec
 from specdec.v1 import common_pb2, draft_pb2_grpc, orchestrator_pb2, orchestrator_pb2_grpc, target_pb2_grpc
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -152,9 +152,9 @@ def main() -> None:
     parser.add_argument("--base-port", type=int, default=52200)
     parser.add_argument("--out", default=str(RESULTS / "soak.json"))
     args = parser.parse_args()
-    plan = Plan(proposer=args.proposer, log_dir=tempfile.mkdtemp(prefix="bench-soak-"), target_threads=1,
-                orchestrator_port=args.base_port, draft_port=args.base_port + 1, target_port=args.base_port + 2,
-                redis_port=args.base_port + 3)
+    plan = PipelineSpec(proposer=args.proposer, log_dir=tempfile.mkdtemp(prefix="bench-soak-"), target_threads=1,
+                        orchestrator_port=args.base_port, draft_port=args.base_port + 1, target_port=args.base_port + 2,
+                        redis_port=args.base_port + 3)
     pipeline = Pipeline(plan)
     pipeline.start(echo=lambda *_: None)
     pids = {name: proc.pid for name, proc in pipeline.procs.items()}

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # `make image-test`: run the Helm chart's CPU default from the image with podman (no cluster).
 #
-# Renders helm/specdec with `helm template` and hands the objects to deploy/podman_from_chart.py,
-# which starts every workload the chart renders (Redis, draft, target, orchestrator, gateway) as
-# containers in one podman pod with the manifests' own commands, args, env, ports, users,
-# read-only roots and probes, runs the chart's `helm test` Pod, an OpenAI-client request through
+# Renders helm/specdec with `helm template` and hands the objects to deploy/image_test
+# (`python -m deploy.image_test run`), which starts every workload the chart renders (Redis,
+# draft, target, orchestrator, gateway) as containers in one podman pod with the manifests' own
+# commands, args, env, ports, users, read-only roots and probes, runs the chart's `helm test` Pod, an OpenAI-client request through
 # the gateway, kills the target and checks the next request still completes after its restart.
 # Loopback only, bounded by IMAGE_TEST_TIMEOUT_S, and it removes everything it made.
 #
@@ -24,6 +24,6 @@ podman image exists "$IMAGE" || { echo "image-test: $IMAGE is missing: run make 
 # The chart's default image is specdec:<appVersion>; point it at the image under test.
 repo="${IMAGE%:*}"
 tag="${IMAGE##*:}"
-exec "$python" deploy/podman_from_chart.py run --helm "$helm" --chart helm/specdec \
+exec "$python" -m deploy.image_test run --helm "$helm" --chart helm/specdec \
   --set "image.repository=$repo" --set "image.tag=$tag" \
   --fallback-image "$IMAGE" --timeout-s "${IMAGE_TEST_TIMEOUT_S:-900}" ${IMAGE_TEST_ARGS:-}

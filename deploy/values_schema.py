@@ -11,6 +11,7 @@ Kubernetes schemas by tests/deploy.
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -341,9 +342,15 @@ def render() -> str:
     return json.dumps(schema, indent=2) + "\n"
 
 
-if __name__ == "__main__":
-    if "--check" in sys.argv[1:]:
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check", action="store_true", help="exit 1 if the committed schema is stale")
+    if parser.parse_args(argv).check:
         if SCHEMA_PATH.read_text() != render():
             sys.exit(f"{SCHEMA_PATH} is stale: run python deploy/values_schema.py")
     else:
         SCHEMA_PATH.write_text(render())
+
+
+if __name__ == "__main__":
+    main()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from specdec.errors import grpc_errors
+from specdec.rpc_errors import grpc_errors
 from specdec.runtime.batching import Batcher
 from specdec.runtime.drafting import Drafter
 from specdec.server.admission import Admission, deadline_of

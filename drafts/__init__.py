@@ -1,4 +1,4 @@
-"""Shallow drafts built from the target itself, and their profile (issue 10).
+"""Shallow drafts built from the target itself, and their profile.
 
 Following "Decoding Speculative Decoding" (Yan et al., NAACL 2025): a draft's *latency* matters
 more than its language-modelling quality, so a draft made of a few of the target's own layers,

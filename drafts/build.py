@@ -3,7 +3,7 @@
 Steps: load the target; get the training text (prompts it invents, or a given file, and its
 answers with top-k log-probs; cached) and held-out reference text (the bundled prompts by
 default, never trained on); pick the layers (evenly spaced by default: measured to distil
-best, see the README); copy them; distil within the budget; save a normal transformers model
+best, see docs/benchmarks.md); copy them; distil within the budget; save a normal transformers model
 directory plus `draft-build.json`.
 
 All of it runs on `--device` (auto: the first CUDA GPU if any, else the CPU): the target

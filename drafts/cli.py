@@ -7,11 +7,13 @@ import json
 import sys
 
 from specdec.defaults import DEFAULT_MODEL
+from specdec.extras import require_serving
 
 DEVICE_HELP = "auto (the first CUDA GPU if any, else the CPU), cpu, cuda or cuda:N:"
 
 
 def cmd_build(args: argparse.Namespace) -> int:
+    require_serving("specdec draft build")
     from drafts.build import BuildConfig, build_draft
 
     config = BuildConfig(
@@ -34,6 +36,7 @@ def cmd_build(args: argparse.Namespace) -> int:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
+    require_serving("specdec draft profile")
     from drafts.profile import ProfileConfig, profile_drafts
 
     config = ProfileConfig(

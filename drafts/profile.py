@@ -272,18 +272,19 @@ def end_to_end(candidate: dict, config: ProfileConfig, prompts: list[dict], refe
 
     Returns the runs per mode and the devices the services report, by role."""
     from specdec import Client
-    from specdec.launcher import Pipeline, Plan, free_port
+    from specdec.launcher import Pipeline, PipelineSpec, free_port
 
     log_dir = Path(tempfile.mkdtemp(prefix=f"{candidate['name']}-", dir=log_root))
-    plan = Plan(target_model=config.target, target_dtype=config.target_dtype, target_threads=config.target_threads,
-                target_device=config.target_on, proposer=candidate["kind"],
-                draft_model=candidate.get("model", config.target), draft_dtype=config.draft_dtype,
-                draft_threads=config.draft_threads, draft_device=config.draft_on, draft_length="auto",
-                ngram_min=config.ngram_min, ngram_max=config.ngram_max, target_cpus=config.target_cpus,
-                draft_cpus=config.draft_cpus, log_dir=str(log_dir),
-                extra_orchestrator_args=["--overlap"] if config.overlap else [],
-                orchestrator_port=free_port(), draft_port=free_port(), target_port=free_port(),
-                redis_port=free_port())
+    plan = PipelineSpec(target_model=config.target, target_dtype=config.target_dtype,
+                        target_threads=config.target_threads, target_device=config.target_on,
+                        proposer=candidate["kind"],
+                        draft_model=candidate.get("model", config.target), draft_dtype=config.draft_dtype,
+                        draft_threads=config.draft_threads, draft_device=config.draft_on, draft_length="auto",
+                        ngram_min=config.ngram_min, ngram_max=config.ngram_max, target_cpus=config.target_cpus,
+                        draft_cpus=config.draft_cpus, log_dir=str(log_dir),
+                        extra_orchestrator_args=["--overlap"] if config.overlap else [],
+                        orchestrator_port=free_port(), draft_port=free_port(), target_port=free_port(),
+                        redis_port=free_port())
     pipeline = Pipeline(plan)
     pipeline.start(echo=lambda *_: None)
     modes = ["0", str(config.k), "auto"]
@@ -460,7 +461,7 @@ def best_speedup(cand: dict, k: int) -> float:
 
 
 def judge(candidates: list[dict], k: int, latency_goal: float = 0.25, acceptance_goal: float = 0.6) -> dict:
-    """The issue's goal per trained draft: latency ≤ 0.25 × target step, acceptance ≥ 0.6, and an
+    """The goal per trained draft: latency ≤ 0.25 × target step, acceptance ≥ 0.6, and an
     end-to-end speedup above every draft that needs no training."""
     untrained = [c for c in candidates if not c["trained"]]
     bar = max((best_speedup(c, k) for c in untrained), default=0.0)

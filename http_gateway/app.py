@@ -266,9 +266,9 @@ async def _merge(streams: list[AsyncStream], firsts: list[Chunk]) -> AsyncIterat
         await asyncio.gather(*(chunks.aclose() for chunks in streams), return_exceptions=True)
 
 
-def create_app(config: GatewayConfig, metrics: GatewayMetrics | None = None) -> FastAPI:
-    """The gateway's ASGI app; `metrics` (served by the caller on --metrics-port) observes every request."""
-    gateway = Gateway(config)
+def _lifespan(gateway: Gateway):
+    """The app's lifespan: the orchestrator client opens with the app and closes with it."""
+    config = gateway.config
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -281,10 +281,11 @@ def create_app(config: GatewayConfig, metrics: GatewayMetrics | None = None) -> 
         finally:
             await gateway.client.close()
 
-    app = FastAPI(title="specdec OpenAI-compatible API", lifespan=lifespan)
-    app.state.gateway = gateway
-    app.add_middleware(RequestContext, max_body_bytes=config.max_body_bytes)
-    app.add_middleware(MetricsMiddleware, metrics=metrics if metrics is not None else GatewayMetrics())  # outermost
+    return lifespan
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error, ours, FastAPI's validation and Starlette's routing, as an OpenAI error object."""
 
     @app.exception_handler(ApiError)
     async def on_api_error(request: Request, exc: ApiError):
@@ -308,6 +309,8 @@ def create_app(config: GatewayConfig, metrics: GatewayMetrics | None = None) -> 
 
     app.openapi = document
 
+
+def _add_health_and_models(app: FastAPI, gateway: Gateway) -> None:
     @app.get("/health", responses=openapi.HEALTH_RESPONSES)
     async def health():
         """200 while the orchestrator answers and its target is healthy (a missing draft only slows it)."""
@@ -332,11 +335,15 @@ def create_app(config: GatewayConfig, metrics: GatewayMetrics | None = None) -> 
         served = await gateway.check_model(model_id, gateway.authorize(request))
         return {"id": served, "object": "model", "created": 0, "owned_by": "specdec"}
 
+
+def _add_generation_routes(app: FastAPI, gateway: Gateway) -> None:
+    temperature = gateway.config.default_temperature
+
     @app.post("/v1/completions", responses=openapi.generation_responses(openapi.Completion))
     async def completions(body: CompletionRequest, request: Request):
         token = gateway.authorize(request)
         model = await gateway.check_model(body.model, token)
-        requests = [dict(kwargs, token=token or "") for kwargs in completion_choices(body, config.default_temperature)]
+        requests = [dict(kwargs, token=token or "") for kwargs in completion_choices(body, temperature)]
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         echo = [kwargs["prompt"] for kwargs in requests] if body.echo else None
         reply = Reply("completion", model, body.logprobs is not None, echo, prompts=len(prompts_of(body)))
@@ -346,9 +353,20 @@ def create_app(config: GatewayConfig, metrics: GatewayMetrics | None = None) -> 
     async def chat_completions(body: ChatRequest, request: Request):
         token = gateway.authorize(request)
         model = await gateway.check_model(body.model, token)
-        requests = [dict(kwargs, token=token or "") for kwargs in chat_choices(body, config.default_temperature)]
+        requests = [dict(kwargs, token=token or "") for kwargs in chat_choices(body, temperature)]
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         reply = Reply("chat", model, bool(body.logprobs), tools=tool_mode(body))
         return await gateway.respond(request, reply, requests, bool(body.stream), include_usage)
 
+
+def create_app(config: GatewayConfig, metrics: GatewayMetrics | None = None) -> FastAPI:
+    """The gateway's ASGI app; `metrics` (served by the caller on --metrics-port) observes every request."""
+    gateway = Gateway(config)
+    app = FastAPI(title="specdec OpenAI-compatible API", lifespan=_lifespan(gateway))
+    app.state.gateway = gateway
+    app.add_middleware(RequestContext, max_body_bytes=config.max_body_bytes)
+    app.add_middleware(MetricsMiddleware, metrics=metrics if metrics is not None else GatewayMetrics())  # outermost
+    _add_error_handlers(app)
+    _add_health_and_models(app, gateway)
+    _add_generation_routes(app, gateway)
     return app

@@ -25,7 +25,6 @@ import time
 import uuid
 from typing import Any, Literal
 
-import grpc
 from pydantic import BaseModel, ConfigDict, Field
 
 from http_gateway.tools import ToolError, ToolMode, forcing_grammar, functions, parse_calls
@@ -528,17 +527,18 @@ class Reply:
 # -- errors -------------------------------------------------------------------------------------
 
 
-# gRPC status of a failed generation -> HTTP status, OpenAI error type, code.
-HTTP_ERRORS: dict[grpc.StatusCode, tuple[int, str, str]] = {
-    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error", "invalid_value"),
-    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error", "failed_precondition"),
-    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error", "out_of_range"),
-    grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error", "not_found"),
-    grpc.StatusCode.UNAUTHENTICATED: (401, "invalid_request_error", "invalid_api_key"),
-    grpc.StatusCode.ABORTED: (409, "conflict_error", "session_busy"),
-    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error", "overloaded"),
-    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable_error", "unavailable"),
-    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error", "deadline_exceeded"),
+# gRPC status of a failed generation (its name, as `specdec.errors` carries it) -> HTTP status,
+# OpenAI error type, code.
+HTTP_ERRORS: dict[str, tuple[int, str, str]] = {
+    "INVALID_ARGUMENT": (400, "invalid_request_error", "invalid_value"),
+    "FAILED_PRECONDITION": (400, "invalid_request_error", "failed_precondition"),
+    "OUT_OF_RANGE": (400, "invalid_request_error", "out_of_range"),
+    "NOT_FOUND": (404, "invalid_request_error", "not_found"),
+    "UNAUTHENTICATED": (401, "invalid_request_error", "invalid_api_key"),
+    "ABORTED": (409, "conflict_error", "session_busy"),
+    "RESOURCE_EXHAUSTED": (429, "rate_limit_error", "overloaded"),
+    "UNAVAILABLE": (503, "service_unavailable_error", "unavailable"),
+    "DEADLINE_EXCEEDED": (504, "timeout_error", "deadline_exceeded"),
 }
 
 # The orchestrator names its own fields in messages; the client knows the OpenAI names.
@@ -560,7 +560,7 @@ def api_error(exc: Exception) -> ApiError:
         return exc
     code = getattr(exc, "code", None)
     if code is None and isinstance(exc, (ValueError, TypeError)):  # a value protobuf refused (e.g. out of range)
-        code = grpc.StatusCode.INVALID_ARGUMENT
+        code = "INVALID_ARGUMENT"
     status, type_, code_name = HTTP_ERRORS.get(code, (500, "server_error", "internal_error"))
     message = _ADDRESS_PREFIX.sub("", str(exc)) or type(exc).__name__  # no internal addresses to HTTP clients
     if status == 500:

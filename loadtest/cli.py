@@ -18,6 +18,7 @@ import tempfile
 import time
 
 from loadtest.metrics import parse_slo
+from specdec.extras import require_serving
 
 DEFAULT_ADDRESS = os.environ.get("SPECDEC_ADDRESS", "127.0.0.1:50051")
 DEFAULT_HTTP = "http://127.0.0.1:8000/v1"
@@ -39,7 +40,7 @@ def _slo(text: str) -> tuple[str, float]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from specdec.launcher import Plan
+    from specdec.launcher import PipelineSpec
 
     where = p.add_argument_group("where")
     where.add_argument("--api", choices=("grpc", "http"), default="grpc", help="which API to drive (default: grpc)")
@@ -48,9 +49,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     where.add_argument("--http-url", default=DEFAULT_HTTP, help=f"OpenAI-compatible base URL (default: {DEFAULT_HTTP})")
     where.add_argument("--start-pipeline", action="store_true",
                        help="start the `specdec up` pipeline (defaults, free ports) for the run and stop it after")
-    where.add_argument("--proposer", default=Plan.proposer, choices=("suffix", "ngram", "model", "hybrid", "none"),
+    where.add_argument("--proposer", default=PipelineSpec.proposer,
+                       choices=("suffix", "ngram", "model", "hybrid", "none"),
                        help="with --start-pipeline: the draft source, as `specdec up --proposer` "
-                            f"(default {Plan.proposer})")
+                            f"(default {PipelineSpec.proposer})")
     where.add_argument("--target-model", default=None, help="with --start-pipeline: the target model")
     where.add_argument("--draft-model", default=None, help="with --start-pipeline: the draft model (--proposer model)")
     where.add_argument("--target-args", default="", metavar="FLAGS",
@@ -144,12 +146,13 @@ def config_from_args(args: argparse.Namespace):
 
 def start_pipeline(args: argparse.Namespace, http: bool, echo=print):
     """The `specdec up` defaults on free ports (others may run a pipeline on the usual ones)."""
-    from specdec.launcher import Pipeline, Plan, free_port
+    require_serving("specdec loadtest --start-pipeline")
+    from specdec.launcher import Pipeline, PipelineSpec, free_port
     from specdec.runtime.models import resolve_model_path
 
-    plan = Plan(orchestrator_port=free_port(), draft_port=free_port(), target_port=free_port(),
-                redis_port=free_port(), http_port=free_port() if http else 0, proposer=args.proposer,
-                log_dir=args.log_dir or tempfile.mkdtemp(prefix="specdec-loadtest-logs-"))
+    plan = PipelineSpec(orchestrator_port=free_port(), draft_port=free_port(), target_port=free_port(),
+                        redis_port=free_port(), http_port=free_port() if http else 0, proposer=args.proposer,
+                        log_dir=args.log_dir or tempfile.mkdtemp(prefix="specdec-loadtest-logs-"))
     if args.target_model:
         plan.target_model = args.target_model
     if args.draft_model:

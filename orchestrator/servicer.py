@@ -6,7 +6,8 @@ import contextlib
 
 from orchestrator.generation import Orchestrator
 from orchestrator.status import status
-from specdec.errors import InvalidArgument, grpc_errors
+from specdec.errors import InvalidArgument
+from specdec.rpc_errors import grpc_errors
 from specdec.server.admission import deadline_of
 from specdec.server.auth import current_principal
 from specdec.v1 import orchestrator_pb2 as pb, orchestrator_pb2_grpc

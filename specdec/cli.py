@@ -11,9 +11,10 @@ import time
 from dataclasses import fields
 
 from specdec.errors import SpecdecError, Unauthenticated, Unavailable
+from specdec.extras import SERVE_HINT, require_serving
 
 DEFAULT_ADDRESS = os.environ.get("SPECDEC_ADDRESS", "127.0.0.1:50051")
-# Flags of `specdec up` whose default differs from the Plan's (a Plan made in code starts no gateway).
+# Flags of `specdec up` whose default differs from the PipelineSpec's (one made in code starts no gateway).
 UP_DEFAULTS = {"http_port": 8000}
 # Flags of `specdec up` that only one proposer reads: given with another, they are refused.
 PROPOSER_FLAGS = {"ngram_min": "ngram", "ngram_max": "ngram"}
@@ -22,7 +23,7 @@ PLAN_CHOICES = {"proposer": ("suffix", "ngram", "model", "hybrid", "none")}
 
 
 def _add_plan_flags(parser: argparse.ArgumentParser) -> None:
-    from specdec.launcher import Plan
+    from specdec.launcher import PipelineSpec
 
     helps = {
         "target_model": "target model: packaged default name, local directory or transformers id",
@@ -44,7 +45,7 @@ def _add_plan_flags(parser: argparse.ArgumentParser) -> None:
         "log_format": "log lines of every service: text or json",
         "otel_endpoint": "OTLP/gRPC collector every service exports traces to (unset: no export)",
     }
-    for f in fields(Plan):
+    for f in fields(PipelineSpec):
         if f.name not in helps and not f.name.endswith("_port"):
             continue
         kind = int if f.type in ("int", "int | None") else str
@@ -60,20 +61,30 @@ def _add_plan_flags(parser: argparse.ArgumentParser) -> None:
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
 
 
-def cmd_up(args: argparse.Namespace) -> int:
-    from specdec.launcher import Pipeline, Plan, Stopped, state_file
-    from specdec.runtime.models import resolve_model_path
-
+def _misplaced_flags(args: argparse.Namespace) -> str:
+    """Why the proposer flags given do not fit --proposer ("" when they do)."""
     misplaced = [name for name, proposer in PROPOSER_FLAGS.items()
                  if getattr(args, name, None) is not None and args.proposer != proposer]
+    if not misplaced:
+        return ""
+    flags = ", ".join("--" + name.replace("_", "-") for name in misplaced)
+    wanted = PROPOSER_FLAGS[misplaced[0]]
+    return (f"{flags}: options of --proposer {wanted}, which --proposer {args.proposer} does not run; drop them "
+            f"or choose --proposer {wanted}")
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    require_serving("specdec up")
+    from specdec.launcher import Pipeline, PipelineSpec, Stopped, state_file
+    from specdec.runtime.models import resolve_model_path
+
+    misplaced = _misplaced_flags(args)
     if misplaced:
-        flags = ", ".join("--" + name.replace("_", "-") for name in misplaced)
-        wanted = PROPOSER_FLAGS[misplaced[0]]
-        print(f"{flags}: options of --proposer {wanted}, which --proposer {args.proposer} does not run; drop them "
-              f"or choose --proposer {wanted}", file=sys.stderr)
+        print(misplaced, file=sys.stderr)
         return 2
-    given = {f.name: getattr(args, f.name) for f in fields(Plan) if hasattr(args, f.name)}
-    plan = Plan(**{name: value for name, value in given.items() if value is not None or name not in PROPOSER_FLAGS})
+    given = {f.name: getattr(args, f.name) for f in fields(PipelineSpec) if hasattr(args, f.name)}
+    plan = PipelineSpec(**{name: value for name, value in given.items()
+                           if value is not None or name not in PROPOSER_FLAGS})
     if state_file().exists() and args.detach:
         print(f"a detached pipeline may already be running ({state_file()}); run `specdec down` first",
               file=sys.stderr)
@@ -142,7 +153,7 @@ def _client(args: argparse.Namespace, address: str | None = None):
 
 def _report_error(exc: SpecdecError, args: argparse.Namespace) -> int:
     """Print what went wrong and what to do about it; the exit status for it."""
-    print(f"\nerror ({exc.code.name}): {exc}", file=sys.stderr)
+    print(f"\nerror ({exc.code}): {exc}", file=sys.stderr)
     if isinstance(exc, Unavailable) and _UNREACHABLE in str(exc):
         print(f"Nothing answers at {args.address}. Is the pipeline running? Start it with `specdec up` "
               "(or `specdec up --detach`), or point --address (or $SPECDEC_ADDRESS) at a running orchestrator.",
@@ -346,27 +357,38 @@ def cmd_status(args: argparse.Namespace) -> int:
 COMMANDS_GROUP = "specdec.commands"
 
 
+def _needs_serving(name: str, missing: str):
+    def run(args: argparse.Namespace) -> int:
+        print(f"specdec {name} needs packages this install lacks ({missing}): {SERVE_HINT}", file=sys.stderr)
+        return 2
+
+    return run
+
+
 def _add_plugin_commands(sub) -> None:
     """Subcommands that tools installed with specdec register (entry point group
     `specdec.commands`: a function that adds its parser to `sub`), e.g. `specdec loadtest` and
     `specdec draft`. The library never imports a tool: where one is not installed (a serving
-    image ships only the services) its subcommand is simply absent."""
+    image ships only the services) its subcommand is simply absent; where its packages are
+    missing (a light install) it is listed, and running it says what to install."""
     from importlib.metadata import entry_points
 
     for entry in sorted(entry_points(group=COMMANDS_GROUP), key=lambda e: e.name):
         try:
             add_parser = entry.load()
-        except ImportError:
-            continue  # registered by the distribution but not shipped here
+        except ImportError as exc:
+            if not exc.name or exc.name.split(".")[0] == entry.module.split(".")[0]:
+                continue  # registered by the distribution but not shipped here
+            stub = sub.add_parser(entry.name, help=f"(needs {SERVE_HINT})", add_help=False)
+            stub.add_argument("rest", nargs=argparse.REMAINDER)
+            stub.set_defaults(func=_needs_serving(entry.name, exc.name or str(exc)))
+            continue
         add_parser(sub)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="specdec", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    _add_plugin_commands(sub)
-
-    up = sub.add_parser("up", help="start Redis, draft, target and orchestrator locally")
+def _add_pipeline_commands(sub) -> None:
+    up = sub.add_parser("up", help="start Redis, draft, target and orchestrator locally "
+                                   f"(needs the serve extra: {SERVE_HINT})")
     _add_plan_flags(up)
     up.add_argument("--detach", action="store_true", help="return once healthy; stop later with `specdec down`")
     up.set_defaults(func=cmd_up)
@@ -374,56 +396,60 @@ def build_parser() -> argparse.ArgumentParser:
     down = sub.add_parser("down", help="stop a pipeline started with `specdec up --detach`")
     down.set_defaults(func=cmd_down)
 
-    def add_address(p: argparse.ArgumentParser, timeout_default: float | None = None) -> None:
-        p.add_argument("--address", default=DEFAULT_ADDRESS,
-                       help="orchestrator address; several, comma-separated, are tried in turn "
-                            f"(default: $SPECDEC_ADDRESS or {DEFAULT_ADDRESS!r})")
-        p.add_argument("--timeout", type=float, default=timeout_default, help="deadline in seconds")
-        p.add_argument("--token", default=os.environ.get("SPECDEC_TOKEN", ""),
-                       help="bearer token for an orchestrator that requires one (default: $SPECDEC_TOKEN, "
-                            "which is better: other users can read a command line)")
-        p.add_argument("--tls-ca", default=os.environ.get("SPECDEC_TLS_CA", ""),
-                       help="PEM CA to verify a TLS orchestrator with (default: $SPECDEC_TLS_CA; unset: plaintext)")
-        p.add_argument("--tls-cert", default="", help="PEM client certificate, for an orchestrator that asks for one")
-        p.add_argument("--tls-key", default="", help="PEM private key of --tls-cert")
 
-    def add_sampling(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--max-new-tokens", type=int, default=None)
-        p.add_argument("--temperature", type=float, default=None, help="0 (default) is greedy")
-        p.add_argument("--top-p", type=float, default=None)
-        p.add_argument("--top-k", type=int, default=None)
-        p.add_argument("--seed", type=int, default=None)
-        p.add_argument("--stop", action="append", help="stop string (repeatable)")
-        p.add_argument("--draft-length", default=None,
-                       help="k for this request: auto, or a number (0 = plain decoding); default: the server's")
-        p.add_argument("--min-p", type=float, default=None)
-        p.add_argument("--presence-penalty", type=float, default=None, help="OpenAI's, in [-2, 2]")
-        p.add_argument("--frequency-penalty", type=float, default=None, help="OpenAI's, in [-2, 2]")
-        p.add_argument("--repetition-penalty", type=float, default=None, help="CTRL's (1 = off)")
-        p.add_argument("--logit-bias", action="append", metavar="TOKEN=BIAS", help="repeatable")
-        p.add_argument("--min-tokens", type=int, default=None)
-        p.add_argument("--ignore-eos", action="store_true")
-        p.add_argument("--logprobs", type=int, default=None, metavar="N",
-                       help="return each token's log-probability and the N most likely (with --json)")
-        p.add_argument("--json-object", action="store_true", help="the output is a JSON object")
-        p.add_argument("--json-schema", default=None, help="the output follows this JSON schema (text or file)")
-        p.add_argument("--regex", default=None, help="the output matches this regular expression")
-        p.add_argument("--choice", default=None, help="the output is one of these, separated by |")
-        p.add_argument("--grammar", default=None, help="the output follows this Lark grammar (text or file)")
+def _add_address(p: argparse.ArgumentParser, timeout_default: float | None = None) -> None:
+    p.add_argument("--address", default=DEFAULT_ADDRESS,
+                   help="orchestrator address; several, comma-separated, are tried in turn "
+                        f"(default: $SPECDEC_ADDRESS or {DEFAULT_ADDRESS!r})")
+    p.add_argument("--timeout", type=float, default=timeout_default, help="deadline in seconds")
+    p.add_argument("--token", default=os.environ.get("SPECDEC_TOKEN", ""),
+                   help="bearer token for an orchestrator that requires one (default: $SPECDEC_TOKEN, "
+                        "which is better: other users can read a command line)")
+    p.add_argument("--tls-ca", default=os.environ.get("SPECDEC_TLS_CA", ""),
+                   help="PEM CA to verify a TLS orchestrator with (default: $SPECDEC_TLS_CA; unset: plaintext)")
+    p.add_argument("--tls-cert", default="", help="PEM client certificate, for an orchestrator that asks for one")
+    p.add_argument("--tls-key", default="", help="PEM private key of --tls-cert")
 
+
+def _add_sampling(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=None)
+    p.add_argument("--temperature", type=float, default=None, help="0 (default) is greedy")
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--draft-length", default=None,
+                   help="k for this request: auto, or a number (0 = plain decoding); default: the server's")
+    p.add_argument("--min-p", type=float, default=None)
+    p.add_argument("--presence-penalty", type=float, default=None, help="OpenAI's, in [-2, 2]")
+    p.add_argument("--frequency-penalty", type=float, default=None, help="OpenAI's, in [-2, 2]")
+    p.add_argument("--repetition-penalty", type=float, default=None, help="CTRL's (1 = off)")
+    p.add_argument("--logit-bias", action="append", metavar="TOKEN=BIAS", help="repeatable")
+    p.add_argument("--min-tokens", type=int, default=None)
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--logprobs", type=int, default=None, metavar="N",
+                   help="return each token's log-probability and the N most likely (with --json)")
+    p.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    p.add_argument("--json-schema", default=None, help="the output follows this JSON schema (text or file)")
+    p.add_argument("--regex", default=None, help="the output matches this regular expression")
+    p.add_argument("--choice", default=None, help="the output is one of these, separated by |")
+    p.add_argument("--grammar", default=None, help="the output follows this Lark grammar (text or file)")
+
+
+def _add_client_commands(sub) -> None:
     gen = sub.add_parser("generate", help="generate text, streaming it to the terminal")
     gen.add_argument("prompt")
-    add_address(gen)
+    _add_address(gen)
     gen.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
-    add_sampling(gen)
+    _add_sampling(gen)
     gen.add_argument("--session", default=None, help="continue this session id")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     gen.set_defaults(func=cmd_generate)
 
     chat = sub.add_parser("chat", help="interactive chat: streams each reply, keeps the conversation in one session",
                           description=f"Reads one user message per line from stdin; {CHAT_HELP}.")
-    add_address(chat)
-    add_sampling(chat)
+    _add_address(chat)
+    _add_sampling(chat)
     chat.add_argument("--system", default=None, help="system message at the start of the conversation")
     chat.add_argument("--session", default=None, help="continue this session id")
     chat.add_argument("--stats", action="store_true", help="print a statistics line after each reply")
@@ -431,9 +457,17 @@ def build_parser() -> argparse.ArgumentParser:
     chat.set_defaults(func=cmd_chat)
 
     status = sub.add_parser("status", help="health, models, load and acceptance of the orchestrator and its backends")
-    add_address(status, timeout_default=10.0)
+    _add_address(status, timeout_default=10.0)
     status.add_argument("--json", action="store_true", help="print JSON")
     status.set_defaults(func=cmd_status)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specdec", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_plugin_commands(sub)
+    _add_pipeline_commands(sub)
+    _add_client_commands(sub)
     return parser
 
 

@@ -13,7 +13,7 @@ rotation (`Endpoints`) and channel settings (`channel_options`).
 
 Failure handling, in one list:
 - Every failed call raises a `specdec.errors` type (mapped from the gRPC status in
-  `specdec.errors.from_rpc_error`); the message names the orchestrator address.
+  `specdec.rpc_errors.from_rpc_error`); the message names the orchestrator address.
 - Several addresses: new calls go round-robin over them; a call that finds one UNAVAILABLE
   tries the next.
 - Idempotent calls (GetStatus, CloseSession) are retried by gRPC itself on UNAVAILABLE, with
@@ -46,8 +46,9 @@ import grpc
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.json_format import MessageToDict
 
-from specdec.channel import CHANNEL_OPTIONS
-from specdec.errors import Internal, SpecdecError, from_rpc_error
+from specdec.channel import CHANNEL_OPTIONS, inject
+from specdec.errors import Internal, SpecdecError
+from specdec.rpc_errors import from_rpc_error
 from specdec.v1 import common_pb2, orchestrator_pb2 as pb, orchestrator_pb2_grpc
 
 SERVICE = "specdec.v1.Orchestrator"
@@ -73,8 +74,6 @@ _DROPPED = re.compile(r"stream removed|socket closed|rst_stream|connection reset
 
 def call_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
     """Metadata of one call: the bearer token, the current trace context and request id."""
-    from specdec.server.tracing import inject
-
     carrier: dict[str, str] = {}
     if token:
         carrier["authorization"] = f"Bearer {token}"

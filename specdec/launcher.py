@@ -15,7 +15,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specdec.defaults import DEFAULT_MODEL, cache_dir
 
@@ -34,7 +33,7 @@ def redis_server_binary() -> str:
 
 
 @dataclass
-class Plan:
+class PipelineSpec:
     """What `specdec up` starts; every field has a matching CLI flag."""
 
     target_model: str = DEFAULT_MODEL
@@ -186,6 +185,8 @@ def _check_stop(stop: StopRequest | None) -> None:
 def wait_healthy(address: str, timeout_s: float, proc: subprocess.Popen | None = None,
                  stop: StopRequest | None = None) -> None:
     """Block until the gRPC health service at `address` reports SERVING; raise `Stopped` once `stop` is set."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc  # the serve extra: only `specdec up` waits
+
     deadline = time.monotonic() + timeout_s
     with grpc.insecure_channel(address) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
@@ -229,7 +230,7 @@ def wait_http_healthy(url: str, timeout_s: float, proc: subprocess.Popen | None 
 class Pipeline:
     """The running processes of one `specdec up`."""
 
-    def __init__(self, plan: Plan, tied_to_parent: bool = False) -> None:
+    def __init__(self, plan: PipelineSpec, tied_to_parent: bool = False) -> None:
         """`tied_to_parent`: the processes die with this one, even when it is SIGKILLed (a
         foreground `specdec up`); a detached pipeline outlives the command that started it."""
         self.plan = plan

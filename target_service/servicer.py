@@ -5,7 +5,8 @@ from __future__ import annotations
 import time
 
 from specdec.core.logprobs import MAX_TOP_LOGPROBS
-from specdec.errors import InvalidArgument, grpc_errors
+from specdec.errors import InvalidArgument
+from specdec.rpc_errors import grpc_errors
 from specdec.runtime.batching import Batcher
 from specdec.runtime.verifier import LogprobRequest, Verifier
 from specdec.server.admission import Admission, deadline_of

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from specdec import launcher
-from specdec.launcher import Pipeline, Plan, free_port
+from specdec.launcher import Pipeline, PipelineSpec, free_port
 
 
 def pytest_configure(config):
@@ -69,7 +69,7 @@ def tiny_model(tmp_path_factory, one_torch_thread):
     """The tiny target (seed 0) as a float64 transformers model in this process, on one torch
     thread while the module runs: for engine tests that compare with a plain forward pass."""
     from specdec.runtime.models import load_model
-    from specdec.runtime.tiny import make_tiny_model
+    from specdec.testing.tiny import make_tiny_model
 
     path = make_tiny_model(tmp_path_factory.mktemp("tiny-model") / "m", seed=0)
     return load_model(str(path), dtype="float64", progress=False).model
@@ -78,7 +78,7 @@ def tiny_model(tmp_path_factory, one_torch_thread):
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
     """A tiny target, a good draft (small perturbation), a poor draft and a mismatched one."""
-    from specdec.runtime.tiny import make_mismatched_tokenizer_model, make_tiny_model
+    from specdec.testing.tiny import make_mismatched_tokenizer_model, make_tiny_model
 
     root = tmp_path_factory.mktemp("models")
     target = make_tiny_model(root / "target", seed=0)
@@ -94,7 +94,7 @@ def start_pipeline(log_dir: Path, **plan_fields) -> Pipeline:
     """A pipeline on free ports. A port `free_port` found free can be taken before the service binds
     it (another process's outgoing connection, seen once in CI): then it starts again on new ports."""
     for attempt in range(3):
-        plan = Plan(
+        plan = PipelineSpec(
             orchestrator_port=free_port(), draft_port=free_port(), target_port=free_port(),
             redis_port=free_port(), log_dir=str(log_dir), **plan_fields,
         )

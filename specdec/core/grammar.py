@@ -7,30 +7,13 @@ respect to the masked target: the draft proposes from masked `q_i`, the target v
 against masked `p_i`, and row `i` of both uses the mask after the first `i` draft tokens
 (`GrammarState.block_masks`).
 
-Engine: llguidance (guidance-ai, MIT). Chosen by measurement (bench/grammar_mask.py, results
-in bench/results/grammar_mask.json; SmolLM2 tokenizer, V = 49152, a JSON schema with a
-nested object, array, enum, integer and string; 45-token document; 2 shared CPU cores,
-one torch thread):
-
-    library        compile   mask/token µs     advance µs   rollback 1 µs   tokenizer setup
-                   ms        median   p90      median       median          ms (once)
-    xgrammar       10.3      13.3     36.8     10.1         2.5             499
-    llguidance     0.8       58.8     127.9    8.9          1.3             2301
-    outlines-core  266       5.1      126.0    4.7          1.0             487
-
-(llguidance compiles lazily: a fresh grammar's first mask takes 0.1 ms median, 2.5 ms p90.)
-
-Why llguidance:
+Engine: llguidance (guidance-ai, MIT), chosen by measurement against xgrammar and outlines-core
+(`python bench/grammar_mask.py`; the figures are in docs/benchmarks.md, "Grammar masks"):
 - every kind we need natively: JSON schema, regex, choice, Lark, and GBNF ("ebnf") through
-  its converter; xgrammar has them too, outlines-core is regex-only (no recursive grammars,
-  no Lark/EBNF, 0.1-1.4 s to compile this schema on this CPU);
-- a light install: one 3 MB abi3 wheel, no dependencies. xgrammar 0.2.9 declares `triton`
-  (a GPU compiler) and `apache-tvm-ffi` as hard dependencies on Linux x86_64, so a CPU
-  install needs `--no-deps` to stay light;
-- masks are slower than xgrammar's (59 vs 13 µs median per token) but both are noise next to
-  a forward pass: the target on this CPU makes ~8.6 tokens/s (bench/results/
-  pipeline-default-pair.json), ~116 ms a token, so even `k + 1 = 7` masks a round
-  (~0.5 ms with advance and rollback) cost < 1 %;
+  its converter; outlines-core is regex-only (no recursive grammars, no Lark/EBNF);
+- a light install: one abi3 wheel with no dependencies, where xgrammar declares a GPU compiler
+  (`triton`) as a hard dependency on Linux x86_64;
+- its masks are slower than xgrammar's, but a round's masks cost well under 1 % of a forward pass;
 - the operations speculative decoding needs are in the API: rollback, `validate_tokens`
   (how many of a proposal the grammar allows, without consuming), fast-forward tokens,
   `deep_copy`; and it never raises on a bad grammar or token, it reports an error state,

@@ -13,7 +13,7 @@ Usage (a servicer method, or any asyncio code)::
         ...  # the work
 
 With `context`, a refusal also sets the trailing metadata `retry-after-ms` before the error
-reaches the interceptor that maps it to a status (`specdec.errors.grpc_errors`).
+reaches the interceptor that maps it to a status (`specdec.rpc_errors.grpc_errors`).
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Iterable, Iterator
 import grpc
 
 from specdec.errors import InvalidArgument, ResourceExhausted
+from specdec.rpc_errors import status_code
 from specdec.server.auth import current_identity
 from specdec.server.interceptors import method_handler
 
@@ -84,7 +85,7 @@ class ConcurrencyLimit(grpc.aio.ServerInterceptor):
         try:
             self.limit.acquire(identity)
         except ResourceExhausted as exc:
-            await context.abort(exc.code, str(exc))
+            await context.abort(status_code(exc), str(exc))
         try:
             yield
         finally:

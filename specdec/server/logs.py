@@ -19,7 +19,8 @@ import uuid
 
 from opentelemetry import trace
 
-request_id: contextvars.ContextVar[str] = contextvars.ContextVar("specdec_request_id", default="")
+from specdec.channel import request_id
+
 session_id: contextvars.ContextVar[str] = contextvars.ContextVar("specdec_session_id", default="")
 
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s%(ids)s"

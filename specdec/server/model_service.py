@@ -16,7 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from specdec.errors import InvalidArgument, grpc_errors
+from specdec.errors import InvalidArgument
+from specdec.rpc_errors import grpc_errors
 from specdec.runtime.batching import BatchConfig, Batcher
 from specdec.runtime.grammars import SessionGrammars
 from specdec.runtime.kv import SessionCaches

@@ -98,78 +98,97 @@ class Pki:
     rogue_key: Path
 
 
+def _name(cn: str):
+    from cryptography import x509
+    from cryptography.x509.oid import NameOID
+
+    return x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "specdec test"),
+                      x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+
+def _write_key(key, path: Path) -> None:
+    from cryptography.hazmat.primitives import serialization
+
+    path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                       serialization.NoEncryption()))
+    path.chmod(0o600)
+
+
+def _write_cert(cert, path: Path) -> None:
+    from cryptography.hazmat.primitives import serialization
+
+    path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+
+
+def _builder(subject: str, issuer, public_key, days: int):
+    """A certificate builder valid from five minutes ago for `days` days."""
+    from cryptography import x509
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    return (x509.CertificateBuilder().subject_name(_name(subject)).issuer_name(issuer)
+            .public_key(public_key).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=days)))
+
+
+def _ca(cn: str, days: int):
+    """A self-signed CA: (key, certificate)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = (_builder(cn, _name(cn), key.public_key(), days)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+            .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
+                                         content_commitment=False, key_encipherment=False,
+                                         data_encipherment=False, key_agreement=False,
+                                         encipher_only=False, decipher_only=False), critical=True)
+            .sign(key, hashes.SHA256()))
+    return key, cert
+
+
+def _leaf(cn: str, issuer_key, issuer_cert, usage, days: int, sans: Sequence[str] = ()):
+    """A certificate for `usage` (server or client auth) signed by the issuer: (key, certificate)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    builder = (_builder(cn, issuer_cert.subject, key.public_key(), days)
+               .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+               .add_extension(x509.ExtendedKeyUsage([usage]), critical=False))
+    if sans:
+        entries: list[x509.GeneralName] = []
+        for host in sans:
+            try:
+                entries.append(x509.IPAddress(ipaddress.ip_address(host)))
+            except ValueError:
+                entries.append(x509.DNSName(host))
+        builder = builder.add_extension(x509.SubjectAlternativeName(entries), critical=False)
+    return key, builder.sign(issuer_key, hashes.SHA256())
+
+
 def make_pki(directory: str | Path, hosts: Sequence[str] = ("localhost", "127.0.0.1"), days: int = 2) -> Pki:
     """Write a CA, a server certificate for `hosts`, a client certificate and a rogue pair.
 
     For tests and local development only: keys are written unencrypted (mode 0600).
     """
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+    from cryptography.x509.oid import ExtendedKeyUsageOID
 
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
-    now = datetime.datetime.now(datetime.timezone.utc)
-
-    def name(cn: str) -> x509.Name:
-        return x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "specdec test"),
-                          x509.NameAttribute(NameOID.COMMON_NAME, cn)])
-
-    def write_key(key, path: Path) -> None:
-        path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
-        path.chmod(0o600)
-
-    def write_cert(cert, path: Path) -> None:
-        path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-
-    def ca(cn: str):
-        key = ec.generate_private_key(ec.SECP256R1())
-        cert = (x509.CertificateBuilder().subject_name(name(cn)).issuer_name(name(cn))
-                .public_key(key.public_key()).serial_number(x509.random_serial_number())
-                .not_valid_before(now - datetime.timedelta(minutes=5))
-                .not_valid_after(now + datetime.timedelta(days=days))
-                .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-                .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
-                                             content_commitment=False, key_encipherment=False,
-                                             data_encipherment=False, key_agreement=False,
-                                             encipher_only=False, decipher_only=False), critical=True)
-                .sign(key, hashes.SHA256()))
-        return key, cert
-
-    def leaf(cn: str, issuer_key, issuer_cert, usage, sans: Sequence[str] = ()):
-        key = ec.generate_private_key(ec.SECP256R1())
-        builder = (x509.CertificateBuilder().subject_name(name(cn)).issuer_name(issuer_cert.subject)
-                   .public_key(key.public_key()).serial_number(x509.random_serial_number())
-                   .not_valid_before(now - datetime.timedelta(minutes=5))
-                   .not_valid_after(now + datetime.timedelta(days=days))
-                   .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-                   .add_extension(x509.ExtendedKeyUsage([usage]), critical=False))
-        if sans:
-            entries = []
-            for host in sans:
-                try:
-                    entries.append(x509.IPAddress(ipaddress.ip_address(host)))
-                except ValueError:
-                    entries.append(x509.DNSName(host))
-            builder = builder.add_extension(x509.SubjectAlternativeName(entries), critical=False)
-        return key, builder.sign(issuer_key, hashes.SHA256())
-
-    ca_key, ca_cert = ca("specdec test CA")
-    server_key, server_cert = leaf(hosts[0], ca_key, ca_cert, ExtendedKeyUsageOID.SERVER_AUTH, hosts)
-    client_key, client_cert = leaf("orchestrator", ca_key, ca_cert, ExtendedKeyUsageOID.CLIENT_AUTH)
-    rogue_ca_key, rogue_ca_cert = ca("rogue CA")
-    rogue_key, rogue_cert = leaf("orchestrator", rogue_ca_key, rogue_ca_cert, ExtendedKeyUsageOID.CLIENT_AUTH)
+    ca_key, ca_cert = _ca("specdec test CA", days)
+    server_key, server_cert = _leaf(hosts[0], ca_key, ca_cert, ExtendedKeyUsageOID.SERVER_AUTH, days, hosts)
+    client_key, client_cert = _leaf("orchestrator", ca_key, ca_cert, ExtendedKeyUsageOID.CLIENT_AUTH, days)
+    rogue_ca_key, rogue_ca_cert = _ca("rogue CA", days)
+    rogue_key, rogue_cert = _leaf("orchestrator", rogue_ca_key, rogue_ca_cert, ExtendedKeyUsageOID.CLIENT_AUTH, days)
 
     pki = Pki(out / "ca.pem", out / "server.pem", out / "server.key", out / "client.pem", out / "client.key",
               out / "rogue-ca.pem", out / "rogue.pem", out / "rogue.key")
-    write_cert(ca_cert, pki.ca)
-    write_cert(server_cert, pki.server_cert)
-    write_key(server_key, pki.server_key)
-    write_cert(client_cert, pki.client_cert)
-    write_key(client_key, pki.client_key)
-    write_cert(rogue_ca_cert, pki.rogue_ca)
-    write_cert(rogue_cert, pki.rogue_cert)
-    write_key(rogue_key, pki.rogue_key)
+    for cert, path in ((ca_cert, pki.ca), (server_cert, pki.server_cert), (client_cert, pki.client_cert),
+                       (rogue_ca_cert, pki.rogue_ca), (rogue_cert, pki.rogue_cert)):
+        _write_cert(cert, path)
+    for key, path in ((server_key, pki.server_key), (client_key, pki.client_key), (rogue_key, pki.rogue_key)):
+        _write_key(key, path)
     return pki

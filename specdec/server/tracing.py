@@ -10,10 +10,11 @@ exporter is configured:
     --otel-file spans.jsonl                    every finished span as one JSON line (debugging, tests)
 
 Propagation is W3C `traceparent` in gRPC metadata: `ServerTracing` (a server interceptor) opens a
-SERVER span per call, a child of the caller's context; `ClientTracing` (on the orchestrator's
-channels to draft and target) and the SDK put the current context and the request id into the
-metadata of every call. One Generate is thus one trace: the orchestrator's call span, a span per
-speculative round (`traced`), and under each round the draft's Propose and the target's Verify.
+SERVER span per call, a child of the caller's context; the client interceptors of
+`specdec.channel` (on the orchestrator's channels to draft and target) and the SDK put the current
+context and the request id into the metadata of every call. One Generate is thus one trace: the
+orchestrator's call span, a span per speculative round (`traced`), and under each round the
+draft's Propose and the target's Verify.
 """
 
 from __future__ import annotations
@@ -22,20 +23,20 @@ import functools
 import logging
 import os
 import time
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable
 from typing import Any
 
 import grpc
 from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
+from specdec.channel import REQUEST_ID_KEY
 from specdec.errors import CANCELLATIONS
 from specdec.server import logs
 from specdec.server.interceptors import is_open_method, wrap_handler
 
 log = logging.getLogger(__name__)
 access_log = logging.getLogger("specdec.access")
-REQUEST_ID_KEY = "x-request-id"
 _configured = False
 
 
@@ -91,15 +92,6 @@ def setup(service: str, endpoint: str = "", file: str = "") -> None:
         provider.add_span_processor(SimpleSpanProcessor(JsonLinesExporter(file)))
     trace.set_tracer_provider(provider)
     _configured = True
-
-
-def inject(carrier: MutableMapping[str, str]) -> MutableMapping[str, str]:
-    """Put the current trace context (traceparent) and request id into outgoing metadata."""
-    propagate.inject(carrier)
-    rid = logs.request_id.get()
-    if rid and REQUEST_ID_KEY not in carrier:
-        carrier[REQUEST_ID_KEY] = rid
-    return carrier
 
 
 def traced(name: str, attributes: Callable[..., dict[str, Any]] | None = None):
@@ -205,25 +197,3 @@ class ServerTracing(grpc.aio.ServerInterceptor):
                 scopes[-1].observe(item)
 
         return wrap_handler(handler, scope, observe)
-
-
-def _with_context(details):
-    pairs = list(details.metadata or ())
-    present = {k for k, _ in pairs}
-    pairs += [(k, v) for k, v in inject({}).items() if k not in present]
-    return details._replace(metadata=grpc.aio.Metadata(*pairs))
-
-
-class _UnaryUnary(grpc.aio.UnaryUnaryClientInterceptor):
-    async def intercept_unary_unary(self, continuation, client_call_details, request):
-        return await continuation(_with_context(client_call_details), request)
-
-
-class _UnaryStream(grpc.aio.UnaryStreamClientInterceptor):
-    async def intercept_unary_stream(self, continuation, client_call_details, request):
-        return await continuation(_with_context(client_call_details), request)
-
-
-def client_interceptors() -> list:
-    """Interceptors of an aio channel that carry the trace context and request id to the server."""
-    return [_UnaryUnary(), _UnaryStream()]

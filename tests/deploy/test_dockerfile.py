@@ -167,3 +167,12 @@ def test_hadolint_passes():
     assert Path(hadolint).exists(), "hadolint is a dev dependency (pip install -e '.[dev]')"
     proc = subprocess.run([hadolint, str(DOCKERFILE)], check=False, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_the_image_installs_the_serve_extra():
+    # `pip install .` alone is the light SDK install: the image reads the services' dependencies
+    # (the light ones and the `serve` extra's) from pyproject.toml and installs the project --no-deps.
+    runs = [a for o, a in stages()["build"] if o == "RUN"]
+    requirements = next(a for a in runs if "/tmp/requirements.txt" in a)
+    assert "['dependencies']" in requirements and "['optional-dependencies']['serve']" in requirements
+    assert any(re.search(r"pip install --no-deps \.( |$)", a) for a in runs)

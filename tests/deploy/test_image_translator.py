@@ -1,4 +1,4 @@
-"""deploy/podman_from_chart.py, the translator `make image-test` runs the chart with, checked on
+"""deploy/image_test, the translator `make image-test` runs the chart with, checked on
 the rendered chart without podman: every workload the chart renders becomes a container that
 keeps the manifest's command, args, env, user, read-only root, capabilities and probes."""
 
@@ -6,19 +6,13 @@ from __future__ import annotations
 
 import base64
 import copy
-import importlib.util
 import json
-import sys
+from pathlib import Path
 
 import pytest
 
-from tests.deploy.helpers import NAMESPACE, REPO
-
-_spec = importlib.util.spec_from_file_location("podman_from_chart", REPO / "deploy" / "podman_from_chart.py")
-assert _spec and _spec.loader
-pfc = importlib.util.module_from_spec(_spec)
-sys.modules["podman_from_chart"] = pfc  # dataclasses look their module up
-_spec.loader.exec_module(pfc)
+from deploy.image_test import acceptance, manifests, podman
+from tests.deploy.helpers import NAMESPACE
 
 WORKLOAD_KINDS = ("Deployment", "StatefulSet")
 
@@ -30,7 +24,7 @@ def docs(render):
 
 @pytest.fixture(scope="module")
 def plan(docs):
-    return pfc.plan(docs, image_map={"redis:7.4-alpine": "specdec:test"})
+    return manifests.translate(docs, image_map={"redis:7.4-alpine": "specdec:test"})
 
 
 def _secrets(docs):
@@ -64,7 +58,7 @@ def test_commands_args_and_env_are_the_manifests(docs, plan):
                 elif "value" in env:
                     assert c.env[env["name"]] == str(env["value"])
             # $(VAR) in args is expanded from the container's env, as the kubelet does.
-            expected = [pfc.expand(str(a), c.env) for a in spec.get("args") or []]
+            expected = [manifests.expand(str(a), c.env) for a in spec.get("args") or []]
             assert (c.args or []) == expected
             assert not any("$(" in a for a in c.args or [])
 
@@ -81,7 +75,7 @@ def test_security_context_is_kept(plan):
         assert c.user not in (None, 0) and c.run_as_non_root
         assert c.read_only
         assert c.cap_drop == ["ALL"] and c.no_new_privileges
-        args = pfc.run_args(c, pod="p", run_dir=pfc.Path("/run"), run_id="r")
+        args = podman.run_args(c, pod="p", run_dir=Path("/run"), run_id="r")
         assert args[args.index("--user") + 1] == f"{c.user}:{c.group}"
         assert "--read-only" in args and "--read-only-tmpfs=false" in args
         assert args[args.index("--cap-drop") + 1] == "ALL"
@@ -92,7 +86,7 @@ def test_security_context_is_kept(plan):
 
 def test_run_args_keep_command_then_image_then_args(plan):
     for c in plan.containers:
-        args = pfc.run_args(c, pod="p", run_dir=pfc.Path("/run"), run_id="r")
+        args = podman.run_args(c, pod="p", run_dir=Path("/run"), run_id="r")
         i = args.index(c.image)
         assert args[i + 1:] == (c.args or [])
         if c.command:
@@ -103,7 +97,7 @@ def test_service_names_resolve_to_loopback(docs, plan):
     for svc in (d for d in docs if d["kind"] == "Service"):
         name = svc["metadata"]["name"]
         assert f"{name}.{NAMESPACE}.svc.cluster.local" in plan.hosts
-    assert f"127.0.0.1\t{plan.hosts[0]}" in pfc.hosts_file(plan)
+    assert f"127.0.0.1\t{plan.hosts[0]}" in manifests.hosts_file(plan)
     # Every address a container is given points at a name in the hosts file.
     for c in plan.workloads:
         for arg in c.args or []:
@@ -131,22 +125,23 @@ def test_helm_test_pods_become_tests(docs, plan):
 
 
 def test_gateway_is_found_or_made_from_the_orchestrator(docs):
-    with_gateway = pfc.plan(docs)
-    found = pfc.gateway_container(with_gateway)
+    with_gateway = manifests.translate(docs)
+    found = acceptance.gateway_container(with_gateway)
     rendered = any("http_gateway" in (c.get("command") or []) for d in docs if d["kind"] == "Deployment"
                    for c in d["spec"]["template"]["spec"]["containers"])
     assert (found is not None) == rendered
-    without = pfc.plan([d for d in docs if d["metadata"]["labels"].get("app.kubernetes.io/component") != "gateway"])
-    assert pfc.gateway_container(without) is None
-    gw, port = pfc.add_fallback_gateway(without)
+    without = manifests.translate([d for d in docs
+                                   if d["metadata"]["labels"].get("app.kubernetes.io/component") != "gateway"])
+    assert acceptance.gateway_container(without) is None
+    gw, port = acceptance.add_fallback_gateway(without)
     assert gw.command == ["python", "-m", "http_gateway"] and gw.user == 10001 and gw.read_only
     orchestrator_host = gw.args[gw.args.index("--orchestrator") + 1].rsplit(":", 1)[0]
-    assert orchestrator_host in without.hosts and pfc.gateway_container(without) == (gw, port)
+    assert orchestrator_host in without.hosts and acceptance.gateway_container(without) == (gw, port)
 
 
 def test_prepare_writes_env_files_hosts_and_volumes(plan, tmp_path):
-    pfc.prepare(plan, tmp_path)
-    assert (tmp_path / "hosts").read_text() == pfc.hosts_file(plan)
+    podman.prepare(plan, tmp_path)
+    assert (tmp_path / "hosts").read_text() == manifests.hosts_file(plan)
     for c in plan.containers:
         env = (tmp_path / "env" / c.id).read_text().splitlines()
         assert sorted(line.split("=", 1)[0] for line in env if line) == sorted(c.env)
@@ -157,17 +152,17 @@ def test_prepare_writes_env_files_hosts_and_volumes(plan, tmp_path):
 
 def test_expand_follows_kubernetes():
     env = {"A": "x", "B": "y"}
-    assert pfc.expand("$(A)-$(B)", env) == "x-y"
-    assert pfc.expand("$$(A)", env) == "$(A)"
-    assert pfc.expand("$(UNSET)", env) == "$(UNSET)"
+    assert manifests.expand("$(A)-$(B)", env) == "x-y"
+    assert manifests.expand("$$(A)", env) == "$(A)"
+    assert manifests.expand("$(UNSET)", env) == "$(UNSET)"
 
 
 def test_quantities():
-    assert pfc.parse_quantity("4Gi") == 4 * 2**30
-    assert pfc.parse_quantity("500m") == 0.5
-    assert pfc.parse_quantity(2) == 2
-    with pytest.raises(pfc.PlanError):
-        pfc.parse_quantity("lots")
+    assert manifests.parse_quantity("4Gi") == 4 * 2**30
+    assert manifests.parse_quantity("500m") == 0.5
+    assert manifests.parse_quantity(2) == 2
+    with pytest.raises(manifests.TranslationError):
+        manifests.parse_quantity("lots")
 
 
 def test_two_workloads_on_one_port_are_refused(docs):
@@ -176,5 +171,5 @@ def test_two_workloads_on_one_port_are_refused(docs):
     a, b = deployments[0], deployments[1]
     port = a["spec"]["template"]["spec"]["containers"][0]["ports"][0]["containerPort"]
     b["spec"]["template"]["spec"]["containers"][0]["ports"][0]["containerPort"] = port
-    with pytest.raises(pfc.PlanError, match="share one loopback"):
-        pfc.plan(docs)
+    with pytest.raises(manifests.TranslationError, match="share one loopback"):
+        manifests.translate(docs)

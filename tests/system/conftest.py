@@ -36,7 +36,7 @@ def model(api) -> str:
 @pytest.fixture(scope="session")
 def long_models(tmp_path_factory):
     """Tiny target and poor draft with a 4096-token context (a character a token): long prompts, tools."""
-    from specdec.runtime.tiny import make_tiny_model
+    from specdec.testing.tiny import make_tiny_model
 
     root = tmp_path_factory.mktemp("models-4k")
     target = make_tiny_model(root / "target", seed=0, max_context=4096)

@@ -1,6 +1,6 @@
 """The OpenAI-compatible API, driven by the official `openai` package against a real pipeline.
 
-`specdec up`'s gateway (Plan.http_port) in front of the tiny target + poor draft: models,
+`specdec up`'s gateway (PipelineSpec.http_port) in front of the tiny target + poor draft: models,
 completions and chat, streaming and not, usage with the speculation extension, stop, seed,
 sessions, the error objects and statuses, and greedy text equal to the gRPC SDK's.
 """

@@ -197,12 +197,12 @@ def test_session_ids_must_look_like_ours(sid, ok):
 
 
 def test_specdec_up_passes_tokens_and_log_format_to_the_services():
-    from specdec.launcher import Plan
+    from specdec.launcher import PipelineSpec
 
-    cmds = Plan(auth_tokens_file="/run/tokens", log_format="json", http_port=8000).commands()
+    cmds = PipelineSpec(auth_tokens_file="/run/tokens", log_format="json", http_port=8000).commands()
     for name in ("orchestrator", "http"):
         assert cmds[name][cmds[name].index("--auth-tokens-file") + 1] == "/run/tokens"
     for name in ("orchestrator", "http", "target", "draft"):
         assert cmds[name][cmds[name].index("--log-format") + 1] == "json"
-    plain = Plan().commands()
+    plain = PipelineSpec().commands()
     assert all("--auth-tokens-file" not in cmd and "--log-format" not in cmd for cmd in plain.values())

@@ -38,4 +38,4 @@ def test_pass_flops_match_torch_flop_count_of_the_models_forward(tiny_model, pos
 def test_more_sessions_multiply_the_flops():
     one = pass_flops(3, 4096, 1, 134_479_872, 30, 9, 64)
     assert pass_flops(3, 4096, 8, 134_479_872, 30, 9, 64) == 8 * one
-    assert round(8 * one / 1e9, 2) == 13.25  # the README's 8 x 4096 x 3 figure
+    assert round(8 * one / 1e9, 2) == 13.25  # docs/benchmarks.md's 8 x 4096 x 3 figure

@@ -7,7 +7,7 @@ import pytest
 from orchestrator.chat import first_turn, next_turn
 from specdec.errors import FailedPrecondition
 from specdec.runtime.models import load_tokenizer
-from specdec.runtime.tiny import make_char_tokenizer
+from specdec.testing.tiny import make_char_tokenizer
 
 TURN1 = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
 REPLY = "Blue, like the sky."

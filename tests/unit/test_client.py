@@ -150,5 +150,5 @@ def test_other_failures_are_raised_typed_and_not_retried(code, exc_type):
     run = _run()
     run.accept(pb.GenerateChunk(session_id="s1", token_ids=[1]))
     error, _ = run.failed(FakeRpcError(code, "why"))
-    assert type(error) is exc_type and error.code == code and str(error) == "orchestrator a:1: why"
+    assert type(error) is exc_type and error.code == code.name and str(error) == "orchestrator a:1: why"
     assert error.address == "a:1"

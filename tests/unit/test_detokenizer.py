@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from orchestrator.detokenizer import Detokenizer
-from specdec.runtime.tiny import make_char_tokenizer
+from specdec.testing.tiny import make_char_tokenizer
 
 
 @pytest.fixture(scope="module")

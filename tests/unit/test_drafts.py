@@ -24,7 +24,7 @@ from drafts.shallow import (
 )
 from specdec.cli import main as specdec_main
 from specdec.runtime.models import load_model, resolve_device
-from specdec.runtime.tiny import make_char_tokenizer, make_tiny_model
+from specdec.testing.tiny import make_char_tokenizer, make_tiny_model
 
 HELDOUT = ["once upon a time", "good morning", "what is 2+2?", "tell me a story"]
 

@@ -152,12 +152,12 @@ def test_specdec_up_refuses_an_unknown_proposer(capsys):
 
 
 def test_the_launcher_feeds_a_hybrid_drafts_suffix_index_from_the_pipelines_redis():
-    from specdec.launcher import Plan
+    from specdec.launcher import PipelineSpec
 
-    draft = Plan(proposer="hybrid", redis_port=6399).commands()["draft"]
+    draft = PipelineSpec(proposer="hybrid", redis_port=6399).commands()["draft"]
     assert draft[draft.index("--proposer") + 1] == "hybrid"
     assert draft[draft.index("--suffix-redis-url") + 1] == "redis://127.0.0.1:6399/0"
-    assert "--suffix-redis-url" not in Plan(proposer="model").commands()["draft"]
+    assert "--suffix-redis-url" not in PipelineSpec(proposer="model").commands()["draft"]
 
 
 @pytest.mark.parametrize("proposer", ["suffix", "model", "hybrid"])
@@ -178,13 +178,13 @@ def test_specdec_up_refuses_prompt_lookup_options_for_another_proposer(capsys):
 
 
 def test_the_launcher_passes_each_proposer_only_its_own_options():
-    from specdec.launcher import Plan
+    from specdec.launcher import PipelineSpec
 
-    default = Plan(redis_port=6399).commands()["draft"]
+    default = PipelineSpec(redis_port=6399).commands()["draft"]
     assert default[default.index("--proposer") + 1] == "suffix"
     assert default[default.index("--suffix-redis-url") + 1] == "redis://127.0.0.1:6399/0"
     assert "--ngram-min" not in default
-    ngram = Plan(proposer="ngram", ngram_min=1).commands()["draft"]
+    ngram = PipelineSpec(proposer="ngram", ngram_min=1).commands()["draft"]
     assert ngram[ngram.index("--ngram-min") + 1] == "1"
     assert not [a for a in ngram if a.startswith("--suffix-")]
 

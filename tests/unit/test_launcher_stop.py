@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from specdec.launcher import Pipeline, Plan, Stopped, StopRequest, _wait_redis, wait_healthy, wait_http_healthy
+from specdec.launcher import Pipeline, PipelineSpec, Stopped, StopRequest, _wait_redis, wait_healthy, wait_http_healthy
 
 
 @pytest.fixture
@@ -84,7 +84,7 @@ def test_a_redis_wait_ends_when_a_stop_is_requested(silent_port):
 
 
 def test_a_wait_on_running_processes_ends_on_a_stop_or_when_one_exits(tmp_path):
-    pipeline = Pipeline(Plan(log_dir=str(tmp_path)))
+    pipeline = Pipeline(PipelineSpec(log_dir=str(tmp_path)))
     long = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     short = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1)"])
     try:

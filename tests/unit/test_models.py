@@ -1,4 +1,4 @@
-"""Model loading (specdec.runtime.models) and the tiny offline models (specdec.runtime.tiny)."""
+"""Model loading (specdec.runtime.models) and the tiny offline models (specdec.testing.tiny)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from specdec.runtime.models import (
     resolve_model_path,
     tokenizer_fingerprint,
 )
-from specdec.runtime.tiny import (
+from specdec.testing.tiny import (
     greedy_agreement,
     make_char_tokenizer,
     make_mismatched_tokenizer_model,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 
-import grpc
 import pytest
 from pydantic import ValidationError
 
@@ -183,7 +182,7 @@ def test_the_grpc_codes_we_map_are_the_sdk_codes():
     for cls in (errors.InvalidArgument, errors.NotFound, errors.Aborted, errors.ResourceExhausted,
                 errors.Unavailable, errors.DeadlineExceeded, errors.FailedPrecondition):
         assert cls.code in HTTP_ERRORS
-    assert grpc.StatusCode.INTERNAL not in HTTP_ERRORS  # the 500 fallback
+    assert "INTERNAL" not in HTTP_ERRORS  # the 500 fallback
 
 
 def test_invalid_json_names_where_but_no_param():

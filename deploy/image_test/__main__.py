@@ -1,0 +1,5 @@
+import sys
+
+from deploy.image_test.cli import main
+
+sys.exit(main())
