@@ -1,11 +1,37 @@
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import Field, model_validator
 
 from specdec.defaults import DEFAULT_MODEL
 from specdec.server.config import KV_OPTIONS, BatchWindowMs, Dtype, MaxBatch, ModelServiceConfig
+
+
+@dataclass(frozen=True)
+class ProposerOptions:
+    """What a proposer takes from the config (`draft_service.registry` builds it)."""
+
+    summary: str  # a few words for messages, e.g. "suffix speculation alone"
+    runs_model: bool = False  # loads the draft model: takes its engine and --snapshot-* options
+    option_groups: tuple[str, ...] = ()  # the --GROUP-* options it reads, e.g. ("suffix",)
+
+
+PROPOSER_OPTIONS: dict[str, ProposerOptions] = {
+    "suffix": ProposerOptions("suffix speculation alone", option_groups=("suffix",)),
+    "ngram": ProposerOptions("prompt lookup", option_groups=("ngram",)),
+    "model": ProposerOptions("a draft model alone", runs_model=True),
+    "hybrid": ProposerOptions("a draft model with suffix speculation", runs_model=True, option_groups=("suffix",)),
+}
+"""Every `--proposer` choice and the options it reads; `draft_service.registry` holds one builder for each."""
+OPTION_GROUPS = {"ngram": "prompt lookup", "suffix": "suffix speculation"}  # --GROUP-* options: what they configure
+
+
+def runs(option_group: str = "", model: bool = False) -> list[str]:
+    """The names of the proposers that read the --`option_group`-* options (or that run the model)."""
+    return [name for name, entry in PROPOSER_OPTIONS.items()
+            if (model and entry.runs_model) or (option_group and option_group in entry.option_groups)]
 
 
 class DraftConfig(ModelServiceConfig):
@@ -18,7 +44,7 @@ class DraftConfig(ModelServiceConfig):
     """
 
     port: int = Field(50052, ge=0, le=65535, description="Port to listen on (0 picks a free one).")
-    # The proposers of draft_service.registry (the chart's schema lists them too).
+    # The keys of PROPOSER_OPTIONS (the chart's schema lists them too).
     proposer: Literal["model", "ngram", "suffix", "hybrid"] = Field(
         "suffix", description="Draft source: suffix speculation ('suffix', no model: the session's history and "
         "earlier outputs; the measured default on CPU), prompt lookup ('ngram', no model: the session's history "
@@ -70,9 +96,7 @@ class DraftConfig(ModelServiceConfig):
     @model_validator(mode="after")
     def _options_of_the_proposer(self):
         """Each option is refused with a proposer that does not read it, naming those that do."""
-        from draft_service.registry import OPTION_GROUPS, PROPOSERS, runs
-
-        entry = PROPOSERS[self.proposer]
+        entry = PROPOSER_OPTIONS[self.proposer]
         models = " or ".join(runs(model=True))
         if not entry.runs_model and self.snapshot_redis_url:
             raise ValueError(f"--snapshot-redis-url needs --proposer {models}: {self.proposer} keeps no KV cache to "
@@ -86,7 +110,7 @@ class DraftConfig(ModelServiceConfig):
             options = sorted(name for name in self.model_fields_set if name.startswith(group + "_"))
             if options and group not in entry.option_groups:
                 flags = ", ".join("--" + name.replace("_", "-") for name in options)
-                users = " or ".join(f"--proposer {name} ({PROPOSERS[name].summary})" for name in runs(group))
+                users = " or ".join(f"--proposer {name} ({PROPOSER_OPTIONS[name].summary})" for name in runs(group))
                 raise ValueError(f"{flags} configure {what}, which --proposer {self.proposer} does not run: use "
                                  f"{users}")
         if self.suffix_min_match > self.suffix_max_depth:

@@ -3,9 +3,10 @@
 Each entry of `PROPOSERS` builds one `Proposer` from the service's config and a `DraftHost` (the
 draft model, loaded on first use with its batcher; the tokenizer). Everything else the service
 does (streaming, grammars, Release, what GetInfo reports) goes through the `Proposer` interface,
-so a new draft source is a class and an entry here:
+so a new draft source is a class, its entry in `draft_service.config.PROPOSER_OPTIONS` (its name
+and the options it reads) and a builder here:
 
-    @register("mine", "what it is, in a few words", runs_model=True)
+    @register("mine")
     def _mine(config, host):
         return MyProposer.batched(host.batcher())
 """
@@ -13,11 +14,10 @@ so a new draft source is a class and an entry here:
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
+from draft_service.config import PROPOSER_OPTIONS, DraftConfig
 from specdec.runtime.batching import Batcher
 from specdec.runtime.drafting import Proposer
 from specdec.runtime.grammars import SessionGrammars
@@ -27,9 +27,6 @@ from specdec.runtime.models import LoadedModel, load_tokenizer, tokenizer_finger
 from specdec.runtime.proposers import HybridProposer, ModelProposer, NgramProposer, SuffixProposer
 from specdec.server.model_service import admission_and_metrics, batcher_for, load_on, model_thread
 from specdec.v1 import common_pb2
-
-if TYPE_CHECKING:
-    from draft_service.config import DraftConfig
 
 
 class DraftHost:
@@ -77,43 +74,28 @@ class DraftHost:
         return info, grammars
 
 
-Build = Callable[["DraftConfig", DraftHost], Proposer]
+Build = Callable[[DraftConfig, DraftHost], Proposer]
 
 
-@dataclass(frozen=True)
-class Registered:
-    """A proposer the service can run: how to build it, and which options it takes."""
-
-    build: Build
-    summary: str  # a few words for messages, e.g. "suffix speculation alone"
-    runs_model: bool = False  # loads the draft model: takes its engine and --snapshot-* options
-    option_groups: tuple[str, ...] = ()  # the --GROUP-* options it reads, e.g. ("suffix",)
+PROPOSERS: dict[str, Build] = {}
+"""A builder for each `--proposer` choice (`draft_service.config.PROPOSER_OPTIONS` says what each reads)."""
 
 
-PROPOSERS: dict[str, Registered] = {}
-OPTION_GROUPS = {"ngram": "prompt lookup", "suffix": "suffix speculation"}  # --GROUP-* options: what they configure
-
-
-def register(name: str, summary: str, runs_model: bool = False,
-             option_groups: tuple[str, ...] = ()) -> Callable[[Build], Build]:
-    """Add the decorated builder to `PROPOSERS` as `--proposer name`."""
+def register(name: str) -> Callable[[Build], Build]:
+    """Add the decorated builder to `PROPOSERS` as `--proposer name` (a choice the config lists)."""
+    if name not in PROPOSER_OPTIONS:
+        raise ValueError(f"--proposer {name} is not a choice of DraftConfig (add it to PROPOSER_OPTIONS)")
 
     def add(build: Build) -> Build:
-        PROPOSERS[name] = Registered(build, summary, runs_model, option_groups)
+        PROPOSERS[name] = build
         return build
 
     return add
 
 
-def runs(option_group: str = "", model: bool = False) -> list[str]:
-    """The names of the proposers that read the --`option_group`-* options (or that run the model)."""
-    return [name for name, entry in PROPOSERS.items()
-            if (model and entry.runs_model) or (option_group and option_group in entry.option_groups)]
-
-
 def build_proposer(config: DraftConfig, host: DraftHost) -> Proposer:
     """The configured proposer."""
-    return PROPOSERS[config.proposer].build(config, host)
+    return PROPOSERS[config.proposer](config, host)
 
 
 def suffix_proposer(config: DraftConfig) -> SuffixProposer:
@@ -123,21 +105,21 @@ def suffix_proposer(config: DraftConfig) -> SuffixProposer:
                           learn_on_release=not config.suffix_redis_url)
 
 
-@register("suffix", "suffix speculation alone", option_groups=("suffix",))
+@register("suffix")
 def _suffix(config: DraftConfig, host: DraftHost) -> Proposer:
     return suffix_proposer(config)
 
 
-@register("ngram", "prompt lookup", option_groups=("ngram",))
+@register("ngram")
 def _ngram(config: DraftConfig, host: DraftHost) -> Proposer:
     return NgramProposer(config.ngram_max, config.ngram_min)
 
 
-@register("model", "a draft model alone", runs_model=True)
+@register("model")
 def _model(config: DraftConfig, host: DraftHost) -> Proposer:
     return ModelProposer.batched(host.batcher(), host.profile)
 
 
-@register("hybrid", "a draft model with suffix speculation", runs_model=True, option_groups=("suffix",))
+@register("hybrid")
 def _hybrid(config: DraftConfig, host: DraftHost) -> Proposer:
     return HybridProposer(ModelProposer.batched(host.batcher(), host.profile), suffix_proposer(config))

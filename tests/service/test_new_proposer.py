@@ -13,8 +13,8 @@ from contextlib import asynccontextmanager
 
 import pytest
 
-from draft_service.config import DraftConfig
-from draft_service.registry import PROPOSERS, Registered
+from draft_service.config import PROPOSER_OPTIONS, DraftConfig, ProposerOptions
+from draft_service.registry import PROPOSERS
 from draft_service.server import SERVICE_NAME, build_servicer
 from orchestrator.backends import DraftBackend
 from orchestrator.config import OrchestratorConfig
@@ -70,7 +70,8 @@ class OracleConfig(DraftConfig):
 @pytest.fixture
 def oracle(monkeypatch) -> Oracle:
     made = Oracle(REFERENCE)
-    monkeypatch.setitem(PROPOSERS, "oracle", Registered(lambda config, host: made, "a test's oracle"))
+    monkeypatch.setitem(PROPOSER_OPTIONS, "oracle", ProposerOptions("a test's oracle"))
+    monkeypatch.setitem(PROPOSERS, "oracle", lambda config, host: made)
     return made
 
 

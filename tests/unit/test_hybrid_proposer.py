@@ -120,9 +120,11 @@ async def test_a_hybrid_proposer_needs_a_batcher_for_its_model(loaded):
 def test_the_proposer_choices_are_the_registrys():
     import typing
 
+    from draft_service.config import PROPOSER_OPTIONS
     from draft_service.registry import PROPOSERS
 
-    assert set(typing.get_args(DraftConfig.model_fields["proposer"].annotation)) == set(PROPOSERS)
+    choices = set(typing.get_args(DraftConfig.model_fields["proposer"].annotation))
+    assert choices == set(PROPOSER_OPTIONS) == set(PROPOSERS)
 
 
 def test_hybrid_takes_the_suffix_options_the_stream_and_snapshots():
