@@ -27,7 +27,7 @@ from specdec.runtime.proposers import (
     model_of,
     suffix_of,
 )
-from specdec.server.keys import suffix_outputs_key
+from specdec.keys import suffix_outputs_key
 from specdec.server.metrics import ServiceMetrics
 from specdec.server.model_service import admission_and_metrics, batcher_for, load_on, model_thread, serve_model_service
 from specdec.server.serving import run_main

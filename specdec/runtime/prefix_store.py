@@ -25,7 +25,7 @@ import torch
 
 from specdec.runtime.snapshot_codec import SnapshotIdentity, decode_layers, encode_layers
 from specdec.runtime.snapshot_store import RedisSnapshotStore
-from specdec.server.keys import prefix_block_key
+from specdec.keys import prefix_block_key
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ A snapshot moves a session's cache to another replica instead of re-prefilling i
 format: `specdec.runtime.snapshot_codec`). Redis holds a blob under the session's hash tag,
 chunked (Redis strings are capped, and large values block the server), written to temporary
 keys and renamed into place so a reader never sees half a snapshot, with a TTL (key names:
-`specdec.server.keys`):
+`specdec.keys`):
 
     specdec:v1:{<session>}:kv:<role>:meta    hash: chunks, bytes, tokens, model, written_at
     specdec:v1:{<session>}:kv:<role>:<i>     chunk i of the blob
@@ -27,7 +27,7 @@ from typing import Protocol
 import redis
 
 from specdec.runtime.snapshot_codec import SnapshotIdentity
-from specdec.server.keys import snapshot_chunk_key, snapshot_meta_key
+from specdec.keys import snapshot_chunk_key, snapshot_meta_key
 
 CHUNK_BYTES = 4 * 1024 * 1024
 

@@ -19,7 +19,7 @@ from draft_service.config import DraftConfig
 from draft_service.server import SERVICE_NAME, build_servicer
 from specdec.channel import channel
 from specdec.runtime.snapshot_store import RedisSnapshotStore
-from specdec.server.keys import snapshot_meta_key
+from specdec.keys import snapshot_meta_key
 from specdec.server.serving import create_server
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 

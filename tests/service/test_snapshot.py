@@ -11,7 +11,7 @@ from specdec.errors import FailedPrecondition
 from specdec.runtime.models import load_model
 from specdec.runtime.snapshot_codec import SnapshotIdentity, decode, encode
 from specdec.runtime.snapshot_store import RedisSnapshotStore
-from specdec.server.keys import snapshot_chunk_key, snapshot_meta_key
+from specdec.keys import snapshot_chunk_key, snapshot_meta_key
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from specdec.client import Client
 from specdec.errors import Aborted
 from specdec.launcher import free_port
 from specdec.runtime.models import load_tokenizer
-from specdec.server.keys import session_meta_key, session_tokens_key
+from specdec.keys import session_meta_key, session_tokens_key
 from tests.cluster import HOST, Cluster
 from tests.redis_ha import LocalCluster, LocalSentinel
 from tests.reference import Reference
