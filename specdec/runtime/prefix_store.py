@@ -20,12 +20,13 @@ import logging
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from specdec.keys import prefix_block_key
 from specdec.runtime.snapshot_codec import SnapshotIdentity, decode_layers, encode_layers
 from specdec.runtime.snapshot_store import RedisSnapshotStore
-from specdec.keys import prefix_block_key
 
 log = logging.getLogger(__name__)
 
@@ -40,12 +41,14 @@ class RemoteRun:
 
 
 class RedisPrefixStore:
-    """Prefix segments of one role's model in Redis (blocking calls; uploads on a worker thread)."""
+    """Prefix segments of one role's model in Redis (blocking calls; uploads on a worker thread).
 
-    def __init__(self, url: str, role: str, identity: SnapshotIdentity, ttl_s: int = 3600,
+    `client`: a blocking redis-py client the service built (`specdec.server.redis.connect`)."""
+
+    def __init__(self, client: Any, role: str, identity: SnapshotIdentity, ttl_s: int = 3600,
                  min_tokens: int = 256) -> None:
-        self.blobs = RedisSnapshotStore(url, f"{role}-prefix", ttl_s)
-        self.redis = self.blobs.redis
+        self.blobs = RedisSnapshotStore(client, f"{role}-prefix", ttl_s)
+        self.redis = client
         self.role, self.identity, self.ttl_s, self.min_tokens = role, identity, ttl_s, min_tokens
         meta = "|".join(f"{k}={v}" for k, v in sorted(identity.as_metadata().items()))
         self.identity_hash = hashlib.blake2b(meta.encode(), digest_size=8).hexdigest()
@@ -124,6 +127,6 @@ class RedisPrefixStore:
         return torch.stack([torch.stack([k[0, :, lo:hi], v[0, :, lo:hi]]) for k, v in layers], dim=1)
 
     def close(self) -> None:
+        """Finish the queued uploads (the client is the service's to close)."""
         self._uploads.shutdown(wait=True)
-        self.blobs.close()
 

@@ -10,6 +10,8 @@ from typing import Annotated, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from specdec.server.redis import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_TIMEOUT_S, RedisSettings, read_password
+
 C = TypeVar("C", bound="ServiceConfig")
 
 
@@ -97,6 +99,39 @@ def _explain(exc: ValidationError) -> str:
     return "; ".join(lines)
 
 
+class RedisClientOptions(BaseModel):
+    """How a service reaches its Redis, wherever that is: the password, TLS files and timeouts every
+    Redis connection of the service uses (`specdec.server.redis`)."""
+
+    redis_password_file: str = Field(
+        "", description="File holding the Redis password; unset: $REDIS_PASSWORD when set, else none."
+    )
+    redis_tls_ca: str = Field("", description="PEM CA that the Redis server certificate must chain to (rediss://).")
+    redis_tls_cert: str = Field("", description="PEM client certificate for Redis (when it requires one).")
+    redis_tls_key: str = Field("", description="PEM private key of --redis-tls-cert.")
+    redis_connect_timeout_s: float = Field(
+        DEFAULT_CONNECT_TIMEOUT_S, gt=0, description="Seconds to wait for a connection to Redis before the call fails."
+    )
+    redis_timeout_s: float = Field(
+        DEFAULT_TIMEOUT_S, gt=0, description="Seconds to wait for Redis to answer one call before it fails (a Redis "
+        "that stops answering fails calls instead of hanging them)."
+    )
+
+    @field_validator("redis_password_file", "redis_tls_ca", "redis_tls_cert", "redis_tls_key")
+    @classmethod
+    def _redis_file_readable(cls, path: str) -> str:
+        if path and not Path(path).is_file():
+            raise ValueError(f"no such file: {path}")
+        return path
+
+    def redis_settings(self, url: str = "", **mode) -> RedisSettings:
+        """The settings of the Redis at `url` (or of the cluster or sentinels `mode` names) with this
+        service's password, TLS files and timeouts; ValueError when they do not fit together."""
+        return RedisSettings(url=url, password=read_password(self.redis_password_file), tls_ca=self.redis_tls_ca,
+                             tls_cert=self.redis_tls_cert, tls_key=self.redis_tls_key,
+                             connect_timeout_s=self.redis_connect_timeout_s, timeout_s=self.redis_timeout_s, **mode)
+
+
 class DeviceOption(BaseModel):
     """The `--device` of a service that hosts a model (draft, target)."""
 
@@ -124,10 +159,11 @@ KV_OPTIONS = ("kv_cache_bytes", "prefix_cache", "prefix_block_tokens", "prefix_r
 """Options of a service's model engine (its KV caches and forward pass): meaningless without a model."""
 
 
-class ModelServiceConfig(ServiceConfig, DeviceOption):
+class ModelServiceConfig(ServiceConfig, DeviceOption, RedisClientOptions):
     """Base of the services that host a model (draft, target): its KV caches and their snapshots in
-    Redis, batching and admission. The fields without a default here get theirs, and their help, from
-    each service; their types and bounds are checked here."""
+    Redis (reached with the --redis-* password, TLS and timeout options), batching and admission.
+    The fields without a default here get theirs, and their help, from each service; their types and
+    bounds are checked here."""
 
     snapshot_redis_url: str = Field(
         "", description="Redis URL of the KV snapshot store (empty: no snapshots); may be the session store's Redis."
