@@ -32,6 +32,25 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
+class FetchedRun:
+    """Keys/values another replica computed for `tokens` at positions start .. start + len(tokens) - 1:
+    per layer `(keys, values)` `[kv_heads, n, head_dim]` (views of a decoded blob)."""
+
+    start: int
+    tokens: list[int]
+    layers: list[tuple[torch.Tensor, torch.Tensor]]
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.tokens)
+
+    def data(self, skip: int = 0) -> torch.Tensor:
+        """`[2, layers, kv_heads, n - skip, head_dim]`: the run from position start + skip on, as one
+        tensor the prefix cache can own (a copy: made on the model thread, which installs it)."""
+        return torch.stack([torch.stack([k[:, skip:], v[:, skip:]]) for k, v in self.layers], dim=1)
+
+
+@dataclass(frozen=True)
 class RemoteRun:
     """Consecutive blocks of one remote segment: its id, the first block's index in it, how many."""
 
@@ -114,9 +133,10 @@ class RedisPrefixStore:
                 runs.append(RemoteRun(segment, int(index), 1))
         return runs
 
-    def fetch(self, run: RemoteRun, block_tokens: int, expected: list[int]) -> torch.Tensor | None:
-        """The run's keys/values `[2, layers, H, blocks * block_tokens, D]`, or None if the segment is
-        gone, belongs to another model, or does not hold `expected` (the history's tokens there)."""
+    def fetch(self, run: RemoteRun, block_tokens: int, start: int, expected: list[int]) -> FetchedRun | None:
+        """The run's keys/values, for the history's positions from `start` on, or None if the segment
+        is gone, belongs to another model, or does not hold `expected` (the history's tokens there).
+        Decoded, not copied: `FetchedRun.data` makes the tensor the prefix cache keeps."""
         blob = self.blobs.get(run.segment)
         if blob is None:
             return None
@@ -124,7 +144,7 @@ class RedisPrefixStore:
         lo, hi = run.first * block_tokens, (run.first + run.blocks) * block_tokens
         if tokens[lo:hi] != expected:
             return None
-        return torch.stack([torch.stack([k[0, :, lo:hi], v[0, :, lo:hi]]) for k, v in layers], dim=1)
+        return FetchedRun(start, list(expected), [(k[0, :, lo:hi], v[0, :, lo:hi]) for k, v in layers])
 
     def close(self) -> None:
         """Finish the queued uploads (the client is the service's to close)."""

@@ -10,6 +10,7 @@ from typing import Annotated, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from specdec.runtime.engine_options import LINEAR_MAX_ROWS, EngineOptions
 from specdec.server.redis import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_TIMEOUT_S, RedisSettings, read_password
 
 C = TypeVar("C", bound="ServiceConfig")
@@ -207,7 +208,7 @@ class ModelServiceConfig(ServiceConfig, DeviceOption, RedisClientOptions):
         "operators: attention row by row, projections through oneDNN/MKL), auto (native where they build and run: a "
         "CPU, float32/float64; see bench/engine.py)."
     )
-    native_linear_rows: Literal["auto"] | Annotated[int, Field(ge=0, le=48)] = Field(
+    native_linear_rows: Literal["auto"] | Annotated[int, Field(ge=0, le=LINEAR_MAX_ROWS)] = Field(
         "auto", description="The most rows of a pass (decode and verify positions over all its sessions) whose "
         "projections run through the native linear kernel (float32, with the native kernels); larger passes use "
         "oneDNN's pre-packed weights. auto: measured at start on the model's own weights, as the most rows up to "
@@ -245,11 +246,22 @@ class ModelServiceConfig(ServiceConfig, DeviceOption, RedisClientOptions):
         if not self.prefix_redis_url and given("prefix_min_fetch_tokens", "prefix_ttl_s"):
             raise ValueError(f"{given('prefix_min_fetch_tokens', 'prefix_ttl_s')} configure sharing prefixes "
                              "through Redis: add --prefix-redis-url URL")
-        if given("native_linear_rows") and self.kernels == "torch":
-            raise ValueError("--native-linear-rows sizes the native linear kernel's passes: drop --kernels torch")
-        if given("native_linear_rows") and self.dtype != "float32":
-            raise ValueError(f"--native-linear-rows: the native linear kernel runs float32, not --dtype {self.dtype}")
         return self
+
+    @model_validator(mode="after")
+    def _engine_options_hold_together(self):
+        """Refused at start, with the flags named: what `EngineOptions` refuses, and what a model of
+        --dtype could not honour."""
+        self.engine_options.check_dtype(self.dtype)
+        return self
+
+    @property
+    def engine_options(self) -> EngineOptions:
+        """The engine's options (`--prepack-weights`, `--compile`, `--kernels`, `--native-linear-rows`),
+        as the KV caches and the forward pass take them: each `EngineOptions` field from the config
+        field named after its flag."""
+        return EngineOptions(**{name: getattr(self, flag.removeprefix("--").replace("-", "_"))
+                                for name, flag in EngineOptions.FLAGS.items()})
     max_batch: MaxBatch
     batch_window_ms: BatchWindowMs
     max_concurrent: int = Field(64, ge=1, description="Admission: requests served at once; more wait in the queue.")

@@ -167,8 +167,7 @@ def session_caches(config: ModelServiceConfig, loaded: LoadedModel, role: str) -
                                snapshot_policy(config, loaded, role, clients.get(config.snapshot_redis_url)),
                                budget_bytes=config.kv_cache_bytes or None,
                                prefix_cache=PrefixCache(config.prefix_block_tokens) if config.prefix_cache else None,
-                               prefix_store=store, prepack=config.prepack_weights, compile=config.compile,
-                               kernels=config.kernels, linear_rows=config.native_linear_rows)
+                               prefix_store=store, engine=config.engine_options)
     except ValueError as exc:
         raise StartupError(str(exc)) from exc
     caches.warm_up()  # before the service listens: no request pays a compile
