@@ -10,7 +10,7 @@ from specdec.server.config import RedisClientOptions, ServiceConfig
 from specdec.server.redis import RedisSettings
 
 
-class OrchestratorConfig(ServiceConfig, RedisClientOptions):
+class OrchestratorConfig(RedisClientOptions, ServiceConfig):
     """specdec orchestrator: runs speculative decoding sessions over the draft and target services."""
 
     port: int = Field(50051, ge=0, le=65535, description="Port of the public gRPC API (0 picks a free one).")

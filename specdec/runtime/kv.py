@@ -20,7 +20,7 @@ reasons:
 
 `score_batch` (the model thread) validates the rows, cuts each cache back, installs what was
 fetched for new sessions, makes room under the budget, runs the pass, extends the caches and
-publishes new prefix blocks. It makes no network call: a row refused for room
+publishes new prefix blocks. It makes no network call. A row refused for room
 (`ResourceExhausted`: the orchestrator retries a busy replica) loses nothing.
 """
 

@@ -47,6 +47,7 @@ from specdec.runtime.kv_buffer import SessionKV
 from specdec.runtime.native_attention import AttentionPlan
 from specdec.runtime.projection import LINEAR_ROW_CANDIDATES, Projection, measure_linear_rows
 
+# With the pass's own names, those its callers knew it by before attention and projections moved out.
 __all__ = ["QUERY_CHUNK", "LINEAR_ROW_CANDIDATES", "Forward", "GenericForward", "PackedForward", "PackedRow",
            "attend", "build_forward", "forward_generic", "kv_geometry", "supports"]
 
@@ -116,6 +117,8 @@ class PackedForward:
         self._pass_plan: tuple[list[PackedRow] | None, AttentionPlan | None, list[bool]] = (None, None, [])
 
     def __call__(self, rows: list[PackedRow]) -> list[torch.Tensor]:
+        """Feed every row's tokens into its cache; each row's last `keep` logits `[keep, V]` (views of
+        one tensor)."""
         device = self.model.lm_head.weight.device
         for row in rows:
             row.kv.reserve(row.kv.length + len(row.tokens))
@@ -193,9 +196,9 @@ class PackedForward:
         keys/values; the others through `SessionKV.write` and `attend`."""
         t, d, hkv, g = q.shape[0], self.head_dim, self.kv_heads, self.groups
         out = q.new_empty((t, hkv, g, d))  # query head kv * G + g lives at [:, kv, g]
-        plan, native = self._native_plan(rows)
+        kernel_plan, short_rows = self._native_plan(rows)
         start = 0
-        for row, short in zip(rows, native):
+        for row, short in zip(rows, short_rows):
             n, past = len(row.tokens), row.kv.length
             span = slice(start, start + n)
             if not short:
@@ -204,8 +207,8 @@ class PackedForward:
                 o = attend(queries, row.kv.segments(index, past + n), past, scaling)
                 out[span] = o.permute(2, 0, 1, 3)  # [n, Hkv, G, D]
             start += n
-        if plan is not None:
-            native_attention.attend(plan, index, q, out.view(t, self.heads, d), hkv, scaling, new=(k, v))
+        if kernel_plan is not None:
+            native_attention.attend(kernel_plan, index, q, out.view(t, self.heads, d), hkv, scaling, new=(k, v))
         return out.view(t, self.heads * d)
 
     def _native_plan(self, rows: list[PackedRow]) -> tuple[AttentionPlan | None, list[bool]]:

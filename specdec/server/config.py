@@ -160,7 +160,7 @@ KV_OPTIONS = ("kv_cache_bytes", "prefix_cache", "prefix_block_tokens", "prefix_r
 """Options of a service's model engine (its KV caches and forward pass): meaningless without a model."""
 
 
-class ModelServiceConfig(ServiceConfig, DeviceOption, RedisClientOptions):
+class ModelServiceConfig(RedisClientOptions, ServiceConfig, DeviceOption):
     """Base of the services that host a model (draft, target): its KV caches and their snapshots in
     Redis (reached with the --redis-* password, TLS and timeout options), batching and admission.
     The fields without a default here get theirs, and their help, from each service; their types and

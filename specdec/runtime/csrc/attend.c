@@ -19,7 +19,11 @@
  * -inf), which -ffast-math's finite-math assumption requires. float32 on AVX2/FMA runs the
  * register-blocked loops below, and with AVX-512 wider ones (8 keys a block for 3 queries; 5
  * queries a pass over the values); other types and machines run the plain loops, which the compiler
- * vectorises. float64 is there so that tests can compare with an exact reference. */
+ * vectorises. float64 is there so that tests can compare with an exact reference.
+ *
+ * This file holds what does not depend on the element type and the float32 vector loops; the work
+ * items, the merge and the entry points specdec_attend_f32 and specdec_attend_f64 are in
+ * attend_impl.h, included at the end once per type. They return a `specdec_status` (status.h). */
 
 #include <math.h>
 #include <stdint.h>
