@@ -23,10 +23,11 @@ to finish), so every session's cache sees its requests in order. Before each ste
 deadline has passed are failed with DEADLINE_EXCEEDED and cancelled jobs are dropped: neither
 costs any compute.
 
-A new session's job whose cache may be restored from Redis (a snapshot, other replicas' prefix
-blocks: `SessionCaches.wants_fetch`) is fetched on the batcher's I/O thread as soon as it is
-submitted, and joins a pass only once that fetch is done, so the model thread never waits on the
-network: its pass installs what was fetched, or prefills what was not.
+A job for a session without a cache here, whose cache Redis may hold (a snapshot, other
+replicas' prefix blocks: `SessionCaches.wants_fetch`), has it fetched on the batcher's I/O thread
+when it is submitted (or when it is admitted, if its session's cache was evicted meanwhile), and
+joins a pass only once that fetch is done, so the model thread never waits on the network: its
+pass installs what was fetched, or prefills what was not.
 
 Everything about asyncio happens on the event loop; the worker thread only runs `step`, which
 touches the model, the caches and the jobs' own per-step logic (`Job.advance`).
@@ -268,25 +269,24 @@ class Batcher:
         if finished_at is not None:
             sample = min(max(0.0, job.enqueued - finished_at), self.config.window_s)
             self._turnaround_s += 0.2 * (sample - self._turnaround_s)
+        if not any(other.session_id == job.session_id for other in (*self._pending, *self._active)):
+            self._fetch(job)  # (an earlier job of its session is here: that one's pass builds its cache)
         self._pending.append(job)
-        self._fetch(job)
         self._kick()
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._loop(), name="batcher")
 
-    def _fetch(self, job: Job) -> None:
-        """Start fetching the job's cache from Redis on the I/O thread, if the caches may find one
-        and no earlier job of its session is here (that one's pass builds the cache); the job joins
-        a pass once the fetch is done (`Job.ready`)."""
-        if any(other.session_id == job.session_id for other in (*self._pending, *self._active) if other is not job):
-            return
+    def _fetch(self, job: Job) -> bool:
+        """Start fetching the job's cache from Redis on the I/O thread if the caches may find one
+        (the job then joins a pass once that is done: `Job.ready`); whether it started."""
         request = job.request()
         if not self.caches.wants_fetch(request):
-            return
+            return False
         if self._io is None:
             self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batch-io")
         job.fetching = asyncio.get_running_loop().run_in_executor(self._io, self.caches.prefetch, request)
         job.fetching.add_done_callback(self._fetched)
+        return True
 
     def _fetched(self, future: asyncio.Future) -> None:
         if not future.cancelled() and future.exception() is not None:  # the job prefills instead
@@ -437,14 +437,15 @@ class Batcher:
 
     def _admit(self) -> None:
         """Move pending jobs into the batch, up to max_batch, one job per session, in order; a job
-        still fetching its cache waits (and so do its session's later jobs)."""
+        still fetching its cache waits (and so do its session's later jobs). A job whose session's
+        cache was there at submission but is gone now (evicted meanwhile) fetches it first."""
         busy = {job.session_id for job in self._active}
         skipped: deque[Job] = deque()
         while self._pending and len(self._active) < self.config.max_batch:
             job = self._pending.popleft()
-            if job.session_id in busy or not job.ready:
+            if job.session_id in busy or not job.ready or (job.fetching is None and self._fetch(job)):
                 busy.add(job.session_id)
-                skipped.append(job)  # the session's earlier job runs first
+                skipped.append(job)  # the session's earlier job, or its fetch, comes first
                 continue
             busy.add(job.session_id)
             self._active.append(job)

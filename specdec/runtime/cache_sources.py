@@ -8,8 +8,10 @@ All of it is Redis I/O, and none of it runs on the model thread, where it would 
 session's pass for one session's round trips:
 
 - `fetch` runs before a job joins a pass: the batcher calls it on an I/O thread when the job is
-  submitted. What it finds waits here, fetched and decoded, until the session's pass `take`s it
-  and the cache table installs it (a copy into the session's buffer or the prefix cache).
+  submitted (or admitted, for a session evicted meanwhile). What it finds waits here, fetched and
+  decoded, until the session's pass `take`s it and the cache table installs it (a copy into the
+  session's buffer or the prefix cache). A session whose snapshot is still being written (evicted
+  a moment ago) waits for that write, then reads it.
 - `save` takes an evicted session after it left the table and hands its buffers to a background
   writer, which copies them out (`snapshot_codec.host_join`: without starting OpenMP threads),
   encodes and writes them. At most `max_pending_saves` wait; beyond that an evicted session is
@@ -84,7 +86,7 @@ class CacheSources:
         self._staged: OrderedDict[str, tuple[float, Fetched]] = OrderedDict()  # by session: (when, what)
         self._lock = threading.Lock()
         self._writer: ThreadPoolExecutor | None = None
-        self._saves: set[Future] = set()
+        self._saves: dict[str, Future] = {}  # by session: the snapshots being written
         self.skipped_saves = 0  # evicted sessions not saved because the writer was behind
 
     @property
@@ -104,6 +106,7 @@ class CacheSources:
         is found for its pass; whether anything was. Never raises: a failure means a prefill."""
         needed = history[:-1]
         try:
+            self._wait_for_save(session_id)  # evicted a moment ago: read the snapshot it is getting
             found: Fetched | None = self._restore(session_id, needed) or self._shared(needed)
         except Exception as exc:  # noqa: BLE001 - an optimisation: what is missing gets prefilled
             log.warning("cache of session %s not fetched from Redis (%s); prefilling it", session_id, exc)
@@ -197,8 +200,8 @@ class CacheSources:
             if self._writer is None:
                 self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-snapshot-writer")
             future = self._writer.submit(self._write, session_id, list(entry.tokens), pieces)
-            self._saves.add(future)
-        future.add_done_callback(self._saved)
+            self._saves[session_id] = future
+        future.add_done_callback(lambda done: self._saved(session_id, done))
 
     def _write(self, session_id: str, tokens: list[int], pieces: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> None:
         policy = self.snapshots
@@ -207,16 +210,23 @@ class CacheSources:
         policy.store.put(session_id, encode_layers(layers, tokens, policy.identity), len(tokens))
         policy.saves += 1
 
-    def _saved(self, future: Future) -> None:
+    def _saved(self, session_id: str, future: Future) -> None:
         with self._lock:
-            self._saves.discard(future)
+            if self._saves.get(session_id) is future:
+                del self._saves[session_id]
         if future.exception() is not None:  # the session re-prefills instead
-            log.warning("snapshot of an evicted session not saved (%s)", future.exception())
+            log.warning("snapshot of evicted session %s not saved (%s)", session_id, future.exception())
+
+    def _wait_for_save(self, session_id: str, timeout_s: float = 30.0) -> None:
+        with self._lock:
+            pending = self._saves.get(session_id)
+        if pending is not None:
+            pending.exception(timeout=timeout_s)
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait for the snapshots of evicted sessions queued so far, and the prefix uploads (tests, shutdown)."""
         with self._lock:
-            pending = list(self._saves)
+            pending = list(self._saves.values())
         for future in pending:
             future.exception(timeout=timeout)
         if self.prefix_store is not None:

@@ -61,8 +61,11 @@ class CacheTable:
     """Sessions' entries in LRU order, bounded by count, idle time and bytes (see the module docstring)."""
 
     def __init__(self, new_cache: NewCache, budget_bytes: int, max_sessions: int = 64, idle_ttl_s: float = 900.0,
-                 prefix: PrefixCache | None = None) -> None:
+                 prefix: PrefixCache | None = None, device: torch.device | str = "cpu") -> None:
+        """`new_cache`: makes an empty buffer of the model's geometry; `device`: where the model's
+        keys/values live (fetched ones are copied there)."""
         self.new_cache = new_cache
+        self.device = torch.device(device)
         self.budget_bytes = budget_bytes
         self.max_sessions = max_sessions
         self.idle_ttl_s = idle_ttl_s
@@ -122,7 +125,7 @@ class CacheTable:
                 continue  # computed here meanwhile
             if run.start > match.length or needed[run.start : run.end] != run.tokens:
                 break  # a gap (evicted meanwhile), or another history
-            data = run.data(skip=match.length - run.start)
+            data = run.data(skip=match.length - run.start).to(self.device)
             if not self.make_room(data.numel() * data.element_size(), set()):
                 break
             grown = prefix.publish(needed, match, data)

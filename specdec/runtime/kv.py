@@ -128,7 +128,7 @@ class SessionCaches:
         self.model, self.max_context = model, max_context
         self.device, self.dtype, self.vocab_size = head.device, head.dtype, head.shape[0]  # inputs go to the weights
         budget = default_budget_bytes(self.device) if budget_bytes is None else budget_bytes
-        self.table = CacheTable(self._new_cache, budget, max_sessions, idle_ttl_s, prefix_cache)
+        self.table = CacheTable(self._new_cache, budget, max_sessions, idle_ttl_s, prefix_cache, self.device)
         self.sources = CacheSources(snapshots, prefix_store, prefix_cache) if snapshots or prefix_store else None
         if self.sources is not None:
             self.table.on_evict = self.sources.save

@@ -103,11 +103,14 @@ async def test_no_redis_call_runs_on_the_model_thread(tiny_model, redis_url, red
     assert await scored(tiny_model, batchers[1], "t", history[:96] + [7, 7, 7], []) == 98 - 96
     assert fresh.prefix_store is not None and fresh.prefix_store.fetched_tokens == 96
 
-    # Out of room, it evicts the least recently used session, whose snapshot is written in the background.
+    # Out of room, it evicts the least recently used session, whose snapshot is written in the
+    # background; when the session comes back, its fetch waits for that write and restores it.
     fresh.budget_bytes = fresh.used_bytes
     assert await scored(tiny_model, batchers[1], "u", [rng.randrange(3, vocab) for _ in range(40)], []) == 39
-    fresh.flush(timeout=30)
-    assert fresh.evictions >= 1 and fresh.snapshots.saves == 1
+    assert "s" not in fresh.table.entries and fresh.evictions >= 1
+    fresh.budget_bytes *= 4
+    assert await scored(tiny_model, batchers[1], "s", history + [5, 6], [2]) == 0
+    assert fresh.snapshots.saves == 1 and fresh.snapshots.restores == 2
 
     # A third replica restores what the background writer wrote.
     assert await scored(tiny_model, batchers[2], "s", history + [5, 6, 2], [3]) == 0

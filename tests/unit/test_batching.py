@@ -417,7 +417,7 @@ class FetchingCaches(SessionCaches):
         self.passes: list[list[str]] = []
 
     def wants_fetch(self, request):
-        return request.session_id == "slow"
+        return request.session_id == "slow" and request.session_id not in self.table.entries
 
     def prefetch(self, request):
         self.fetched_on.append(threading.get_ident())
@@ -444,4 +444,31 @@ async def test_a_job_joins_a_pass_once_its_cache_was_fetched_and_others_do_not_w
     assert caches.passes == [["fast"], ["slow"], ["slow"]]
     model_thread = batcher.executor.submit(threading.get_ident).result()
     assert len(caches.fetched_on) == 1 and model_thread not in caches.fetched_on  # the first job's fetch serves both
+    await batcher.close()
+
+
+async def test_a_job_whose_cache_left_after_it_was_submitted_fetches_it_before_its_pass(model):
+    class Evicting(FetchingCaches):
+        def wants_fetch(self, request):
+            return request.session_id == "a" and request.session_id not in self.table.entries
+
+        def score_batch(self, requests):
+            time.sleep(0.2)  # long enough for the test to evict "a" while "x" computes
+            return super().score_batch(requests)
+
+    caches = Evicting(model, 0.0)
+    verifier = Verifier(caches, V)
+    batcher = Batcher(caches, BatchConfig(max_batch=1, window_s=0))
+    greedy = SamplingParams()
+    caches.score("a", [5, 6, 7], [])  # cached: its next job fetches nothing when submitted
+    caches.fetched_on.clear()
+    running = asyncio.ensure_future(batcher.run(verifier.job("x", [5, 6], [], None, greedy, 0)))
+    await asyncio.sleep(0.05)
+    queued = asyncio.ensure_future(batcher.run(verifier.job("a", [5, 6, 7, 8], [], None, greedy, 0)))
+    await asyncio.sleep(0.01)
+    assert caches.fetched_on == [] and batcher.waiting == 1
+    caches.release("a")  # as an eviction would, while "a" waits
+    await running
+    await queued
+    assert len(caches.fetched_on) == 1  # fetched when it was admitted, before its pass
     await batcher.close()
