@@ -67,6 +67,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import _legacy_kv as legacy
 from specdec.runtime import kv as current, native
+from specdec.runtime.cache_table import Entry
+from specdec.runtime.engine_options import EngineOptions
+from specdec.runtime.engine_plan import plan_engine
 from specdec.runtime.models import DEFAULT_MODEL, load_model
 from specdec.runtime.packed import PackedForward, kv_geometry
 
@@ -152,18 +155,20 @@ class Cell:
 
     def __init__(self, engine: str, model, context: int, sessions: int, positions: int, vocab: int,
                  compiled=None, linear_rows: int = 48) -> None:
-        module = legacy if engine == "old" else current
         options: dict = {"kernels": "torch"} if engine == "torch_kernels" else {}
         if engine in ("new", "avx2_kernels", "compiled"):
             options["linear_rows"] = linear_rows
-        self.caches = module.SessionCaches(model, max_context=context + positions + 1, max_sessions=sessions + 1,
-                                           **options)
+        if engine == "old":
+            self.caches = legacy.SessionCaches(model, max_context=context + positions + 1, max_sessions=sessions + 1)
+        else:
+            self.caches = current.SessionCaches(model, max_context=context + positions + 1,
+                                                max_sessions=sessions + 1, engine=EngineOptions(**options))
         if engine == "native_attention":  # every projection through its pre-packed oneDNN weight
-            packed = self.caches._packed
+            packed = self.caches.forward
             for projection in [packed.head, *(p for layer in packed.layers for p in layer)]:
                 projection.parts = []
         if engine == "compiled":
-            self.caches._packed = compiled  # compiled once for every cell
+            self.caches.forward = compiled  # compiled once for every cell
         self.library = avx2_library() if engine == "avx2_kernels" else None
         gen = torch.Generator().manual_seed(0)
         layers, heads, dim = kv_geometry(model)
@@ -177,10 +182,11 @@ class Cell:
                 cache = DynamicCache(config=model.config)
                 for layer in range(layers):
                     cache.update(data[0, layer][None].clone(), data[1, layer][None].clone(), layer)
+                self.caches._entries[sid] = legacy._Entry(tokens=self.history[:-1], cache=cache)
             else:
-                cache = self.caches._new_cache(capacity=context + positions)
-                cache.load([(data[0, i][None], data[1, i][None]) for i in range(layers)], context)
-            self.caches._entries[sid] = module._Entry(tokens=self.history[:-1], cache=cache)
+                kv = self.caches._new_cache(capacity=context + positions)
+                kv.load([(data[0, i][None], data[1, i][None]) for i in range(layers)], context)
+                self.caches.table.add(sid, Entry(tokens=self.history[:-1], cache=kv))
 
     def requests(self):
         return [current.ScoreRequest(sid, self.history, self.new) for sid in self.ids]
@@ -268,14 +274,13 @@ def main() -> None:
           f"K/V {kv_token_bytes / 1e3:.1f} KB a token"
           + (f", float32 FMA {peak / 1e9:.0f} GFLOP/s on {args.threads} threads" if peak else ""), flush=True)
     engines = args.engines.split(",")
-    probe = current.SessionCaches(model, 64, linear_rows="auto")  # as a service's warm-up measures it
+    probe = current.SessionCaches(model, 64, engine=EngineOptions(linear_rows="auto"))  # as a service measures it
     probe.warm_up()
-    assert probe._packed is not None
-    linear_rows = probe._packed.linear_rows
+    linear_rows = getattr(probe.forward, "linear_rows", 0)
     print(f"native linear kernel for passes of up to {linear_rows} rows (measured)", flush=True)
     compiled, compile_s = None, None
     if "compiled" in engines:
-        compiled = PackedForward(model, "auto", "on", linear_rows=linear_rows)
+        compiled = PackedForward(model, plan_engine(model, EngineOptions(torch_compile="on", linear_rows=linear_rows)))
         compile_s = compiled.warm_up()
         print(f"compiled in {compile_s:.1f} s", flush=True)
     too_big: dict[str, list[tuple[int, int, int]]] = {e: [] for e in engines}

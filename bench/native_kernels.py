@@ -40,6 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.engine import read_bandwidth, using_library
 from specdec.runtime import native, native_attention, packed
+from specdec.runtime.engine_options import EngineOptions
+from specdec.runtime.engine_plan import plan_engine
 from specdec.runtime.kv_buffer import SessionKV
 from specdec.runtime.models import DEFAULT_MODEL, load_model
 
@@ -97,7 +99,7 @@ def attention_cell(model, libraries: dict[str, Any], rows: int, past: int, posit
         sessions.append(kv)
     q = torch.randn(rows * positions, heads, dim)
     out = torch.empty_like(q)
-    plan = native_attention.Plan([(kv, i * positions, positions, past) for i, kv in enumerate(sessions)])
+    plan = native_attention.AttentionPlan([(kv, i * positions, positions, past) for i, kv in enumerate(sessions)])
 
     def kernel() -> None:
         for layer in range(layers):
@@ -165,7 +167,7 @@ def main() -> None:
                 f"{name} {way['median_s'] * 1e3:.1f} ms ({way['gb_s']:.1f} GB/s)"
                 for name, way in result["ways"].items()), flush=True)
         del flush
-        forward = packed.PackedForward(model, prepack="on", kernels="native")
+        forward = packed.PackedForward(model, plan_engine(model, EngineOptions(prepack="on", kernels="native")))
         projections = []
         for m in (int(x) for x in filter(None, args.rows.split(","))):
             result = projections_cell(forward, libraries, m, args.repeats)

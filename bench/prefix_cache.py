@@ -39,6 +39,7 @@ from specdec.runtime.models import DEFAULT_MODEL, load_model
 from specdec.runtime.prefix_cache import PrefixCache
 from specdec.runtime.prefix_store import RedisPrefixStore
 from specdec.runtime.snapshot_codec import SnapshotIdentity
+from specdec.server.redis import RedisSettings, connect
 
 
 def start_redis():
@@ -90,7 +91,7 @@ def main() -> None:
     identity = SnapshotIdentity(loaded.name, args.dtype, loaded.fingerprint, loaded.model.config.num_hidden_layers)
 
     def store() -> RedisPrefixStore:
-        return RedisPrefixStore(url, "target", identity, min_tokens=256)
+        return RedisPrefixStore(connect(RedisSettings(url=url)), "target", identity, min_tokens=256)
 
     engines = {
         "off": SessionCaches(loaded.model, loaded.max_context, max_sessions=args.sessions + 4),

@@ -32,6 +32,7 @@ from specdec.launcher import _wait_redis, free_port, redis_server_binary
 from specdec.runtime.models import DEFAULT_MODEL, load_model
 from specdec.runtime.snapshot_codec import SnapshotIdentity, decode, encode
 from specdec.runtime.snapshot_store import RedisSnapshotStore
+from specdec.server.redis import RedisSettings, connect
 
 
 def timed(fn, repeats: int) -> tuple[float, object]:
@@ -67,7 +68,7 @@ def main() -> None:
                                       stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
         try:
             _wait_redis("127.0.0.1", port, redis_proc, timeout_s=20)
-            store = RedisSnapshotStore(f"redis://127.0.0.1:{port}/0", args.role)
+            store = RedisSnapshotStore(connect(RedisSettings(url=f"redis://127.0.0.1:{port}/0")), args.role)
             rows = []
             for n in [int(x) for x in args.lengths.split(",")]:
                 if n > min(len(corpus), loaded.max_context):

@@ -12,10 +12,11 @@ import redis
 from draft_service.config import DraftConfig
 from draft_service.registry import DraftHost, build_proposer
 from draft_service.servicer import DraftServicer
+from specdec.keys import suffix_outputs_key
 from specdec.runtime.drafting import Drafter, Proposer
-from specdec.server.keys import suffix_outputs_key
 from specdec.server.metrics import ServiceMetrics
 from specdec.server.model_service import serve_model_service
+from specdec.server.redis import RedisSettings, connect
 from specdec.server.serving import run_main
 from specdec.v1 import draft_pb2, draft_pb2_grpc
 
@@ -60,7 +61,7 @@ class SuffixStreamReader:
 
     def _run(self) -> None:
         key = suffix_outputs_key()
-        client = redis.Redis.from_url(self.url, socket_timeout=10, **redis_password(self.url))
+        client = connect(RedisSettings.from_url(self.url))
         where = self.url.rsplit("@", 1)[-1].split("//")[-1]  # host:port/db, never a password
         last, reading = None, False
         while not self._stop.is_set():

@@ -6,10 +6,11 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from specdec.defaults import DEFAULT_MODEL
-from specdec.server.config import ServiceConfig
+from specdec.server.config import RedisClientOptions, ServiceConfig
+from specdec.server.redis import RedisSettings
 
 
-class OrchestratorConfig(ServiceConfig):
+class OrchestratorConfig(RedisClientOptions, ServiceConfig):
     """specdec orchestrator: runs speculative decoding sessions over the draft and target services."""
 
     port: int = Field(50051, ge=0, le=65535, description="Port of the public gRPC API (0 picks a free one).")
@@ -54,12 +55,6 @@ class OrchestratorConfig(ServiceConfig):
         30.0, gt=0, description="With --redis-cluster-nodes or --redis-sentinels: how long a session-store call "
         "retries (backoff up to 1 s) while a replica is promoted; a single --redis-url is not retried."
     )
-    redis_password_file: str = Field(
-        "", description="File holding the Redis password; unset: $REDIS_PASSWORD when set, else none."
-    )
-    redis_tls_ca: str = Field("", description="PEM CA that the Redis server certificate must chain to (rediss://).")
-    redis_tls_cert: str = Field("", description="PEM client certificate for Redis (when it requires one).")
-    redis_tls_key: str = Field("", description="PEM private key of --redis-tls-cert.")
     model: str = Field(
         DEFAULT_MODEL, description="Tokenizer to use (must match the target's): model name or directory."
     )
@@ -166,6 +161,16 @@ class OrchestratorConfig(ServiceConfig):
     @property
     def redis_mode(self) -> Literal["single", "cluster", "sentinel"]:
         return "cluster" if self.redis_cluster_nodes else "sentinel" if self.redis_sentinels else "single"
+
+    def session_redis(self) -> RedisSettings:
+        """The session store's Redis, in the configured mode, with --redis-tls and the password, TLS
+        files and timeouts (`RedisClientOptions`); ValueError when they do not fit together."""
+        if self.redis_mode == "cluster":
+            return self.redis_settings(cluster_nodes=tuple(self.redis_addresses), tls=self.redis_tls)
+        if self.redis_mode == "sentinel":
+            return self.redis_settings(sentinels=tuple(self.redis_addresses),
+                                       sentinel_master=self.redis_sentinel_master, tls=self.redis_tls)
+        return self.redis_settings(self.redis_url)
 
     @property
     def redis_addresses(self) -> list[tuple[str, int]]:

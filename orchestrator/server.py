@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Sequence
-from pathlib import Path
 
 from orchestrator.backends import DraftBackend, TargetBackend
 from orchestrator.config import OrchestratorConfig
@@ -28,34 +26,15 @@ log = logging.getLogger("specdec.orchestrator")
 SERVICE_NAME = orchestrator_pb2.DESCRIPTOR.services_by_name["Orchestrator"].full_name
 
 
-def redis_options(config: OrchestratorConfig) -> dict:
-    """Password (from a file or $REDIS_PASSWORD, never argv) and TLS files of the session store."""
-    options: dict = {}
-    if config.redis_password_file:
-        try:
-            options["password"] = Path(config.redis_password_file).read_text().strip()
-        except OSError as exc:
-            raise StartupError(f"--redis-password-file {config.redis_password_file}: {exc.strerror or exc}") from exc
-    elif os.environ.get("REDIS_PASSWORD"):
-        options["password"] = os.environ["REDIS_PASSWORD"]
-    if config.redis_tls:
-        options["ssl"] = True
-    for flag, key in (("redis_tls_ca", "ssl_ca_certs"), ("redis_tls_cert", "ssl_certfile"),
-                      ("redis_tls_key", "ssl_keyfile")):
-        if getattr(config, flag):
-            if not (config.redis_tls or config.redis_url.startswith("rediss://")):
-                raise StartupError(f"--{flag.replace('_', '-')} needs a rediss:// --redis-url (or --redis-tls)")
-            options[key] = getattr(config, flag)
-    return options
-
-
 def session_store(config: OrchestratorConfig) -> RedisSessionStore:
     """The session store in the configured Redis mode: one Redis, a cluster, or behind sentinels."""
-    addresses = config.redis_addresses
-    return RedisSessionStore(
-        config.redis_url, config.session_ttl_s, cluster_nodes=addresses if config.redis_mode == "cluster" else (),
-        sentinels=addresses if config.redis_mode == "sentinel" else (), sentinel_master=config.redis_sentinel_master,
-        failover_s=config.redis_failover_s, **redis_options(config))
+    try:
+        settings = config.session_redis()
+    except ValueError as exc:  # e.g. TLS files for a plain redis:// URL
+        raise StartupError(str(exc)) from exc
+    return RedisSessionStore(settings.url, config.session_ttl_s, cluster_nodes=settings.cluster_nodes,
+                             sentinels=settings.sentinels, sentinel_master=settings.sentinel_master,
+                             failover_s=config.redis_failover_s, **settings.options())
 
 
 def backend_tls(config: OrchestratorConfig) -> ClientTLS | None:

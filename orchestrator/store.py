@@ -41,7 +41,7 @@ from redis.exceptions import (
 
 from specdec.core.suffix import encode_output
 from specdec.errors import Aborted, Unavailable
-from specdec.server.keys import PRIOR_KEY, session_meta_key, session_tokens_key, suffix_outputs_key
+from specdec.keys import PRIOR_KEY, session_meta_key, session_tokens_key, suffix_outputs_key
 from specdec.v1 import orchestrator_pb2 as pb
 
 if TYPE_CHECKING:

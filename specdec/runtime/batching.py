@@ -23,6 +23,12 @@ to finish), so every session's cache sees its requests in order. Before each ste
 deadline has passed are failed with DEADLINE_EXCEEDED and cancelled jobs are dropped: neither
 costs any compute.
 
+A job for a session without a cache here, whose cache Redis may hold (a snapshot, other
+replicas' prefix blocks: `SessionCaches.wants_fetch`), has it fetched on the batcher's I/O thread
+when it is submitted (or when it is admitted, if its session's cache was evicted meanwhile), and
+joins a pass only once that fetch is done, so the model thread never waits on the network: its
+pass installs what was fetched, or prefills what was not.
+
 Everything about asyncio happens on the event loop; the worker thread only runs `step`, which
 touches the model, the caches and the jobs' own per-step logic (`Job.advance`).
 """
@@ -112,12 +118,14 @@ class Job:
         self.started = False
         self.cancelled = False
         self.done = False
+        self.fetching: asyncio.Future | None = None  # its cache's fetch from Redis, until done
         self._items: asyncio.Queue = asyncio.Queue()
 
     # -- worker thread -----------------------------------------------------------------------
 
     def request(self) -> ScoreRequest:
-        """What this job needs scored next."""
+        """What this job needs scored next (its first request is also asked for at submission, on the
+        event loop, to fetch its cache: it must not depend on the worker thread's state)."""
         raise NotImplementedError
 
     def advance(self, scored: Scored, caches: SessionCaches) -> tuple[Any, bool]:
@@ -150,6 +158,11 @@ class Job:
     def expired(self, now: float) -> bool:
         return self.deadline is not None and now >= self.deadline
 
+    @property
+    def ready(self) -> bool:
+        """Whether it may join a pass: no fetch of its cache is still running."""
+        return self.fetching is None or self.fetching.done()
+
 
 class Batcher:
     """Runs jobs in shared forward passes on one worker thread (see the module docstring)."""
@@ -157,11 +170,14 @@ class Batcher:
     def __init__(self, caches: SessionCaches, config: BatchConfig = BatchConfig(),
                  profile: LatencyProfile = LatencyProfile(), observer: BatchObserver | None = None,
                  executor: ThreadPoolExecutor | None = None) -> None:
+        """`executor`: the model thread (one worker); fetches from Redis run on an I/O thread of the
+        batcher's own, started at the first one."""
         self.caches = caches
         self.config = config
         self.profile = profile
         self.observer: BatchObserver = observer or _Unobserved()
         self.executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="batch")
+        self._io: ThreadPoolExecutor | None = None
         self._pending: deque[Job] = deque()
         self._active: list[Job] = []
         self._wakeup = asyncio.Event()  # set when there is news for the scheduler
@@ -243,6 +259,8 @@ class Batcher:
                 pass
         for job in [*self._pending, *self._active]:
             job.finish(Cancelled("the service is shutting down"))
+        if self._io is not None:
+            self._io.shutdown(wait=False, cancel_futures=True)
 
     # -- scheduling -----------------------------------------------------------------------------
 
@@ -251,10 +269,29 @@ class Batcher:
         if finished_at is not None:
             sample = min(max(0.0, job.enqueued - finished_at), self.config.window_s)
             self._turnaround_s += 0.2 * (sample - self._turnaround_s)
+        if not any(other.session_id == job.session_id for other in (*self._pending, *self._active)):
+            self._fetch(job)  # (an earlier job of its session is here: that one's pass builds its cache)
         self._pending.append(job)
         self._kick()
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._loop(), name="batcher")
+
+    def _fetch(self, job: Job) -> bool:
+        """Start fetching the job's cache from Redis on the I/O thread if the caches may find one
+        (the job then joins a pass once that is done: `Job.ready`); whether it started."""
+        request = job.request()
+        if not self.caches.wants_fetch(request):
+            return False
+        if self._io is None:
+            self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batch-io")
+        job.fetching = asyncio.get_running_loop().run_in_executor(self._io, self.caches.prefetch, request)
+        job.fetching.add_done_callback(self._fetched)
+        return True
+
+    def _fetched(self, future: asyncio.Future) -> None:
+        if not future.cancelled() and future.exception() is not None:  # the job prefills instead
+            log.warning("fetching a session's cache failed: %s", future.exception())
+        self._kick()
 
     def _kick(self) -> None:
         self._wakeup.set()
@@ -277,7 +314,7 @@ class Batcher:
         while True:
             self._cull()
             if not self._active:
-                if not self._pending:
+                if not self._admissible():  # none waiting, or all behind a fetch still running
                     self._wakeup.clear()
                     await self._wakeup.wait()
                     continue
@@ -389,14 +426,26 @@ class Batcher:
             return True
         return False
 
+    def _admissible(self) -> bool:
+        """Whether `_admit` would move a pending job into the (empty) batch."""
+        behind: set[str] = set()  # sessions with an earlier job still fetching
+        for job in self._pending:
+            if job.ready and job.session_id not in behind:
+                return True
+            behind.add(job.session_id)
+        return False
+
     def _admit(self) -> None:
-        """Move pending jobs into the batch, up to max_batch, one job per session, in order."""
+        """Move pending jobs into the batch, up to max_batch, one job per session, in order; a job
+        still fetching its cache waits (and so do its session's later jobs). A job whose session's
+        cache was there at submission but is gone now (evicted meanwhile) fetches it first."""
         busy = {job.session_id for job in self._active}
         skipped: deque[Job] = deque()
         while self._pending and len(self._active) < self.config.max_batch:
             job = self._pending.popleft()
-            if job.session_id in busy:
-                skipped.append(job)  # the session's earlier job runs first
+            if job.session_id in busy or not job.ready or (job.fetching is None and self._fetch(job)):
+                busy.add(job.session_id)
+                skipped.append(job)  # the session's earlier job, or its fetch, comes first
                 continue
             busy.add(job.session_id)
             self._active.append(job)

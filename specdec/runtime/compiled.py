@@ -11,7 +11,7 @@ What is traced and what is not:
   guards and wrappers each call into a compiled region costs, but inductor took over 15 minutes
   to compile the 30 layers of SmolLM2-135M on 2 cores (the 2-layer test model: 40 s).
 - Projections are an opaque operator, `specdec::projection(h, slot, out)`: it runs the layer's
-  `packed.Projection` (oneDNN pre-packed where that is on), which inductor's own lowering does
+  `projection.Projection` (oneDNN pre-packed where that is on), which inductor's own lowering does
   only for weights frozen as constants (one graph per layer).
 - Attention is an opaque operator too, `specdec::attend_rows(q, k, v, owner, layer)`: it writes
   the new keys and values into each row's cache and attends there (`PackedForward._attend_rows`),

@@ -6,49 +6,52 @@ the same forward pass: rollback after a rejection, rebuild after a restart or ev
 client that moved to another replica all take the same path, and no caller depends on a cache
 being alive.
 
-Each session's keys/values live in one buffer (`specdec.runtime.kv_buffer.SessionKV`) that new
-positions are written into in place; cutting back moves a length. Batched scoring
-(`score_batch`) runs the new tokens of several sessions through ONE forward pass, packed end to
-end with no padding, each session attending to its own keys/values where they lie
-(`specdec.runtime.packed`): every linear layer runs once for all rows, a session's first prefill
-shares the pass with the others' decode steps at the cost of its own tokens only, and nothing
-copies a session's past on a round. Models that are not Llama-structured are scored one session
-at a time through transformers' own forward (`packed.forward_generic`).
+`SessionCaches` is what callers use; it puts together three parts that change for different
+reasons:
 
-Shared prefixes (`specdec.runtime.prefix_cache`): a new session whose history begins with blocks
-another session computed views them instead of prefilling them, and a row that prefilled a long
-block publishes its whole blocks for the next. Memory: every byte of keys/values (sessions' own
-buffers and shared prefix segments) counts against `budget_bytes`; when a pass needs more, prefix
-segments no session uses go first, then idle sessions, least recently used first (snapshotted
-first when a snapshot store is configured); a row that still does not fit is refused with
-`ResourceExhausted` (the orchestrator retries a busy replica), its session losing nothing.
+- the cache table (`cache_table.CacheTable`): which sessions are held, their buffers and shared
+  prefix blocks, the byte budget and eviction;
+- the cache sources (`cache_sources.CacheSources`): a session's snapshot and other replicas'
+  prefix blocks, fetched from Redis before the session's job joins a pass (`prefetch`, which the
+  batcher runs on an I/O thread), and evicted sessions' snapshots written after they left;
+- the pass (`packed.build_forward`): every row's new tokens through the model in ONE forward pass,
+  packed end to end with no padding, as the `EngineOptions` say (`engine_plan.plan_engine`
+  decides what they mean for this model and machine, once).
+
+`score_batch` (the model thread) validates the rows, cuts each cache back, installs what was
+fetched for new sessions, makes room under the budget, runs the pass, extends the caches and
+publishes new prefix blocks. It makes no network call. A row refused for room
+(`ResourceExhausted`: the orchestrator retries a busy replica) loses nothing.
 """
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import psutil
 import torch
 
 from specdec.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from specdec.runtime.cache_sources import CacheSources, Restore, SharedPrefix
+from specdec.runtime.cache_table import CacheTable, Entry, common_prefix_length
+from specdec.runtime.engine_options import EngineOptions
+from specdec.runtime.engine_plan import plan_engine
 from specdec.runtime.kv_buffer import SessionKV
-from specdec.runtime.packed import PackedForward, PackedRow, forward_generic, kv_geometry, supports
-from specdec.runtime.prefix_cache import NO_MATCH, Match, PrefixCache
+from specdec.runtime.packed import PackedRow, build_forward, kv_geometry
+from specdec.runtime.prefix_cache import PrefixCache
 from specdec.runtime.prefix_store import RedisPrefixStore
-from specdec.runtime.snapshot_codec import decode_layers, encode_layers
+from specdec.runtime.snapshot_codec import encode_layers
 from specdec.runtime.snapshot_store import SnapshotPolicy
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-log = logging.getLogger(__name__)
+__all__ = ["PREFILL_ALONE_ABOVE", "PUBLISH_ABOVE", "ScoreRequest", "Scored", "SessionCaches", "common_prefix_length",
+           "default_budget_bytes"]
 
 PREFILL_ALONE_ABOVE = 16
 """A row that (re-)prefills more than this many tokens makes a pass's cost say little about one
@@ -76,14 +79,6 @@ def default_budget_bytes(device: torch.device | str) -> int:
     return int(available * CPU_BUDGET_FRACTION)
 
 
-@dataclass
-class _Entry:
-    tokens: list[int]  # tokens whose keys/values the cache holds, in order
-    cache: SessionKV
-    last_used: float = field(default_factory=time.monotonic)
-    prefix: Match = NO_MATCH  # the shared prefix blocks the cache views (cache.offset positions)
-
-
 @dataclass(frozen=True)
 class ScoreRequest:
     """Score `new_tokens` after `history` for one session (see `SessionCaches.score`)."""
@@ -104,23 +99,9 @@ class _Row:
     """One request of a batch after its cache was cut back: what it still has to feed."""
 
     request: ScoreRequest
-    entry: _Entry
+    entry: Entry
     feed: list[int]
     keep: int  # history tokens the cache already covered
-
-
-def common_prefix_length(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:  # the usual case, at C speed
-        return n
-    lo, hi = 0, n  # invariant: a[:lo] == b[:lo], a[:hi] != b[:hi]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
 
 
 def _head_weight(model: PreTrainedModel) -> torch.Tensor:
@@ -132,96 +113,120 @@ def _head_weight(model: PreTrainedModel) -> torch.Tensor:
 
 
 class SessionCaches:
-    """A bounded LRU of per-session KV caches for `model` (thread-safe; one forward at a time)."""
+    """A bounded LRU of per-session KV caches for `model` (thread-safe; one pass at a time)."""
 
     def __init__(self, model: PreTrainedModel, max_context: int, max_sessions: int = 64,
                  idle_ttl_s: float = 900.0, snapshots: SnapshotPolicy | None = None,
                  budget_bytes: int | None = None, prefix_cache: PrefixCache | None = None,
-                 prefix_store: RedisPrefixStore | None = None, prepack: str = "auto",
-                 compile: str = "off", kernels: str = "auto",
-                 linear_rows: int | str | None = None) -> None:
+                 prefix_store: RedisPrefixStore | None = None, engine: EngineOptions | None = None) -> None:
         """`budget_bytes`: the most keys/values held (None: `default_budget_bytes` of the model's
         device); `prefix_cache`: share prefix blocks between sessions (None: no sharing);
-        `prefix_store`: also share them with other replicas through Redis (needs `prefix_cache`);
-        `prepack`: the engine's weights pre-packed for oneDNN, on/off/auto (`packed.Projection`);
-        `compile`: the packed pass's dense part through torch.compile, on/off/auto
-        (`compiled.CompiledLayers`; `warm_up` compiles it); `kernels`: the packed pass's attention of
-        decode and verify rows and projections of a few rows, native/torch/auto (`native`);
-        `linear_rows`: the most rows of a pass whose projections take the native linear kernel, or
-        "auto", measured by `warm_up`, or None: all it takes (`packed.PackedForward`)."""
-        self.model = model
+        `snapshots`, `prefix_store`: the Redis sources (`cache_sources`; the prefix store needs
+        `prefix_cache`); `engine`: how the pass runs (default `EngineOptions()`; ValueError for
+        what this model or machine cannot honour)."""
         head = _head_weight(model)  # [V, hidden]
-        self.device = head.device  # inputs go where the weights are
-        self.dtype = head.dtype
-        self.vocab_size = head.shape[0]
-        self.max_context = max_context
-        self.max_sessions = max_sessions
-        self.idle_ttl_s = idle_ttl_s
-        self._entries: OrderedDict[str, _Entry] = OrderedDict()
-        self._tokens = 0  # sum of len(entry.tokens) over _entries; readable without the lock
-        self.snapshots = snapshots
-        self.budget_bytes = default_budget_bytes(self.device) if budget_bytes is None else budget_bytes
-        self.prefix = prefix_cache
-        if prefix_store is not None and prefix_cache is None:
-            raise ValueError("a prefix store shares the prefix cache's blocks: it needs a prefix cache")
-        self.prefix_store = prefix_store
-        self.evictions = 0  # sessions evicted to make room under the budget
-        self._own_bytes = 0  # bytes of the sessions' own buffers
-        for what, asked in (("pre-packed weights", prepack), ("the compiled pass", compile),
-                            ("the native kernels", "on" if kernels == "native" else ""),
-                            (f"--native-linear-rows {linear_rows}",
-                             "on" if isinstance(linear_rows, int) and linear_rows > 0 else "")):
-            if asked == "on" and not supports(model):
-                raise ValueError(f"{what}: a feature of the packed pass, which does not run {type(model).__name__}")
-        self._packed = PackedForward(model, prepack, compile, kernels, linear_rows) if supports(model) else None
+        self.model, self.max_context = model, max_context
+        self.device, self.dtype, self.vocab_size = head.device, head.dtype, head.shape[0]  # inputs go to the weights
+        budget = default_budget_bytes(self.device) if budget_bytes is None else budget_bytes
+        self.table = CacheTable(self._new_cache, budget, max_sessions, idle_ttl_s, prefix_cache, self.device)
+        self.sources = CacheSources(snapshots, prefix_store, prefix_cache) if snapshots or prefix_store else None
+        if self.sources is not None:
+            self.table.on_evict = self.sources.save
+            if prefix_store is not None:
+                self.table.on_publish = prefix_store.upload
+                self.table.on_adopt = self._count_fetched
+        self.forward = build_forward(model, plan_engine(model, engine or EngineOptions()))
         self._lock = threading.Lock()
 
+    # -- figures (GetInfo, metrics; readable without the lock) ----------------------------------
+
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self.table)
 
     @property
     def cached_tokens(self) -> int:
-        """Tokens whose keys/values are held, over all sessions (for GetInfo and metrics)."""
-        return self._tokens
+        """Tokens whose keys/values are held, over all sessions."""
+        return self.table.tokens
 
     @property
     def used_bytes(self) -> int:
         """Bytes of keys/values held: sessions' own buffers and shared prefix segments."""
-        return self._own_bytes + (self.prefix.nbytes if self.prefix is not None else 0)
+        return self.table.used_bytes
+
+    @property
+    def budget_bytes(self) -> int:
+        return self.table.budget_bytes
+
+    @budget_bytes.setter
+    def budget_bytes(self, value: int) -> None:
+        self.table.budget_bytes = value
+
+    @property
+    def evictions(self) -> int:
+        """Sessions evicted to make room under the budget."""
+        return self.table.evictions
+
+    @property
+    def prefix(self) -> PrefixCache | None:
+        return self.table.prefix
+
+    @property
+    def snapshots(self) -> SnapshotPolicy | None:
+        return self.sources.snapshots if self.sources is not None else None
+
+    @property
+    def prefix_store(self) -> RedisPrefixStore | None:
+        return self.sources.prefix_store if self.sources is not None else None
 
     @property
     def compiled(self) -> bool:
         """Whether the forward pass runs compiled (`warm_up` compiles it)."""
-        return self._packed is not None and self._packed.compiled is not None
+        return self.forward.compiled is not None
 
     def warm_up(self) -> float:
         """Measure what the forward pass measures at start (`linear_rows="auto"`) and compile it, if it
         is compiled (at service start: no request pays a compile); the seconds compiling took."""
         with self._lock:
-            return self._packed.warm_up() if self._packed is not None else 0.0
+            return self.forward.warm_up()
+
+    # -- fetching (any thread but the model's) --------------------------------------------------
+
+    def wants_fetch(self, request: ScoreRequest) -> bool:
+        """Whether `prefetch` may find something for this request (no I/O, no lock: a hint)."""
+        return (self.sources is not None and request.session_id not in self.table.entries
+                and self.sources.wants(request.history))
+
+    def prefetch(self, request: ScoreRequest) -> bool:
+        """Fetch what the Redis sources hold for a new session (its snapshot, or other replicas'
+        prefix blocks), for its pass to install; whether anything was found. Blocking I/O: call it
+        off the model thread, before the request joins a pass (the batcher does)."""
+        return self.sources is not None and self.sources.fetch(request.session_id, request.history)
 
     def covered(self, session_id: str, history: list[int]) -> int:
-        """Tokens of `history` whose keys/values are at hand for the session: its own cache's, or
-        for a new session the shared prefix blocks it would view (a session with a snapshot store
-        and no cache counts as covered: its restore, if any, needs the whole history at once)."""
+        """Tokens of `history` whose keys/values are at hand for the session: its own cache's, or for
+        a new session the shared prefix blocks it would view and what was fetched for it."""
         with self._lock:
-            entry = self._entries.get(session_id)
+            entry = self.table.entries.get(session_id)
             if entry is not None:
                 return common_prefix_length(entry.tokens, history)
-            if self.snapshots is not None:
-                return len(history)
-            return self.prefix.match(history, count=False).length if self.prefix is not None else 0
+            local = self.prefix.match(history, count=False).length if self.prefix is not None else 0
+            fetched = self.sources.covers(session_id, history) if self.sources is not None else 0
+            return max(local, fetched)
 
-    # -- scoring ----------------------------------------------------------------------------
+    # -- scoring (the model thread) -------------------------------------------------------------
 
     def score(self, session_id: str, history: list[int], new_tokens: list[int]) -> tuple[torch.Tensor, int]:
         """Logits `[len(new_tokens) + 1, V]` for the positions after history[-1] and each new token.
 
         Row i is the model's next-token distribution after `history + new_tokens[:i]`. Returns
         the logits and how many history tokens had to be (re-)prefilled beyond the last one.
-        Afterwards the cache covers `history + new_tokens`.
+        Afterwards the cache covers `history + new_tokens`. One session, on the calling thread: it
+        fetches first (`prefetch`), then scores; servers go through the batcher instead.
         """
-        result = self.score_batch([ScoreRequest(session_id, history, new_tokens)])[0]
+        request = ScoreRequest(session_id, history, new_tokens)
+        if self.wants_fetch(request):
+            self.prefetch(request)
+        result = self.score_batch([request])[0]
         if isinstance(result, Exception):
             raise result
         return result.logits, result.prefilled
@@ -229,56 +234,47 @@ class SessionCaches:
     def score_batch(self, requests: Sequence[ScoreRequest]) -> list[Scored | Exception]:
         """`score` for several sessions (distinct ids) in one forward pass; one result per request.
 
-        A request with bad input gets its own `InvalidArgument` and takes no part in the pass;
-        a failing forward fails every row of the pass (their caches are forgotten, to be rebuilt
-        from the history next time).
+        A request with bad input or no room gets its own error and takes no part in the pass; a
+        failing forward fails every row of the pass (their caches are forgotten, to be rebuilt from
+        the history next time). No network call: what was fetched for new sessions is installed.
         """
         ids = [r.session_id for r in requests]
         if len(set(ids)) != len(ids):
             raise ValueError(f"a batch holds each session at most once, got {ids}")
         results: list[Scored | Exception | None] = [None] * len(requests)
         with self._lock:
-            self._evict_idle()
-            rows: list[tuple[int, _Row]] = []
-            pinned: set[str] = set()  # sessions of this pass: never evicted to make room for another
-            for i, request in enumerate(requests):
-                pinned.add(request.session_id)
-                try:
-                    rows.append((i, self._prepare(request, pinned)))
-                except (InvalidArgument, ResourceExhausted) as exc:
-                    results[i] = exc
+            self.table.evict_idle()
+            rows = self._prepare_all(requests, results)
             try:
                 with torch.inference_mode():
                     scored = self._forward([row for _, row in rows])
             except Exception:
                 for _, row in rows:
-                    self._remove(row.request.session_id)
+                    self.table.remove(row.request.session_id)
                 raise
-            now = time.monotonic()
-            for (i, row), logits in zip(rows, scored):
-                self._extend(row.entry, row.feed)
-                row.entry.last_used = now
-                self._entries.move_to_end(row.request.session_id)
-                results[i] = Scored(logits, len(row.request.history) - 1 - row.keep)
-                if self.prefix is not None and len(row.feed) > PUBLISH_ABOVE:
-                    self._publish(row.entry, row.request.history, pinned)
-            while len(self._entries) > self.max_sessions:
-                self._remove(next(iter(self._entries)))
+            self._book(rows, scored, results, set(ids))
+            self.table.trim()
         return results  # type: ignore[return-value]
 
+    def _prepare_all(self, requests: Sequence[ScoreRequest], results: list) -> list[tuple[int, _Row]]:
+        """Each request's row, in order; a request refused (bad input, no room) gets its error in
+        `results`. The sessions prepared so far are never evicted to make room for the next."""
+        rows: list[tuple[int, _Row]] = []
+        pinned: set[str] = set()
+        for i, request in enumerate(requests):
+            pinned.add(request.session_id)
+            try:
+                rows.append((i, self._prepare(request, pinned)))
+            except (InvalidArgument, ResourceExhausted) as exc:
+                results[i] = exc
+        return rows
+
     def _prepare(self, request: ScoreRequest, pinned: set[str]) -> _Row:
-        """Validate, find or create the entry, cut it back to the common prefix, make room for
-        what it will hold; what to feed. `pinned`: sessions not to evict for room."""
+        """Validate, find or create the entry, cut it back to the common prefix, make room for what
+        it will hold; what to feed. `pinned`: sessions not to evict for room."""
         history, new_tokens = request.history, request.new_tokens
-        if not history:
-            raise InvalidArgument("history is empty: send at least one token (the prompt)")
-        total = len(history) + len(new_tokens)
-        if total > self.max_context:
-            raise InvalidArgument(
-                f"context of {total} tokens exceeds the model's limit of {self.max_context}; "
-                "shorten the prompt or lower max_new_tokens"
-            )
-        entry = self._entries.get(request.session_id)
+        self._check(history, new_tokens)
+        entry = self.table.entries.get(request.session_id)
         needed = history[:-1]  # the cache must cover these before we feed history[-1]
         keep = common_prefix_length(entry.tokens, needed) if entry is not None else 0
         feed = history[keep:] + new_tokens
@@ -287,249 +283,109 @@ class SessionCaches:
         if top >= self.vocab_size:
             raise InvalidArgument(f"token id {top} is outside the vocabulary (size {self.vocab_size})")
         if entry is not None and keep < entry.cache.offset:  # diverged inside its shared prefix
-            self._remove(request.session_id)
+            self.table.remove(request.session_id)
             entry = None
         created = entry is None
         if entry is None:
-            entry = self._restore(request.session_id, needed) or self._shared(needed)
-            self._entries[request.session_id] = entry
-            self._own_bytes += entry.cache.nbytes
+            entry = self._new_entry(request.session_id, needed)
             keep = common_prefix_length(entry.tokens, needed)
             feed = history[keep:] + new_tokens
-        self._crop(entry, keep)
+        elif self.sources is not None:  # it has a cache: whatever a fetch found for it is not needed
+            self.sources.discard(request.session_id)
+        self.table.crop(entry, keep)
         try:
-            self._reserve(entry, keep + len(feed), pinned)
+            self.table.reserve(entry, keep + len(feed), pinned)
         except ResourceExhausted:
             if created:  # nothing of a refused new session stays behind
-                self._remove(request.session_id)
+                self.table.remove(request.session_id)
             raise
         return _Row(request, entry, feed, keep)
 
-    def _shared(self, needed: list[int]) -> _Entry:
-        """A new entry starting with the shared prefix blocks of `needed`, if any."""
-        prefix = self.prefix
-        match = prefix.match(needed) if prefix is not None else NO_MATCH
-        store = self.prefix_store
-        whole = len(needed) // prefix.block_tokens * prefix.block_tokens if prefix is not None else 0
-        if store is not None and whole - match.length >= store.min_tokens:
-            match = self._fetch(needed, match, store)
-        if prefix is None or not match.length:
-            return _Entry(tokens=[], cache=self._new_cache())
-        prefix.acquire(match)
-        entry = _Entry(tokens=needed[: match.length], cache=self._new_cache(prefix=match.views(prefix.block_tokens)),
-                       prefix=match)
-        self._tokens += match.length
+    def _check(self, history: list[int], new_tokens: list[int]) -> None:
+        if not history:
+            raise InvalidArgument("history is empty: send at least one token (the prompt)")
+        total = len(history) + len(new_tokens)
+        if total > self.max_context:
+            raise InvalidArgument(
+                f"context of {total} tokens exceeds the model's limit of {self.max_context}; "
+                "shorten the prompt or lower max_new_tokens"
+            )
+
+    def _new_entry(self, session_id: str, needed: list[int]) -> Entry:
+        """A new session's entry, added to the table: its restored snapshot, or the shared prefix
+        blocks of `needed` held here or fetched from other replicas, or nothing."""
+        fetched = self.sources.take(session_id, needed) if self.sources is not None else None
+        if isinstance(fetched, Restore):
+            entry = self.table.restored(fetched.tokens, fetched.layers)
+            assert self.snapshots is not None
+            self.snapshots.restores += 1
+        else:
+            entry = self.table.start(needed, fetched.runs if isinstance(fetched, SharedPrefix) else ())
+        self.table.add(session_id, entry)
         return entry
 
-    def _fetch(self, needed: list[int], match: Match, store: RedisPrefixStore) -> Match:
-        """Extend a local prefix match with the blocks other replicas published to Redis, if that
-        covers at least `store.min_tokens` more tokens; registered locally as if computed here."""
-        prefix = self.prefix
-        assert prefix is not None
-        block = prefix.block_tokens
-        names = [name for _, name in prefix.chain(needed, match)]
-        try:
-            runs = store.lookup(names)
-            if sum(run.blocks for run in runs) * block < store.min_tokens:
-                return match
-            for run in runs:
-                start = match.length
-                data = store.fetch(run, block, needed[start : start + run.blocks * block])
-                if data is None:
-                    break
-                if not self._make_room(data.numel() * data.element_size(), set()):
-                    break
-                match = prefix.publish(needed, match, data.to(self.device))
-                store.fetches += 1
-                store.fetched_tokens += run.blocks * block
-        except Exception as exc:  # noqa: BLE001 - a fetch is an optimisation: what is missing gets prefilled
-            log.warning("shared prefix not fetched from Redis (%s); prefilling it", exc)
-        return match
-
-    # -- memory ---------------------------------------------------------------------------------
-
-    def _reserve(self, entry: _Entry, length: int, pinned: set[str]) -> None:
-        """Make the entry's own buffer hold `length` positions within the budget (a new entry's
-        first buffer included): the usual doubling if it fits, else just what is needed, evicting
-        for room; ResourceExhausted if even that does not fit."""
-        cache = entry.cache
-        want = cache.grown_capacity(length)
-        need = max(length - cache.offset, cache.capacity)
-        if self.used_bytes + cache.bytes_for(want) - cache.nbytes > self.budget_bytes:
-            if not self._make_room(cache.bytes_for(need) - cache.nbytes, pinned):
-                raise ResourceExhausted(
-                    f"KV cache full: this session's {length} positions need {cache.bytes_for(need)} bytes, "
-                    f"{self.used_bytes - cache.nbytes} of the {self.budget_bytes}-byte budget are held by the "
-                    "sessions of this pass and the shared prefixes they use; retry later, or raise the budget "
-                    "(--kv-cache-bytes)")
-            free = self.budget_bytes - self.used_bytes + cache.nbytes  # for this entry's buffer
-            want = max(need, min(want, free // max(1, cache.bytes_for(1))))
-        if want > cache.capacity:
-            before = cache.nbytes
-            cache.reserve(length, want)
-            self._own_bytes += cache.nbytes - before
-
-    def _make_room(self, need: int, pinned: set[str]) -> bool:
-        """Evict until `need` more bytes fit the budget, if possible: unused prefix segments first,
-        then idle sessions (not `pinned`), least recently used first. Whether they fit now."""
-        if self.prefix is not None:
-            for seg in self.prefix.idle():
-                if self.used_bytes + need <= self.budget_bytes:
-                    return True
-                self.prefix.evict(seg)
-        for sid in list(self._entries):
-            if self.used_bytes + need <= self.budget_bytes:
-                return True
-            if sid in pinned:
-                continue
-            self._evict(sid)
-        return self.used_bytes + need <= self.budget_bytes
-
-    def _evict(self, session_id: str) -> None:
-        """Drop a session's cache for room, snapshotting it first when snapshots are configured."""
-        entry = self._entries.get(session_id)
-        policy = self.snapshots
-        if entry is not None and policy is not None and len(entry.tokens) >= policy.min_tokens:
-            try:
-                layers = [(layer.keys, layer.values) for layer in entry.cache.layers]
-                policy.store.put(session_id, encode_layers(layers, entry.tokens, policy.identity), len(entry.tokens))
-                policy.saves += 1
-            except Exception as exc:  # noqa: BLE001 - the session re-prefills instead
-                log.warning("snapshot of evicted session %s not saved (%s)", session_id, exc)
-        self._remove(session_id)
-        self.evictions += 1
-
-    def _publish(self, entry: _Entry, history: list[int], pinned: set[str]) -> None:
-        """Share the whole blocks of `history` the entry holds beyond its prefix: take those another
-        session published meanwhile, publish the rest (one copy into the prefix cache), and keep
-        only the tail in the entry's own buffer. Not when that does not fit the budget (after
-        evicting for it): the session then keeps its own copy."""
-        prefix = self.prefix
-        assert prefix is not None
-        block = prefix.block_tokens
-        aligned = min(len(history), len(entry.tokens)) // block * block
-        if aligned < entry.cache.offset + block:
-            return
-        tokens = history[:aligned]
-        found = prefix.match(tokens, count=False)
-        assert found.length >= entry.prefix.length  # the entry's own chain is registered
-        cache = entry.cache
-        extra = cache.bytes_for(aligned - found.length + cache.rebased_capacity(aligned)) - cache.nbytes
-        if not self._make_room(extra, pinned):
-            return
-        match = found
-        if found.length < aligned:
-            with torch.inference_mode(False):  # storage of its own, usable by any later pass
-                data = entry.cache.own(found.length, aligned).clone()
-            match = prefix.publish(tokens, found, data)
-            if self.prefix_store is not None:
-                self.prefix_store.upload(match.runs[-1][0].names, tokens[found.length:], data)
-        before = entry.cache.nbytes
-        prefix.acquire(match)
-        prefix.release(entry.prefix)
-        entry.prefix = match
-        entry.cache.rebase(match.views(block))
-        self._own_bytes += entry.cache.nbytes - before
+    def _count_fetched(self, tokens: int) -> None:
+        """A segment fetched from other replicas joined the prefix cache (GetInfo counts them)."""
+        store = self.prefix_store
+        assert store is not None
+        store.fetches += 1
+        store.fetched_tokens += tokens
 
     def _forward(self, rows: list[_Row]) -> list[torch.Tensor]:
         """Feed every row's tokens into its cache; each row's last `len(new_tokens) + 1` logits."""
         if not rows:
             return []
         packed = [PackedRow(row.entry.cache, row.feed, len(row.request.new_tokens) + 1) for row in rows]
-        if self._packed is not None:
-            return [logits.clone() for logits in self._packed(packed)]  # not views of one pass's tensor
-        return [forward_generic(self.model, row) for row in packed]
+        return [logits.clone() for logits in self.forward(packed)]  # not views of one pass's tensor
+
+    def _book(self, rows: list[tuple[int, _Row]], scored: list[torch.Tensor], results: list,
+              pinned: set[str]) -> None:
+        """After the pass: the caches cover what they were fed, the results are in, long feeds publish."""
+        now = time.monotonic()
+        for (i, row), logits in zip(rows, scored):
+            self.table.extend(row.entry, row.feed)
+            self.table.touch(row.request.session_id, now)
+            results[i] = Scored(logits, len(row.request.history) - 1 - row.keep)
+            if self.prefix is not None and len(row.feed) > PUBLISH_ABOVE:
+                self.table.publish(row.entry, row.request.history, pinned)
 
     def _new_cache(self, capacity: int | None = None, prefix: tuple[torch.Tensor, ...] = ()) -> SessionKV:
         layers, kv_heads, head_dim = kv_geometry(self.model)
         return SessionKV(layers, kv_heads, head_dim, self.max_context, self.dtype, self.device,
                          prefix=prefix, **({} if capacity is None else {"capacity": capacity}))
 
-    # -- snapshots ----------------------------------------------------------------------------
+    # -- snapshots and bookkeeping --------------------------------------------------------------
 
     def snapshot(self, session_id: str) -> tuple[int, bytes]:
         """The session's cache as a snapshot blob and the tokens it covers; (0, b"") if there is
         no cache or it is shorter than worth restoring. Writing it is `self.snapshots.store.put`."""
-        if self.snapshots is None:
+        policy = self.snapshots
+        if policy is None:
             raise FailedPrecondition("this service runs without a snapshot store (--snapshot-redis-url)")
         with self._lock:
-            entry = self._entries.get(session_id)
-            if entry is None or len(entry.tokens) < self.snapshots.min_tokens:
+            entry = self.table.entries.get(session_id)
+            if entry is None or len(entry.tokens) < policy.min_tokens:
                 return 0, b""
             layers = [(layer.keys, layer.values) for layer in entry.cache.layers]
-            return len(entry.tokens), encode_layers(layers, entry.tokens, self.snapshots.identity)
-
-    def _restore(self, session_id: str, needed: list[int]) -> _Entry | None:
-        """On a cache miss, the session's snapshot if it covers enough of `needed` to beat a prefill."""
-        policy = self.snapshots
-        if policy is None or len(needed) < policy.min_tokens:
-            return None
-        try:
-            if policy.store.tokens(session_id) < policy.min_tokens:
-                return None
-            blob = policy.store.get(session_id)
-            if blob is None:
-                return None
-            tokens, layers = decode_layers(blob, policy.identity)
-            if common_prefix_length(tokens, needed) < policy.min_tokens:
-                return None
-            cache = self._new_cache(capacity=len(tokens))
-            cache.load(layers, len(tokens))
-        except Exception as exc:  # noqa: BLE001 - a snapshot is an optimisation: fall back to prefill
-            log.warning("snapshot of %s not restored (%s); re-prefilling", session_id, exc)
-            return None
-        policy.restores += 1
-        entry = _Entry(tokens=tokens, cache=cache)
-        self._tokens += len(tokens)
-        return entry
-
-    # -- bookkeeping ------------------------------------------------------------------------
+            return len(entry.tokens), encode_layers(layers, entry.tokens, policy.identity)
 
     def rollback(self, session_id: str, length: int) -> int:
         """Cut a session's cache back to its first `length` tokens; returns what it now covers."""
         with self._lock:
-            entry = self._entries.get(session_id)
+            entry = self.table.entries.get(session_id)
             if entry is None:
                 return 0
-            self._crop(entry, length)
+            self.table.crop(entry, length)
             return len(entry.tokens)
 
     def release(self, session_id: str) -> bool:
+        """Forget the session's cache and anything fetched for it; whether it had a cache."""
+        if self.sources is not None:
+            self.sources.discard(session_id)
         with self._lock:
-            return self._remove(session_id)
+            return self.table.remove(session_id) is not None
 
-    def _crop(self, entry: _Entry, length: int) -> None:
-        if length < len(entry.tokens):
-            if length < entry.cache.offset:  # into the shared prefix: start over without it
-                if self.prefix is not None:
-                    self.prefix.release(entry.prefix)
-                entry.prefix = NO_MATCH
-                self._own_bytes -= entry.cache.nbytes
-                entry.cache = self._new_cache()
-                self._own_bytes += entry.cache.nbytes
-                length = 0
-            entry.cache.crop(length)
-            self._tokens -= len(entry.tokens) - length
-            del entry.tokens[length:]
-
-    def _extend(self, entry: _Entry, tokens: list[int]) -> None:
-        entry.tokens.extend(tokens)
-        self._tokens += len(tokens)
-
-    def _remove(self, session_id: str) -> bool:
-        entry = self._entries.pop(session_id, None)
-        if entry is None:
-            return False
-        self._tokens -= len(entry.tokens)
-        self._own_bytes -= entry.cache.nbytes
-        if self.prefix is not None:
-            self.prefix.release(entry.prefix)
-        return True
-
-    def _evict_idle(self) -> None:
-        cutoff = time.monotonic() - self.idle_ttl_s
-        while self._entries:
-            sid, entry = next(iter(self._entries.items()))
-            if entry.last_used >= cutoff:
-                break
-            self._remove(sid)
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait for the background writes queued so far: evicted sessions' snapshots, prefix uploads."""
+        if self.sources is not None:
+            self.sources.flush(timeout)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import enum
 import functools
 import hashlib
 import logging
@@ -33,22 +34,18 @@ from typing import Any
 
 import torch
 
+from specdec.runtime.engine_options import LINEAR_MAX_ROWS
+
 log = logging.getLogger(__name__)
 
 SOURCES = ("attend.c", "linear.c")  # compiled and linked into one library
-HEADERS = ("simd.h",)  # included by them
+HEADERS = ("simd.h", "status.h", "attend_impl.h")  # included by them
 _FLAGS = ["-O3", "-ffast-math", "-fopenmp", "-fPIC", "-std=gnu11"]
 NATIVE = ["-march=native", "-mtune=generic"]
 """This machine's instructions, generic scheduling: a compiler older than the CPU tunes for the
 nearest CPU it knows (GCC 12 takes an AVX-512 AMD EPYC of family 26 for znver3) and schedules
 AVX-512 code badly for it: the linear kernel's projections of 24 rows took 43.7 ms so and 32.2
 with generic tuning (48 rows 69.6 / 52.8; attention the same), measured side by side."""
-LINEAR_MAX_ROWS = 48
-"""Most rows a projection sends to the linear kernel. Measured on the 121 projections of
-SmolLM2-135M in float32 (2 threads): the kernel against oneDNN's pre-packed weights 31 / 48 ms at 1
-row, 54 / 83 at 16, 75 / 95 at 24, 138 / 158 at 48, even at 64, slower beyond (128 rows: 378 /
-339). Larger passes (prefill chunks) are GEMM-shaped and keep oneDNN."""
-
 # Instruction sets a prebuilt library may target, best first, and the /proc/cpuinfo flags each needs
 # (x86-64-v4 and -v3 as GCC defines them; the baselines need nothing beyond the architecture).
 _V3 = {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"}
@@ -60,6 +57,15 @@ _ISAS: dict[str, list[tuple[str, set[str]]]] = {
 }
 
 KINDS = {torch.float32: "f32", torch.float64: "f64"}
+
+
+class KernelStatus(enum.IntEnum):
+    """What the kernels' entry points return (`csrc/status.h`)."""
+
+    OK = 0
+    BAD_SHAPE = -1  # a size outside what the kernel takes
+    NO_MEMORY = -2  # its scratch memory could not be allocated
+    PREFIX_WRITE = -3  # a row's new keys/values would be stored inside its shared prefix
 
 
 def cache_dir() -> Path:
@@ -214,8 +220,11 @@ def linear(x: torch.Tensor, weights: list[torch.Tensor], out: torch.Tensor) -> t
     for w in weights:
         if not w.is_contiguous() or w.shape[1] != k or w.dtype != torch.float32:
             raise ValueError("the linear kernel takes contiguous float32 weights [n, k]")
-        lib.specdec_linear_f32(m, w.shape[0], k, x.data_ptr(), x.stride(0), w.data_ptr(),
-                               out.data_ptr() + 4 * column, out.stride(0), threads)
+        status = lib.specdec_linear_f32(m, w.shape[0], k, x.data_ptr(), x.stride(0), w.data_ptr(),
+                                        out.data_ptr() + 4 * column, out.stride(0), threads)
+        if status != KernelStatus.OK:
+            raise ValueError(f"the linear kernel refused a [{m}, {k}] x [{w.shape[0]}, {k}] product "
+                             f"({KernelStatus(status).name})")
         column += w.shape[0]
     return out
 

@@ -39,7 +39,7 @@ class _Row(ctypes.Structure):
                 ("queries", ctypes.c_int32), ("past", ctypes.c_int64)]
 
 
-class Plan:
+class AttentionPlan:
     """The kernel's description of a pass's short rows (built once per pass, used at every layer).
 
     `rows`: per row, its `SessionKV`, where its block starts in the packed queries, its length and
@@ -64,7 +64,7 @@ class Plan:
         self.segments = (_Segment * len(segments))(*segments)
 
 
-def attend(plan: Plan, layer: int, q: torch.Tensor, out: torch.Tensor, kv_heads: int, scale: float,
+def attend(plan: AttentionPlan, layer: int, q: torch.Tensor, out: torch.Tensor, kv_heads: int, scale: float,
            new: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """Attention of the plan's rows at `layer`: queries `q` `[T, H, D]` (any strides, D contiguous;
     query head h belongs to key/value head h // (H / kv_heads)) into `out` `[T, H, D]` (same), at
@@ -88,9 +88,10 @@ def attend(plan: Plan, layer: int, q: torch.Tensor, out: torch.Tensor, kv_heads:
     rc = fn(plan.count, ctypes.addressof(plan.rows), ctypes.addressof(plan.segments), layer, kv_heads,
             heads // kv_heads, dim, q.data_ptr(), q.stride(0), q.stride(1), *stored, out.data_ptr(),
             out.stride(0), out.stride(1), scale, torch.get_num_threads())
-    if rc == -1:
+    status = native.KernelStatus(rc)
+    if status == native.KernelStatus.BAD_SHAPE:
         raise ValueError(f"the attention kernel takes head_dim <= 256 and at most {MAX_QUERIES} queries a row")
-    if rc == -3:
+    if status == native.KernelStatus.PREFIX_WRITE:
         raise ValueError("a row's new positions lie in its shared prefix (read-only)")
-    if rc:
+    if status == native.KernelStatus.NO_MEMORY:
         raise MemoryError("the attention kernel could not allocate its scratch memory")

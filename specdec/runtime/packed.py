@@ -19,18 +19,19 @@ head) for the Llama layer structure (`supports` checks it); the attention and th
 ours. We call the modules rather than hooking transformers' attention interface because that
 interface is chosen by the model's config (shared with every other user of the model object) and
 its forward builds a 4-D mask over the padded batch that a packed pass does not need.
-Other architectures take `forward_generic`: one session at a time through transformers.
+Other architectures take `GenericForward`: one session at a time through transformers.
+
+Which options the pass runs with (pre-packed weights, the compiled layers, the native kernels)
+comes decided in an `engine_plan.EnginePlan`; the projections are `projection.Projection`s, the
+attention of the rows the native kernel does not take is `attention.attend`.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
-import shutil
-import statistics
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -38,24 +39,22 @@ import torch.nn.functional as F
 if TYPE_CHECKING:  # transformers' model code loads with the model: a model-free draft service starts without it
     from transformers import PreTrainedModel
 
-from specdec.runtime import native, native_attention
+from specdec.runtime import native_attention
+from specdec.runtime.attention import QUERY_CHUNK, attend
 from specdec.runtime.compiled import CompiledLayers
+from specdec.runtime.engine_plan import EnginePlan, supports
 from specdec.runtime.kv_buffer import SessionKV
-from specdec.runtime.native import LINEAR_MAX_ROWS
+from specdec.runtime.native_attention import AttentionPlan
+from specdec.runtime.projection import LINEAR_ROW_CANDIDATES, Projection, measure_linear_rows
+
+# With the pass's own names, those its callers knew it by before attention and projections moved out.
+__all__ = ["QUERY_CHUNK", "LINEAR_ROW_CANDIDATES", "Forward", "GenericForward", "PackedForward", "PackedRow",
+           "attend", "build_forward", "forward_generic", "kv_geometry", "supports"]
 
 log = logging.getLogger(__name__)
 
-LINEAR_ROW_CANDIDATES = (1, 2, 4, 8, 16, 24, 32, 48)
-"""The row counts `PackedForward.measure_linear_rows` tries, in order (up to native.LINEAR_MAX_ROWS)."""
-
-QUERY_CHUNK = 256
-"""A row's new positions attend in chunks of at most this many (bounds the score matrix)."""
-FLASH_FROM = 8
-"""Blocks of at least this many positions (prefill chunks) attend through `scaled_dot_product_attention`'s
-flash kernel in float32/float64 (see `attend`)."""
-
-_MODULES = ("input_layernorm", "post_attention_layernorm", "mlp", "self_attn")
-_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj", "scaling", "head_dim")
+LayerProjections = tuple[Projection, Projection, Projection, Projection]
+"""A layer's fused q/k/v, o, gate/up and down."""
 
 
 @dataclass
@@ -67,23 +66,20 @@ class PackedRow:
     keep: int
 
 
-def supports(model: PreTrainedModel) -> bool:
-    """Whether `PackedForward` can run `model`: a Llama-structured decoder with full attention only."""
-    config = model.config
-    base = getattr(model, "model", None)
-    if getattr(config, "model_type", None) != "llama" or base is None:
-        return False
-    if not all(hasattr(base, name) for name in ("embed_tokens", "layers", "norm", "rotary_emb")):
-        return False
-    if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or []):
-        return False
-    for layer in base.layers:
-        if not all(hasattr(layer, name) for name in _MODULES):
-            return False
-        attn = layer.self_attn
-        if not all(hasattr(attn, name) for name in _ATTENTION) or hasattr(attn, "q_norm"):
-            return False
-    return getattr(model, "lm_head", None) is not None
+class Forward(Protocol):
+    """A forward pass over rows: feeds each row's tokens into its `SessionKV`, returns each row's last
+    `keep` logits `[keep, V]` (possibly views of one tensor)."""
+
+    compiled: CompiledLayers | None
+
+    def __call__(self, rows: list[PackedRow]) -> list[torch.Tensor]: ...
+
+    def warm_up(self) -> float: ...
+
+
+def build_forward(model: PreTrainedModel, plan: EnginePlan) -> Forward:
+    """The pass `plan` says runs `model`: packed, or transformers' own a session at a time."""
+    return PackedForward(model, plan) if plan.packed else GenericForward(model)
 
 
 def kv_geometry(model: PreTrainedModel) -> tuple[int, int, int]:
@@ -94,171 +90,39 @@ def kv_geometry(model: PreTrainedModel) -> tuple[int, int, int]:
     return config.num_hidden_layers, kv_heads, head_dim
 
 
-def can_compile(weight: torch.Tensor) -> bool:
-    """Whether the compiled pass can run where `weight` lives: CUDA, or a CPU with a C++ compiler
-    for inductor's generated kernels."""
-    if weight.device.type == "cuda":
-        return True
-    if weight.device.type != "cpu":
-        return False
-    from torch._inductor import cpp_builder, exc
-
-    try:
-        return bool(shutil.which(cpp_builder.get_cpp_compiler()))
-    except exc.InvalidCxxCompiler:
-        return False
-
-
-def can_prepack(weight: torch.Tensor) -> bool:
-    """Whether `Projection` can pre-pack this weight: float32 on a CPU with oneDNN built in."""
-    return weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
-
-
-class Projection:
-    """`h @ W.T` for one weight, or for several fused row-wise (q/k/v; gate/up), split on return.
-
-    Plain: `torch.nn.functional.linear` (MKL on a CPU). Pre-packed: the weight reordered once for
-    oneDNN (`torch.ops.mkldnn`, the path inductor's weight freezing takes). Measured here on
-    SmolLM2-135M in float32 (bench/engine.py): MKL reads a cold weight at about 13 GB/s for one
-    row and slows further for a few rows (its small-M GEMM path: the output layer costs 2.4x more
-    at 5 rows than at 1), while the packed path reads closer to the bandwidth and costs about the
-    same for 1 and 5 rows; fusing q/k/v and gate/up halves the calls per layer. The packed weights
-    are a copy: the model's own stay for everything else (a second copy of the weights in memory).
-
-    `native`: passes of at most `rows` rows (at most `native.LINEAR_MAX_ROWS`; `PackedForward`
-    sets it) go through the native linear kernel, which reads the model's own weights where they lie
-    (one call per fused weight, each writing its columns of the output): a row's output is then the
-    same bits whatever shares the pass. Larger passes keep the path above.
-    """
-
-    def __init__(self, weights: list[torch.Tensor], prepack: bool, native: bool = False) -> None:
-        self.sizes = [w.shape[0] for w in weights]
-        self.width = sum(self.sizes)
-        with torch.inference_mode(False), torch.no_grad():
-            self.parts = [w.detach().contiguous() for w in weights] if native else []  # no copy when contiguous
-            self.weight: torch.Tensor | None = None  # native and not pre-packed: larger passes use `parts`
-            if prepack or not native:
-                weight = weights[0].detach() if len(weights) == 1 else torch.cat([w.detach() for w in weights])
-                self.weight = torch.ops.mkldnn._reorder_linear_weight(weight) if prepack else weight
-        self.prepacked = prepack
-        self.rows = LINEAR_MAX_ROWS  # `native` here is the argument
-
-    def project(self, h: torch.Tensor) -> torch.Tensor:
-        """`h` `[T, in]` -> `[T, sum(out_i)]` (the fused weights' outputs side by side)."""
-        if self.parts and h.shape[0] <= self.rows:
-            return native.linear(h.contiguous(), self.parts, h.new_empty((h.shape[0], self.width)))
-        if self.prepacked:
-            return torch.ops.mkldnn._linear_pointwise(h, self.weight, None, "none", [], "")
-        if self.weight is None:
-            return torch.cat([F.linear(h, w) for w in self.parts], dim=-1)
-        return F.linear(h, self.weight)
-
-    def __call__(self, h: torch.Tensor) -> list[torch.Tensor]:
-        """`h` `[T, in]` -> one `[T, out_i]` per fused weight."""
-        y = self.project(h)
-        return [y] if len(self.sizes) == 1 else list(y.split(self.sizes, dim=-1))
-
-
 class PackedForward:
     """`__call__(rows)`: feed every row's tokens into its `SessionKV`; each row's last `keep` logits."""
 
-    def __init__(self, model: PreTrainedModel, prepack: str = "off", compile: str = "off",
-                 kernels: str = "auto", linear_rows: int | str | None = None) -> None:
-        """`prepack`: "on" (the weights pre-packed for oneDNN, fused per layer), "off" (the model's
-        own modules), "auto" (on where `can_prepack`). `compile`: "on" (the dense part of every
-        layer through torch.compile, `compiled.CompiledLayers`; call `warm_up` before serving),
-        "off", "auto" (on where `can_compile`). `kernels`: "native" (`specdec.runtime.native`: the
-        attention of decode and verify rows through `native_attention`, and in float32 the
-        projections of passes of a few rows through its linear kernel), "torch" (`attend`, and
-        oneDNN/MKL), "auto" (native where the kernels build and run: a CPU, float32/float64, a C
-        compiler or prebuilt kernels). `linear_rows`: the most rows of a pass whose projections take
-        the native linear kernel (float32), or "auto": measured by `warm_up` against the pre-packed
-        weights (`measure_linear_rows`); until then, and without pre-packed weights, all it takes;
-        None (not given): all it takes. A count above 0 where the linear kernel does not run (no
-        native kernels here, another dtype, projections with bias) is refused: it would do nothing."""
-        if not supports(model):
+    def __init__(self, model: PreTrainedModel, plan: EnginePlan) -> None:
+        """Run `model` as `plan` says (`engine_plan.plan_engine`: pre-packed weights, compiled
+        layers, native kernels; call `warm_up` before serving: it measures and compiles)."""
+        if not plan.packed:
             raise TypeError(f"{type(model).__name__} is not a Llama-structured model")
-        if prepack not in ("on", "off", "auto"):
-            raise ValueError(f"prepack must be on, off or auto, not {prepack!r}")
-        if compile not in ("on", "off", "auto"):
-            raise ValueError(f"compile must be on, off or auto, not {compile!r}")
-        if kernels not in ("native", "torch", "auto"):
-            raise ValueError(f"kernels must be native, torch or auto, not {kernels!r}")
-        if linear_rows not in ("auto", None) and not (isinstance(linear_rows, int)
-                                                      and 0 <= linear_rows <= native.LINEAR_MAX_ROWS):
-            raise ValueError(f"linear_rows must be auto or 0 to {native.LINEAR_MAX_ROWS}, not {linear_rows!r}")
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
         self.rope = apply_rotary_pos_emb  # (q, k, cos, sin, unsqueeze_dim) -> rotated q, k
-        self.model = model
-        self.base = model.model
+        self.model, self.base, self.plan = model, model.model, plan
         _, self.kv_heads, self.head_dim = kv_geometry(model)
         self.heads = model.config.num_attention_heads
         self.scaling = self.base.layers[0].self_attn.scaling
         self.groups = self.heads // self.kv_heads
-        weight = model.lm_head.weight
-        usable = can_prepack(weight) and not self._biased()
-        if prepack == "on" and not usable:
-            raise ValueError("pre-packed weights need float32 on a CPU with oneDNN, and projections without bias")
-        self.prepacked = usable and prepack != "off"
-        compilable = can_compile(weight) and not self._biased()
-        if compile == "on" and not compilable:
-            raise ValueError("the compiled pass needs a CPU or CUDA device, a C++ compiler on a CPU, "
-                             "and projections without bias")
-        why = "" if kernels == "torch" else native.unavailable(weight.device, weight.dtype)
-        if kernels == "native" and why:
-            raise ValueError(f"--kernels native: {why}")
-        if kernels == "auto" and why:
-            log.info("attention and projections through torch's operators (%s)", why)
-        self.native = kernels != "torch" and not why
-        linear = self.native and weight.dtype == torch.float32 and not self._biased()
-        if isinstance(linear_rows, int) and linear_rows > 0 and not linear:
-            if not self.native:
-                reason = why or "--kernels torch"
-            elif weight.dtype != torch.float32:
-                reason = f"the model runs {str(weight.dtype).removeprefix('torch.')}"
-            else:
-                reason = "its projections have a bias"
-            raise ValueError(f"--native-linear-rows {linear_rows}: the native linear kernel does not run here "
-                             f"({reason}); drop the flag or pass auto")
-        self.compiled: CompiledLayers | None = None
+        self.native, self.prepacked = plan.native, plan.prepack
         self.head: Projection | None = None
-        self.layers: list[tuple[Projection, Projection, Projection, Projection]] = []
-        if self.prepacked or linear or (compilable and compile != "off"):
-            packs = self.prepacked
-            self.head = Projection([weight], packs, linear)
-            for layer in self.base.layers:
-                attn, mlp = layer.self_attn, layer.mlp
-                self.layers.append((
-                    Projection([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight], packs, linear),
-                    Projection([attn.o_proj.weight], packs, linear),
-                    Projection([mlp.gate_proj.weight, mlp.up_proj.weight], packs, linear),
-                    Projection([mlp.down_proj.weight], packs, linear),
-                ))
-        self.linear_rows = linear_rows if isinstance(linear_rows, int) else LINEAR_MAX_ROWS
-        self._measure_rows = linear_rows == "auto" and linear and self.prepacked
-        self._set_linear_rows(self.linear_rows)
-        if compilable and compile != "off":
-            self.compiled = CompiledLayers(self)
-        self._plan: tuple[list[PackedRow] | None, native_attention.Plan | None, list[bool]] = (None, None, [])
-
-    def _biased(self) -> bool:
-        """Whether a projection or the MLP departs from plain bias-free Llama (then modules are called)."""
-        for layer in self.base.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj]
-            linears += [getattr(mlp, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
-            if any(not isinstance(m, torch.nn.Linear) or m.bias is not None for m in linears):
-                return True
-            if not hasattr(mlp, "act_fn"):
-                return True
-        return getattr(self.model.lm_head, "bias", None) is not None
+        self.layers: list[LayerProjections] = []
+        if plan.fused:
+            self.head, self.layers = _projections(model, plan)
+        self._measure_rows = plan.measure_rows
+        self._set_linear_rows(plan.linear_rows)
+        self.compiled = CompiledLayers(self) if plan.torch_compile else None
+        self._pass_plan: tuple[list[PackedRow] | None, AttentionPlan | None, list[bool]] = (None, None, [])
 
     def __call__(self, rows: list[PackedRow]) -> list[torch.Tensor]:
+        """Feed every row's tokens into its cache; each row's last `keep` logits `[keep, V]` (views of
+        one tensor)."""
         device = self.model.lm_head.weight.device
         for row in rows:
             row.kv.reserve(row.kv.length + len(row.tokens))
-        self._plan = (None, None, [])  # the native kernel's plan is built at the first layer (buffers are final)
+        self._pass_plan = (None, None, [])  # the native kernel's plan is built at the first layer (buffers are final)
         ids = torch.tensor([t for row in rows for t in row.tokens], dtype=torch.long)  # [T]
         positions = torch.cat([torch.arange(row.kv.length, row.kv.length + len(row.tokens)) for row in rows])
         ends = torch.tensor([len(row.tokens) for row in rows]).cumsum(0)
@@ -332,9 +196,9 @@ class PackedForward:
         keys/values; the others through `SessionKV.write` and `attend`."""
         t, d, hkv, g = q.shape[0], self.head_dim, self.kv_heads, self.groups
         out = q.new_empty((t, hkv, g, d))  # query head kv * G + g lives at [:, kv, g]
-        plan, native = self._native_plan(rows)
+        kernel_plan, short_rows = self._native_plan(rows)
         start = 0
-        for row, short in zip(rows, native):
+        for row, short in zip(rows, short_rows):
             n, past = len(row.tokens), row.kv.length
             span = slice(start, start + n)
             if not short:
@@ -343,23 +207,23 @@ class PackedForward:
                 o = attend(queries, row.kv.segments(index, past + n), past, scaling)
                 out[span] = o.permute(2, 0, 1, 3)  # [n, Hkv, G, D]
             start += n
-        if plan is not None:
-            native_attention.attend(plan, index, q, out.view(t, self.heads, d), hkv, scaling, new=(k, v))
+        if kernel_plan is not None:
+            native_attention.attend(kernel_plan, index, q, out.view(t, self.heads, d), hkv, scaling, new=(k, v))
         return out.view(t, self.heads * d)
 
-    def _native_plan(self, rows: list[PackedRow]) -> tuple[native_attention.Plan | None, list[bool]]:
+    def _native_plan(self, rows: list[PackedRow]) -> tuple[AttentionPlan | None, list[bool]]:
         """The native kernel's plan for this pass's short rows (built at its first layer), and which
         rows it covers."""
-        if self._plan[0] is rows:
-            return self._plan[1], self._plan[2]
+        if self._pass_plan[0] is rows:
+            return self._pass_plan[1], self._pass_plan[2]
         short = [self.native and len(row.tokens) * self.groups <= native_attention.MAX_QUERIES for row in rows]
         described, start = [], 0
         for row, take in zip(rows, short):
             if take:
                 described.append((row.kv, start, len(row.tokens), row.kv.length))
             start += len(row.tokens)
-        plan = native_attention.Plan(described) if described else None
-        self._plan = (rows, plan, short)
+        plan = AttentionPlan(described) if described else None
+        self._pass_plan = (rows, plan, short)
         return plan, short
 
     def _projections(self) -> list[Projection]:
@@ -370,34 +234,10 @@ class PackedForward:
         for projection in self._projections():
             projection.rows = rows
 
-    def measure_linear_rows(self, candidates: tuple[int, ...] = LINEAR_ROW_CANDIDATES, repeats: int = 3) -> int:
-        """The most rows up to which the native linear kernel is at least as fast as the pre-packed
-        oneDNN weights, on this model's own projections: every projection of the model at each
-        count in `candidates`, both ways interleaved, medians of `repeats`, counting up until oneDNN
-        wins (0 if it wins at the first). Which is faster depends on the CPU: on 2 AVX2 cores the
-        kernel won up to 64 rows, on 2 AVX-512 cores (where oneDNN runs AVX-512 code) up to 8 rows,
-        tying beyond (see docs/architecture.md)."""
-        projections = [p for p in self._projections() if p.parts and p.prepacked]
-        if not projections:
-            return 0
-        best = 0
-        with torch.inference_mode():
-            for m in candidates:
-                inputs = {p.parts[0].shape[1]: torch.randn(m, p.parts[0].shape[1], dtype=p.parts[0].dtype)
-                          for p in projections}
-                ways = {"native": m, "onednn": 0}  # the rows each way lets through the kernel
-                times: dict[str, list[float]] = {way: [] for way in ways}
-                for _ in range(repeats + 1):  # the first round only touches
-                    for way, rows in ways.items():
-                        times[way].append(_time_projections(projections, inputs, rows))
-                native_s, onednn_s = (statistics.median(times[way][1:]) for way in ways)
-                log.info("projections of %d rows: native linear kernel %.1f ms, oneDNN %.1f ms", m, native_s * 1e3,
-                         onednn_s * 1e3)
-                if native_s > onednn_s:
-                    break
-                best = m
-        self._set_linear_rows(self.linear_rows)
-        return best
+    def measure_linear_rows(self) -> int:
+        """Up to how many rows the native linear kernel beats oneDNN on this model's projections
+        (`projection.measure_linear_rows`); changes nothing."""
+        return measure_linear_rows(self._projections())
 
     def warm_up(self) -> float:
         """At service start: with `linear_rows="auto"`, measure how many rows the native linear kernel
@@ -424,94 +264,37 @@ class PackedForward:
         log.info("compiled the forward pass in %.1f s (torch.compile, inductor; --compile off turns it off)", seconds)
         return seconds
 
-def _time_projections(projections: list[Projection], inputs: dict[int, torch.Tensor], rows: int) -> float:
-    """Seconds for every projection of `inputs` (by input width), letting `rows` rows through the kernel."""
-    for p in projections:
-        p.rows = rows
-    start = time.perf_counter()
-    for p in projections:
-        p.project(inputs[p.parts[0].shape[1]])
-    return time.perf_counter() - start
+
+def _projections(model: PreTrainedModel, plan: EnginePlan) -> tuple[Projection, list[LayerProjections]]:
+    """The output layer's projection, and each layer's (qkv, o, gate_up, down), fused as `plan` says."""
+    packs, linear = plan.prepack, plan.linear
+    head = Projection([model.lm_head.weight], packs, linear)
+    layers = []
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        layers.append((
+            Projection([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight], packs, linear),
+            Projection([attn.o_proj.weight], packs, linear),
+            Projection([mlp.gate_proj.weight, mlp.up_proj.weight], packs, linear),
+            Projection([mlp.down_proj.weight], packs, linear),
+        ))
+    return head, layers
 
 
-def attend(q: torch.Tensor, segments: list[tuple[torch.Tensor, torch.Tensor]], past: int,
-           scale: float) -> torch.Tensor:
-    """Causal attention of one row's new block without repeating K/V heads.
+class GenericForward:
+    """Any full-attention architecture the packed pass does not know: one row at a time through
+    transformers' own forward (`forward_generic`)."""
 
-    q `[Hkv, G, n, D]` (query j is position past + j); `segments`: the row's keys and values
-    `[Hkv, m_i, D]` in position order (shared prefix segments, then the row's own buffer: views,
-    read in place) covering positions 0 .. past + n - 1; returns `[Hkv, G, n, D]`. Query j sees
-    keys 0 .. past + j, so only the last n key columns (in the last segment) need a mask.
+    compiled: CompiledLayers | None = None
 
-    One segment and one query (a decode step): `scaled_dot_product_attention` with its grouped
-    heads (one call instead of five; measured on the CPU for 30 layers of SmolLM2-135M: 0.7 ms
-    against 2.8 ms at context 64, 23 against 24 ms at 4096). A block of at least `FLASH_FROM`
-    positions in float32/float64 (a prefill chunk): `scaled_dot_product_attention` with a boolean
-    mask and grouped heads, whose flash kernel never writes the score matrix to memory; several
-    segments are joined first (a copy of the keys and values, small beside the arithmetic of a
-    chunk). Measured for 30 layers of SmolLM2-135M on 2 cores: a 512-position chunk after 2,488
-    positions 2,221 -> 976 ms against the matmuls below (with a 1,000-position shared prefix 1,742
-    -> 762), a 3,000-token prefill in 512-token chunks 8.1 -> 4.6 s. One segment and a shorter
-    block, in float32/float64: plain matmuls (they beat `scaled_dot_product_attention` there, 13
-    against 21 ms for 3 queries at 4096, and take strided views without a copy); in half precision,
-    `scaled_dot_product_attention`, which accumulates in float32 as transformers' own path does.
-    Several segments (a shared prefix): the scores of every segment side by side, one softmax
-    over them (exact, no copy of any key or value; the score matrix is the only thing joined),
-    and the output summed segment by segment; in half precision the softmax runs in float32.
-    """
-    hkv, g, n, d = q.shape
-    widths = [k.shape[1] for k, _ in segments]
-    assert sum(widths) == past + n and widths[-1] >= n, (q.shape, widths, past)
-    low = q.dtype in (torch.float16, torch.bfloat16)
-    out = q.new_empty(q.shape)
-    for lo in range(0, n, QUERY_CHUNK):
-        hi = min(n, lo + QUERY_CHUNK)
-        c, seen = hi - lo, past + hi  # queries in the chunk; keys the chunk's last query sees
-        chunk = q[:, :, lo:hi].reshape(hkv, g * c, d)
-        cut = seen - (past + n - widths[-1])  # own-buffer keys the chunk sees
-        k_own, v_own = segments[-1][0][:, :cut], segments[-1][1][:, :cut]
-        mask = _future_mask(c, g, torch.float32 if low else q.dtype, q.device) if c > 1 else None
-        if len(segments) == 1 and c == 1:  # a decode step: one fused call, the K/V heads shared (no repeat)
-            o = F.scaled_dot_product_attention(chunk.view(1, hkv * g, 1, d), k_own[None], v_own[None], scale=scale,
-                                               enable_gqa=True)
-        elif len(segments) == 1 and low:
-            full = None
-            if mask is not None:
-                full = chunk.new_zeros((g * c, seen))
-                full[:, seen - c:] = mask.to(chunk.dtype)
-            o = F.scaled_dot_product_attention(chunk, k_own, v_own, attn_mask=full, scale=scale)
-        elif c >= FLASH_FROM and not low:  # a prefill chunk: flash attention, no score matrix in memory
-            all_k = k_own if len(segments) == 1 else torch.cat([k for k, _ in segments[:-1]] + [k_own], dim=1)
-            all_v = v_own if len(segments) == 1 else torch.cat([v for _, v in segments[:-1]] + [v_own], dim=1)
-            allowed = torch.ones(c, seen, dtype=torch.bool, device=q.device).tril(seen - c)
-            o = F.scaled_dot_product_attention(q[:, :, lo:hi].reshape(1, hkv * g, c, d), all_k[None], all_v[None],
-                                               attn_mask=allowed, scale=scale, enable_gqa=True)
-        elif len(segments) == 1:
-            scores = torch.matmul(chunk * scale, k_own.transpose(1, 2))  # [Hkv, G * c, seen]
-            if mask is not None:  # query lo + i must not see the chunk's keys after its own
-                scores[:, :, seen - c:] += mask
-            o = torch.matmul(scores.softmax(-1), v_own)
-        else:
-            keys = [k for k, _ in segments[:-1]] + [k_own]
-            values = [v for _, v in segments[:-1]] + [v_own]
-            scores = torch.cat([torch.matmul(chunk * scale, k.transpose(1, 2)) for k in keys], dim=-1)
-            if low:
-                scores = scores.float()
-            if mask is not None:
-                scores[:, :, seen - c:] += mask
-            probs = scores.softmax(-1).to(q.dtype).split([k.shape[1] for k in keys], dim=-1)
-            o = torch.matmul(probs[0], values[0])
-            for p, v in zip(probs[1:], values[1:]):
-                o.add_(torch.matmul(p, v))
-        out[:, :, lo:hi] = o.view(hkv, g, c, d)
-    return out
+    def __init__(self, model: PreTrainedModel) -> None:
+        self.model = model
 
+    def __call__(self, rows: list[PackedRow]) -> list[torch.Tensor]:
+        return [forward_generic(self.model, row) for row in rows]
 
-@functools.lru_cache(maxsize=64)
-def _future_mask(c: int, g: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """`[G * c, c]`: -inf where key j comes after query i (j > i) within a chunk, else 0."""
-    upper = torch.ones((c, c), dtype=torch.bool, device=device).triu(1)
-    return torch.zeros((c, c), dtype=dtype, device=device).masked_fill(upper, float("-inf")).repeat(g, 1)
+    def warm_up(self) -> float:
+        return 0.0
 
 
 def forward_generic(model: PreTrainedModel, row: PackedRow) -> torch.Tensor:

@@ -18,10 +18,13 @@ under the owner's memory budget) unregisters its descendants' blocks, which coul
 reached by a match.
 
 Why segments, not one tensor per block (paged attention): attention on the CPU runs one matmul
-per segment and layer (`packed.attend`), so the number of segments a session reads must stay
+per segment and layer (`attention.attend`), so the number of segments a session reads must stay
 small: one per prompt that added to the chain, not one per 32 tokens.
 
-Thread safety: none; the owner (`kv.SessionCaches`) holds its lock around every call.
+Thread safety: none for changes; the owner (`cache_table.CacheTable`, under `kv.SessionCaches`'
+lock) makes every one. `match(..., count=False)` may also run on another thread without that lock
+(`cache_sources` does, to decide what to fetch): it reads the block index with single dict
+lookups, and a stale answer only makes a fetch larger or smaller.
 """
 
 from __future__ import annotations

@@ -20,14 +20,34 @@ import logging
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from specdec.keys import prefix_block_key
 from specdec.runtime.snapshot_codec import SnapshotIdentity, decode_layers, encode_layers
 from specdec.runtime.snapshot_store import RedisSnapshotStore
-from specdec.server.keys import prefix_block_key
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class FetchedRun:
+    """Keys/values another replica computed for `tokens` at positions start .. start + len(tokens) - 1:
+    per layer `(keys, values)` `[kv_heads, n, head_dim]` (views of a decoded blob)."""
+
+    start: int
+    tokens: list[int]
+    layers: list[tuple[torch.Tensor, torch.Tensor]]
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.tokens)
+
+    def data(self, skip: int = 0) -> torch.Tensor:
+        """`[2, layers, kv_heads, n - skip, head_dim]`: the run from position start + skip on, as one
+        tensor the prefix cache can own (a copy: made on the model thread, which installs it)."""
+        return torch.stack([torch.stack([k[:, skip:], v[:, skip:]]) for k, v in self.layers], dim=1)
 
 
 @dataclass(frozen=True)
@@ -40,12 +60,14 @@ class RemoteRun:
 
 
 class RedisPrefixStore:
-    """Prefix segments of one role's model in Redis (blocking calls; uploads on a worker thread)."""
+    """Prefix segments of one role's model in Redis (blocking calls; uploads on a worker thread).
 
-    def __init__(self, url: str, role: str, identity: SnapshotIdentity, ttl_s: int = 3600,
+    `client`: a blocking redis-py client the service built (`specdec.server.redis.connect`)."""
+
+    def __init__(self, client: Any, role: str, identity: SnapshotIdentity, ttl_s: int = 3600,
                  min_tokens: int = 256) -> None:
-        self.blobs = RedisSnapshotStore(url, f"{role}-prefix", ttl_s)
-        self.redis = self.blobs.redis
+        self.blobs = RedisSnapshotStore(client, f"{role}-prefix", ttl_s)
+        self.redis = client
         self.role, self.identity, self.ttl_s, self.min_tokens = role, identity, ttl_s, min_tokens
         meta = "|".join(f"{k}={v}" for k, v in sorted(identity.as_metadata().items()))
         self.identity_hash = hashlib.blake2b(meta.encode(), digest_size=8).hexdigest()
@@ -111,9 +133,10 @@ class RedisPrefixStore:
                 runs.append(RemoteRun(segment, int(index), 1))
         return runs
 
-    def fetch(self, run: RemoteRun, block_tokens: int, expected: list[int]) -> torch.Tensor | None:
-        """The run's keys/values `[2, layers, H, blocks * block_tokens, D]`, or None if the segment is
-        gone, belongs to another model, or does not hold `expected` (the history's tokens there)."""
+    def fetch(self, run: RemoteRun, block_tokens: int, start: int, expected: list[int]) -> FetchedRun | None:
+        """The run's keys/values, for the history's positions from `start` on, or None if the segment
+        is gone, belongs to another model, or does not hold `expected` (the history's tokens there).
+        Decoded, not copied: `FetchedRun.data` makes the tensor the prefix cache keeps."""
         blob = self.blobs.get(run.segment)
         if blob is None:
             return None
@@ -121,9 +144,9 @@ class RedisPrefixStore:
         lo, hi = run.first * block_tokens, (run.first + run.blocks) * block_tokens
         if tokens[lo:hi] != expected:
             return None
-        return torch.stack([torch.stack([k[0, :, lo:hi], v[0, :, lo:hi]]) for k, v in layers], dim=1)
+        return FetchedRun(start, list(expected), [(k[0, :, lo:hi], v[0, :, lo:hi]) for k, v in layers])
 
     def close(self) -> None:
+        """Finish the queued uploads (the client is the service's to close)."""
         self._uploads.shutdown(wait=True)
-        self.blobs.close()
 

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from safetensors.torch import load as st_load, save as st_save
 
@@ -50,6 +51,19 @@ def encode_layers(layers: Sequence[tuple[torch.Tensor, torch.Tensor]], tokens: l
         tensors[f"k.{i}"] = keys.contiguous().cpu()
         tensors[f"v.{i}"] = values.contiguous().cpu()
     return st_save(tensors, metadata={**identity.as_metadata(), "format": FORMAT_VERSION})
+
+
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def host_join(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """`parts` `[H, n_i, D]` (any strides) joined along positions into one contiguous CPU tensor
+    `[1, H, sum n_i, D]`, copied by numpy. numpy copies on the calling thread alone, so a thread other
+    than the model's (a background snapshot writer) makes the copy without starting a pool of OpenMP
+    threads of its own, which would slow every pass (`specdec.server.model_service.model_thread`)."""
+    ints = _SAME_SIZE_INT[parts[0].element_size()]  # numpy has no bfloat16: copy the bits
+    arrays = [(part if part.device.type == "cpu" else part.cpu()).view(ints).numpy() for part in parts]
+    return torch.from_numpy(np.concatenate(arrays, axis=1)[None]).view(parts[0].dtype)
 
 
 def encode(cache: DynamicCache, tokens: list[int], identity: SnapshotIdentity) -> bytes:

@@ -4,7 +4,7 @@ A snapshot moves a session's cache to another replica instead of re-prefilling i
 format: `specdec.runtime.snapshot_codec`). Redis holds a blob under the session's hash tag,
 chunked (Redis strings are capped, and large values block the server), written to temporary
 keys and renamed into place so a reader never sees half a snapshot, with a TTL (key names:
-`specdec.server.keys`):
+`specdec.keys`):
 
     specdec:v1:{<session>}:kv:<role>:meta    hash: chunks, bytes, tokens, model, written_at
     specdec:v1:{<session>}:kv:<role>:<i>     chunk i of the blob
@@ -22,12 +22,10 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
-import redis
-
+from specdec.keys import snapshot_chunk_key, snapshot_meta_key
 from specdec.runtime.snapshot_codec import SnapshotIdentity
-from specdec.server.keys import snapshot_chunk_key, snapshot_meta_key
 
 CHUNK_BYTES = 4 * 1024 * 1024
 
@@ -77,10 +75,13 @@ return n
 
 
 class RedisSnapshotStore:
-    """The `SnapshotStore` of one role ("target" or "draft") in Redis (a blocking client)."""
+    """The `SnapshotStore` of one role ("target" or "draft") in Redis.
 
-    def __init__(self, url: str, role: str, ttl_s: int = 3600, chunk_bytes: int = CHUNK_BYTES) -> None:
-        self.redis = redis.Redis.from_url(url)
+    `client`: a blocking redis-py client the service built (`specdec.server.redis.connect`: TLS,
+    password, timeouts); the store only issues commands on it."""
+
+    def __init__(self, client: Any, role: str, ttl_s: int = 3600, chunk_bytes: int = CHUNK_BYTES) -> None:
+        self.redis = client
         self.role = role
         self.ttl_s = ttl_s
         self.chunk_bytes = chunk_bytes
@@ -120,6 +121,3 @@ class RedisSnapshotStore:
         meta = snapshot_meta_key(session_id, self.role)
         n = int(self.redis.hget(meta, "chunks") or 0)
         self.redis.delete(meta, *[snapshot_chunk_key(session_id, self.role, i) for i in range(n)])
-
-    def close(self) -> None:
-        self.redis.close()

@@ -10,6 +10,9 @@ from typing import Annotated, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from specdec.runtime.engine_options import LINEAR_MAX_ROWS, EngineOptions
+from specdec.server.redis import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_TIMEOUT_S, RedisSettings, read_password
+
 C = TypeVar("C", bound="ServiceConfig")
 
 
@@ -97,6 +100,39 @@ def _explain(exc: ValidationError) -> str:
     return "; ".join(lines)
 
 
+class RedisClientOptions(BaseModel):
+    """How a service reaches its Redis, wherever that is: the password, TLS files and timeouts every
+    Redis connection of the service uses (`specdec.server.redis`)."""
+
+    redis_password_file: str = Field(
+        "", description="File holding the Redis password; unset: $REDIS_PASSWORD when set, else none."
+    )
+    redis_tls_ca: str = Field("", description="PEM CA that the Redis server certificate must chain to (rediss://).")
+    redis_tls_cert: str = Field("", description="PEM client certificate for Redis (when it requires one).")
+    redis_tls_key: str = Field("", description="PEM private key of --redis-tls-cert.")
+    redis_connect_timeout_s: float = Field(
+        DEFAULT_CONNECT_TIMEOUT_S, gt=0, description="Seconds to wait for a connection to Redis before the call fails."
+    )
+    redis_timeout_s: float = Field(
+        DEFAULT_TIMEOUT_S, gt=0, description="Seconds to wait for Redis to answer one call before it fails (a Redis "
+        "that stops answering fails calls instead of hanging them)."
+    )
+
+    @field_validator("redis_password_file", "redis_tls_ca", "redis_tls_cert", "redis_tls_key")
+    @classmethod
+    def _redis_file_readable(cls, path: str) -> str:
+        if path and not Path(path).is_file():
+            raise ValueError(f"no such file: {path}")
+        return path
+
+    def redis_settings(self, url: str = "", **mode) -> RedisSettings:
+        """The settings of the Redis at `url` (or of the cluster or sentinels `mode` names) with this
+        service's password, TLS files and timeouts; ValueError when they do not fit together."""
+        return RedisSettings(url=url, password=read_password(self.redis_password_file), tls_ca=self.redis_tls_ca,
+                             tls_cert=self.redis_tls_cert, tls_key=self.redis_tls_key,
+                             connect_timeout_s=self.redis_connect_timeout_s, timeout_s=self.redis_timeout_s, **mode)
+
+
 class DeviceOption(BaseModel):
     """The `--device` of a service that hosts a model (draft, target)."""
 
@@ -124,10 +160,11 @@ KV_OPTIONS = ("kv_cache_bytes", "prefix_cache", "prefix_block_tokens", "prefix_r
 """Options of a service's model engine (its KV caches and forward pass): meaningless without a model."""
 
 
-class ModelServiceConfig(ServiceConfig, DeviceOption):
+class ModelServiceConfig(RedisClientOptions, ServiceConfig, DeviceOption):
     """Base of the services that host a model (draft, target): its KV caches and their snapshots in
-    Redis, batching and admission. The fields without a default here get theirs, and their help, from
-    each service; their types and bounds are checked here."""
+    Redis (reached with the --redis-* password, TLS and timeout options), batching and admission.
+    The fields without a default here get theirs, and their help, from each service; their types and
+    bounds are checked here."""
 
     snapshot_redis_url: str = Field(
         "", description="Redis URL of the KV snapshot store (empty: no snapshots); may be the session store's Redis."
@@ -171,7 +208,7 @@ class ModelServiceConfig(ServiceConfig, DeviceOption):
         "operators: attention row by row, projections through oneDNN/MKL), auto (native where they build and run: a "
         "CPU, float32/float64; see bench/engine.py)."
     )
-    native_linear_rows: Literal["auto"] | Annotated[int, Field(ge=0, le=48)] = Field(
+    native_linear_rows: Literal["auto"] | Annotated[int, Field(ge=0, le=LINEAR_MAX_ROWS)] = Field(
         "auto", description="The most rows of a pass (decode and verify positions over all its sessions) whose "
         "projections run through the native linear kernel (float32, with the native kernels); larger passes use "
         "oneDNN's pre-packed weights. auto: measured at start on the model's own weights, as the most rows up to "
@@ -209,11 +246,22 @@ class ModelServiceConfig(ServiceConfig, DeviceOption):
         if not self.prefix_redis_url and given("prefix_min_fetch_tokens", "prefix_ttl_s"):
             raise ValueError(f"{given('prefix_min_fetch_tokens', 'prefix_ttl_s')} configure sharing prefixes "
                              "through Redis: add --prefix-redis-url URL")
-        if given("native_linear_rows") and self.kernels == "torch":
-            raise ValueError("--native-linear-rows sizes the native linear kernel's passes: drop --kernels torch")
-        if given("native_linear_rows") and self.dtype != "float32":
-            raise ValueError(f"--native-linear-rows: the native linear kernel runs float32, not --dtype {self.dtype}")
         return self
+
+    @model_validator(mode="after")
+    def _engine_options_hold_together(self):
+        """Refused at start, with the flags named: what `EngineOptions` refuses, and what a model of
+        --dtype could not honour."""
+        self.engine_options.check_dtype(self.dtype)
+        return self
+
+    @property
+    def engine_options(self) -> EngineOptions:
+        """The engine's options (`--prepack-weights`, `--compile`, `--kernels`, `--native-linear-rows`),
+        as the KV caches and the forward pass take them: each `EngineOptions` field from the config
+        field named after its flag."""
+        return EngineOptions(**{name: getattr(self, flag.removeprefix("--").replace("-", "_"))
+                                for name, flag in EngineOptions.FLAGS.items()})
     max_batch: MaxBatch
     batch_window_ms: BatchWindowMs
     max_concurrent: int = Field(64, ge=1, description="Admission: requests served at once; more wait in the queue.")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import grpc
 
@@ -30,6 +31,7 @@ from specdec.runtime.snapshot_store import RedisSnapshotStore, SnapshotPolicy
 from specdec.server.admission import Admission
 from specdec.server.config import ModelServiceConfig
 from specdec.server.metrics import ServiceMetrics
+from specdec.server.redis import connect
 from specdec.server.serving import StartupError, serve_servicer, start_metrics
 from specdec.server.tls import server_credentials_of
 from specdec.v1 import common_pb2
@@ -112,12 +114,15 @@ async def save_snapshot(batcher: Batcher, session_id: str) -> tuple[int, int]:
 # -- wiring -------------------------------------------------------------------------------------
 
 
-def snapshot_policy(config: ModelServiceConfig, loaded: LoadedModel, role: str) -> SnapshotPolicy | None:
-    """The snapshot policy of a service's config (None when it has no --snapshot-redis-url)."""
+def snapshot_policy(config: ModelServiceConfig, loaded: LoadedModel, role: str,
+                    client: Any = None) -> SnapshotPolicy | None:
+    """The snapshot policy of a service's config (None when it has no --snapshot-redis-url); `client`:
+    the Redis client to keep them with (default: one `connect`ed for --snapshot-redis-url)."""
     if not config.snapshot_redis_url:
         return None
-    return SnapshotPolicy(RedisSnapshotStore(config.snapshot_redis_url, role, config.snapshot_ttl_s),
-                          model_identity(loaded), config.snapshot_min_tokens)
+    client = client or connect(config.redis_settings(config.snapshot_redis_url))
+    return SnapshotPolicy(RedisSnapshotStore(client, role, config.snapshot_ttl_s), model_identity(loaded),
+                          config.snapshot_min_tokens)
 
 
 def model_identity(loaded: LoadedModel) -> SnapshotIdentity:
@@ -152,17 +157,19 @@ def load_on(thread: ThreadPoolExecutor, config: ModelServiceConfig, role: str) -
 
 def session_caches(config: ModelServiceConfig, loaded: LoadedModel, role: str) -> SessionCaches:
     """The per-session KV caches of a loaded model, bounded, shared and snapshotted as the config says."""
-    store = None
-    if config.prefix_redis_url:
-        store = RedisPrefixStore(config.prefix_redis_url, role, model_identity(loaded), config.prefix_ttl_s,
-                                 config.prefix_min_fetch_tokens)
-    try:
+    try:  # a Redis option or an engine option this model or machine cannot honour (--kernels native, ...)
+        clients = {url: connect(config.redis_settings(url))  # one client (a pool) per Redis
+                   for url in {config.snapshot_redis_url, config.prefix_redis_url} if url}
+        store = None
+        if config.prefix_redis_url:
+            store = RedisPrefixStore(clients[config.prefix_redis_url], role, model_identity(loaded),
+                                     config.prefix_ttl_s, config.prefix_min_fetch_tokens)
         caches = SessionCaches(loaded.model, loaded.max_context, config.max_sessions, config.idle_ttl_s,
-                               snapshot_policy(config, loaded, role), budget_bytes=config.kv_cache_bytes or None,
+                               snapshot_policy(config, loaded, role, clients.get(config.snapshot_redis_url)),
+                               budget_bytes=config.kv_cache_bytes or None,
                                prefix_cache=PrefixCache(config.prefix_block_tokens) if config.prefix_cache else None,
-                               prefix_store=store, prepack=config.prepack_weights, compile=config.compile,
-                               kernels=config.kernels, linear_rows=config.native_linear_rows)
-    except ValueError as exc:  # an engine option this model or machine cannot honour (--kernels native, ...)
+                               prefix_store=store, engine=config.engine_options)
+    except ValueError as exc:
         raise StartupError(str(exc)) from exc
     caches.warm_up()  # before the service listens: no request pays a compile
     return caches

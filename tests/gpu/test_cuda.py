@@ -70,7 +70,7 @@ def test_a_gpu_snapshot_restores_on_a_cpu_replica(pair):
     caches = SessionCaches(gpu.model, gpu.max_context)
     with torch.inference_mode():
         caches.score("s", HISTORIES[2], [])
-    blob = encode(caches._entries["s"].cache, caches._entries["s"].tokens, identity)
+    blob = encode(caches.table.entries["s"].cache, caches.table.entries["s"].tokens, identity)
     tokens, cache = decode(blob, identity, cpu.model.config, "cpu")
     assert tokens == HISTORIES[2][:-1] or tokens == HISTORIES[2]
     assert cache.layers[0].keys.device.type == "cpu"

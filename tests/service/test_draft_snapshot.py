@@ -18,8 +18,8 @@ from pydantic import ValidationError
 from draft_service.config import DraftConfig
 from draft_service.server import SERVICE_NAME, build_servicer
 from specdec.channel import channel
+from specdec.keys import snapshot_meta_key
 from specdec.runtime.snapshot_store import RedisSnapshotStore
-from specdec.server.keys import snapshot_meta_key
 from specdec.server.serving import create_server
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
@@ -110,7 +110,7 @@ async def test_short_sessions_are_not_saved(tiny_models, redis_url):
 
 async def test_release_deletes_the_draft_snapshot_and_leaves_the_targets(tiny_models, redis_url):
     r = redis.Redis.from_url(redis_url)
-    target_store = RedisSnapshotStore(redis_url, "target")
+    target_store = RedisSnapshotStore(redis.Redis.from_url(redis_url), "target")
     target_store.put("release-1", b"the target's snapshot", 300)
     async with draft_service(**model_draft(tiny_models, redis_url)) as replica:
         await propose(replica, "release-1", HISTORY)

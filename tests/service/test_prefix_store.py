@@ -13,6 +13,7 @@ from specdec.runtime.kv import SessionCaches
 from specdec.runtime.prefix_cache import PrefixCache
 from specdec.runtime.prefix_store import RedisPrefixStore
 from specdec.runtime.snapshot_codec import SnapshotIdentity
+from specdec.server.redis import RedisSettings, connect
 from tests.reference import full_logits
 
 BLOCK = 8
@@ -29,7 +30,8 @@ def _identity(model, **changes) -> SnapshotIdentity:
 
 
 def _replica(model, redis_url: str, identity: SnapshotIdentity, min_tokens: int = 32) -> SessionCaches:
-    store = RedisPrefixStore(redis_url, "target", identity, ttl_s=60, min_tokens=min_tokens)
+    store = RedisPrefixStore(connect(RedisSettings(url=redis_url, timeout_s=2)), "target", identity, ttl_s=60,
+                             min_tokens=min_tokens)
     return SessionCaches(model, max_context=512, prefix_cache=PrefixCache(BLOCK), prefix_store=store)
 
 

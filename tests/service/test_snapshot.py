@@ -8,10 +8,10 @@ import torch
 from transformers import DynamicCache
 
 from specdec.errors import FailedPrecondition
+from specdec.keys import snapshot_chunk_key, snapshot_meta_key
 from specdec.runtime.models import load_model
 from specdec.runtime.snapshot_codec import SnapshotIdentity, decode, encode
 from specdec.runtime.snapshot_store import RedisSnapshotStore
-from specdec.server.keys import snapshot_chunk_key, snapshot_meta_key
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +60,7 @@ def test_cache_that_does_not_cover_the_tokens_is_refused(model):
 
 
 def test_store_chunks_replaces_and_deletes(model, redis_url):
-    store = RedisSnapshotStore(redis_url, "target", ttl_s=120, chunk_bytes=1000)
+    store = RedisSnapshotStore(redis.Redis.from_url(redis_url), "target", ttl_s=120, chunk_bytes=1000)
     r = redis.Redis.from_url(redis_url)
     long_history = list(range(5, 65))
     blob = encode(_prefill(model, long_history), long_history, _identity(model))

@@ -11,7 +11,7 @@ import redis
 
 from orchestrator.store import GenerationRecord, RedisSessionStore, SessionState
 from specdec.errors import Aborted, Unavailable
-from specdec.server.keys import session_meta_key, session_tokens_key
+from specdec.keys import session_meta_key, session_tokens_key
 from tests.redis_ha import LocalCluster
 from tests.unit.fakes import InMemorySessionStore
 

@@ -12,9 +12,9 @@ import redis
 
 from draft_service.server import SuffixStreamReader
 from specdec.core.suffix import FINGERPRINT_FIELD, OUTPUT_FIELD, encode_output
+from specdec.keys import suffix_outputs_key
 from specdec.launcher import free_port, redis_server_binary
 from specdec.runtime.proposers import SuffixProposer
-from specdec.server.keys import suffix_outputs_key
 from tests.conftest import wait_redis_client
 
 PASSWORD = "s3cret-stream"

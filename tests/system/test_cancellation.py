@@ -12,8 +12,8 @@ import urllib.request
 import grpc
 import redis
 
+from specdec.keys import PRIOR_KEY, session_meta_key
 from specdec.launcher import free_port
-from specdec.server.keys import PRIOR_KEY, session_meta_key
 from specdec.v1 import common_pb2, draft_pb2_grpc, orchestrator_pb2 as pb, orchestrator_pb2_grpc, target_pb2_grpc
 from tests.conftest import orchestrator_address, start_tiny_pipeline
 from tests.reference import Reference

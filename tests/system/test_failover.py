@@ -14,8 +14,8 @@ import grpc
 import pytest
 import redis
 
+from specdec.keys import session_tokens_key
 from specdec.runtime.models import load_tokenizer
-from specdec.server.keys import session_tokens_key
 from specdec.v1 import draft_pb2_grpc, orchestrator_pb2 as pb
 from tests.cluster import Cluster, cached_sessions, model_info, orchestrator_stub, request
 from tests.reference import Reference

@@ -18,13 +18,13 @@ import redis
 from pydantic import ValidationError
 
 from orchestrator.config import OrchestratorConfig
-from orchestrator.server import redis_options, session_store
+from orchestrator.server import session_store
 from orchestrator.store import RedisSessionStore, SessionState
 from specdec.client import Client
 from specdec.errors import Aborted
+from specdec.keys import session_meta_key, session_tokens_key
 from specdec.launcher import free_port
 from specdec.runtime.models import load_tokenizer
-from specdec.server.keys import session_meta_key, session_tokens_key
 from tests.cluster import HOST, Cluster
 from tests.redis_ha import LocalCluster, LocalSentinel
 from tests.reference import Reference
@@ -57,7 +57,8 @@ def test_the_flags_choose_the_client(tmp_path, capsys):
     cluster = OrchestratorConfig.from_args(["--redis-cluster-nodes", "127.0.0.1:7000, 127.0.0.1:7001", "--redis-tls",
                                             "--redis-tls-ca", __file__, "--redis-password-file", str(password)])
     assert cluster.redis_mode == "cluster" and cluster.redis_addresses == [(HOST, 7000), (HOST, 7001)]
-    assert redis_options(cluster) == {"password": "s3cret", "ssl": True, "ssl_ca_certs": __file__}
+    assert cluster.session_redis().options() == {"password": "s3cret", "ssl": True, "ssl_ca_certs": __file__,
+                                                 "socket_connect_timeout": 5.0, "socket_timeout": 10.0}
     assert isinstance(session_store(cluster).redis, redis.asyncio.RedisCluster)  # connects lazily
     sentinel = OrchestratorConfig(redis_sentinels="127.0.0.1:26379", redis_sentinel_master="mymaster")
     store = session_store(sentinel)

@@ -16,8 +16,8 @@ import redis
 from orchestrator.chat import first_turn
 from orchestrator.config import OrchestratorConfig
 from orchestrator.server import build_orchestrator
+from specdec.keys import session_meta_key, session_tokens_key
 from specdec.runtime.models import load_tokenizer
-from specdec.server.keys import session_meta_key, session_tokens_key
 from specdec.v1 import orchestrator_pb2 as pb
 from tests.cluster import cached_sessions, orchestrator_stub, request
 from tests.conftest import orchestrator_address, start_tiny_pipeline

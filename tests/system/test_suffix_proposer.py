@@ -13,8 +13,8 @@ import redis
 from specdec import Client
 from specdec.core.sampling import SamplingParams
 from specdec.core.suffix import OUTPUT_FIELD, encode_output
+from specdec.keys import suffix_outputs_key
 from specdec.runtime.proposers import SuffixProposer
-from specdec.server.keys import suffix_outputs_key
 from specdec.v1 import common_pb2, draft_pb2_grpc
 from tests.conftest import orchestrator_address, start_tiny_pipeline
 from tests.reference import Reference

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
 import time
 
 import numpy as np
@@ -60,7 +61,7 @@ def test_batched_scoring_equals_single_scoring_over_rounds(model):
                 batched.release(request.session_id)
                 single.release(request.session_id)
             histories[request.session_id] = history
-    assert batched.cached_tokens == sum(len(e.tokens) for e in batched._entries.values())
+    assert batched.cached_tokens == sum(len(e.tokens) for e in batched.table.entries.values())
     for sid in histories:
         batched.release(sid)
     assert len(batched) == 0 and batched.cached_tokens == 0
@@ -404,3 +405,70 @@ async def test_decoding_sessions_get_a_token_every_pass_while_a_prompt_is_fed_in
     passes = batcher.batches - passes_before
     assert passes >= 10  # 299 prompt tokens, at most 30 a pass
     assert verdicts >= passes - 1, f"{verdicts} verdicts in {passes} passes: the client sat out passes"
+
+
+class FetchingCaches(SessionCaches):
+    """Caches whose "slow" session has a cache to fetch first, which takes `fetch_s` (no Redis here)."""
+
+    def __init__(self, model, fetch_s: float) -> None:
+        super().__init__(model, 512)
+        self.fetch_s = fetch_s
+        self.fetched_on: list[int] = []
+        self.passes: list[list[str]] = []
+
+    def wants_fetch(self, request):
+        return request.session_id == "slow" and request.session_id not in self.table.entries
+
+    def prefetch(self, request):
+        self.fetched_on.append(threading.get_ident())
+        time.sleep(self.fetch_s)
+        return False
+
+    def score_batch(self, requests):
+        self.passes.append([r.session_id for r in requests])
+        return super().score_batch(requests)
+
+
+async def test_a_job_joins_a_pass_once_its_cache_was_fetched_and_others_do_not_wait_for_it(model):
+    caches = FetchingCaches(model, 0.4)
+    verifier = Verifier(caches, V)
+    batcher = Batcher(caches, BatchConfig(max_batch=4, window_s=0))
+    greedy = SamplingParams()
+    slow = asyncio.ensure_future(batcher.run(verifier.job("slow", [5, 6, 7], [8], None, greedy, 0)))
+    later = asyncio.ensure_future(batcher.run(verifier.job("slow", [5, 6, 7, 8], [], None, greedy, 0)))
+    await asyncio.sleep(0.05)
+    await batcher.run(verifier.job("fast", [5, 6], [], None, greedy, 0))  # meanwhile: its own pass
+    assert not slow.done() and caches.passes == [["fast"]]
+    await slow
+    await later  # the session's second job waited for its first
+    assert caches.passes == [["fast"], ["slow"], ["slow"]]
+    model_thread = batcher.executor.submit(threading.get_ident).result()
+    assert len(caches.fetched_on) == 1 and model_thread not in caches.fetched_on  # the first job's fetch serves both
+    await batcher.close()
+
+
+async def test_a_job_whose_cache_left_after_it_was_submitted_fetches_it_before_its_pass(model):
+    class Evicting(FetchingCaches):
+        def wants_fetch(self, request):
+            return request.session_id == "a" and request.session_id not in self.table.entries
+
+        def score_batch(self, requests):
+            time.sleep(0.2)  # long enough for the test to evict "a" while "x" computes
+            return super().score_batch(requests)
+
+    caches = Evicting(model, 0.0)
+    verifier = Verifier(caches, V)
+    batcher = Batcher(caches, BatchConfig(max_batch=1, window_s=0))
+    greedy = SamplingParams()
+    caches.score("a", [5, 6, 7], [])  # cached: its next job fetches nothing when submitted
+    caches.fetched_on.clear()
+    running = asyncio.ensure_future(batcher.run(verifier.job("x", [5, 6], [], None, greedy, 0)))
+    await asyncio.sleep(0.05)
+    queued = asyncio.ensure_future(batcher.run(verifier.job("a", [5, 6, 7, 8], [], None, greedy, 0)))
+    await asyncio.sleep(0.01)
+    assert caches.fetched_on == [] and batcher.waiting == 1
+    caches.release("a")  # as an eviction would, while "a" waits
+    await running
+    await queued
+    assert len(caches.fetched_on) == 1  # fetched when it was admitted, before its pass
+    await batcher.close()

@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from specdec.runtime import packed
+from specdec.runtime import engine_plan
+from specdec.runtime.engine_options import EngineOptions
 from specdec.runtime.kv import ScoreRequest, SessionCaches
 from specdec.runtime.prefix_cache import PrefixCache
 from tests.reference import full_logits
@@ -25,7 +26,7 @@ def _graphs() -> int:
 
 @pytest.fixture(scope="module")
 def compiled(tiny_model) -> SessionCaches:
-    caches = SessionCaches(tiny_model, 512, prefix_cache=PrefixCache(8), compile="on")
+    caches = SessionCaches(tiny_model, 512, prefix_cache=PrefixCache(8), engine=EngineOptions(torch_compile="on"))
     before = _graphs()
     assert caches.compiled and caches.warm_up() > 0
     assert _graphs() > before  # the warm-up is what compiled
@@ -46,7 +47,7 @@ def test_compiled_passes_equal_the_plain_forward_to_1e_9_and_compile_nothing_aft
             expected = full_logits(tiny_model, request.history + request.new_tokens)[len(request.history) - 1:]
             torch.testing.assert_close(result.logits, expected, rtol=0, atol=1e-9)
         histories = {r.session_id: r.history + r.new_tokens[:2] + [5] for r in requests}
-    assert compiled._entries["s3"].cache.offset > 0  # the later sessions read the first one's prefix blocks
+    assert compiled.table.entries["s3"].cache.offset > 0  # the later sessions read the first one's prefix blocks
     assert _graphs() == graphs
 
 
@@ -55,9 +56,9 @@ def test_compiled_float32_with_prepacked_weights_scores_as_the_plain_path(tiny_m
     modules' logits to float32 rounding, the same argmax."""
     rng = random.Random(1)
     lm = copy.deepcopy(tiny_model).float()
-    plain = SessionCaches(lm, 512, prepack="off")
-    fast = SessionCaches(lm, 512, prepack="auto", compile="auto")
-    assert fast.compiled and fast._packed.prepacked
+    plain = SessionCaches(lm, 512, engine=EngineOptions(prepack="off"))
+    fast = SessionCaches(lm, 512, engine=EngineOptions(prepack="auto", torch_compile="auto"))
+    assert fast.compiled and fast.forward.prepacked
     fast.warm_up()
     requests = [ScoreRequest("a", _tokens(rng, 30, 100), []), ScoreRequest("b", _tokens(rng, 5, 100), [4, 5, 6, 7]),
                 ScoreRequest("c", _tokens(rng, 70, 100), [9])]
@@ -67,10 +68,10 @@ def test_compiled_float32_with_prepacked_weights_scores_as_the_plain_path(tiny_m
 
 
 def test_compile_on_where_it_cannot_run_is_refused_and_auto_stays_eager(tiny_model, monkeypatch):
-    monkeypatch.setattr(packed, "can_compile", lambda weight: False)  # e.g. no C++ compiler on the machine
+    monkeypatch.setattr(engine_plan, "can_compile", lambda weight: False)  # e.g. no C++ compiler on the machine
     with pytest.raises(ValueError, match="C\\+\\+ compiler"):
-        SessionCaches(tiny_model, 64, compile="on")
-    caches = SessionCaches(tiny_model, 64, compile="auto")
+        SessionCaches(tiny_model, 64, engine=EngineOptions(torch_compile="on"))
+    caches = SessionCaches(tiny_model, 64, engine=EngineOptions(torch_compile="auto"))
     assert not caches.compiled and caches.warm_up() == 0.0
-    with pytest.raises(ValueError, match="compile must be"):
-        packed.PackedForward(tiny_model, compile="yes")
+    with pytest.raises(ValueError, match="--compile must be on, off or auto, not 'yes'"):
+        EngineOptions(torch_compile="yes")

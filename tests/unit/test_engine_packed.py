@@ -9,6 +9,7 @@ import torch
 
 from specdec.errors import FailedPrecondition
 from specdec.runtime import packed
+from specdec.runtime.engine_options import EngineOptions
 from specdec.runtime.kv import ScoreRequest, SessionCaches
 from specdec.runtime.kv_buffer import SessionKV
 from specdec.runtime.snapshot_codec import SnapshotIdentity, decode_layers, encode_layers
@@ -38,7 +39,7 @@ def test_one_pass_over_uneven_sessions_equals_a_plain_forward(model, monkeypatch
     pasts = {"a": 1, "b": 7, "c": 40, "d": 120}
     for sid, n in pasts.items():  # warm the caches to different lengths
         caches.score(sid, _tokens(rng, n, vocab), [])
-    histories = {sid: caches._entries[sid].tokens + _tokens(rng, 1, vocab) for sid in pasts}
+    histories = {sid: caches.table.entries[sid].tokens + _tokens(rng, 1, vocab) for sid in pasts}
     requests = [ScoreRequest(sid, histories[sid], _tokens(rng, width, vocab))
                 for sid, width in zip(pasts, (0, 2, 4, 8))]
     requests.append(ScoreRequest("fresh", _tokens(rng, 60, vocab), _tokens(rng, 3, vocab)))  # a first prefill
@@ -67,11 +68,11 @@ def test_rollback_then_refeed_equals_a_fresh_pass(model):
     caches, fresh = SessionCaches(model, 512), SessionCaches(model, 512)
     caches.score("s", history, _tokens(rng, 6, vocab))  # the cache covers history + 6 drafted tokens
     assert caches.rollback("s", len(history) + 2) == len(history) + 2  # two accepted
-    buffer = caches._entries["s"].cache.data.data_ptr()
-    retry = history + caches._entries["s"].tokens[len(history):] + _tokens(rng, 1, vocab)
+    buffer = caches.table.entries["s"].cache.data.data_ptr()
+    retry = history + caches.table.entries["s"].tokens[len(history):] + _tokens(rng, 1, vocab)
     block = _tokens(rng, 4, vocab)
     logits, prefilled = caches.score("s", retry, block)
-    assert prefilled == 0 and caches._entries["s"].cache.data.data_ptr() == buffer  # written in place
+    assert prefilled == 0 and caches.table.entries["s"].cache.data.data_ptr() == buffer  # written in place
     torch.testing.assert_close(logits, fresh.score("s", retry, block)[0], rtol=0, atol=1e-12)
     torch.testing.assert_close(logits, _reference(model, ScoreRequest("s", retry, block)), rtol=0, atol=1e-9)
 
@@ -114,7 +115,7 @@ def test_the_generic_path_equals_the_packed_one(model):
     requests = [ScoreRequest(f"s{i}", _tokens(rng, n, vocab), _tokens(rng, k, vocab))
                 for i, (n, k) in enumerate([(1, 0), (12, 3), (40, 5)])]
     fast, generic = SessionCaches(model, 512), SessionCaches(model, 512)
-    generic._packed = None  # as for an architecture the packed pass does not know
+    generic.forward = packed.GenericForward(model)  # as for an architecture the packed pass does not know
     for _ in range(2):
         for request, a, b in zip(requests, fast.score_batch(requests), generic.score_batch(requests)):
             torch.testing.assert_close(a.logits, b.logits, rtol=0, atol=1e-9)
@@ -166,7 +167,7 @@ def test_a_snapshot_in_another_format_is_refused_and_the_session_reprefills(mode
     writer = SessionCaches(model, 512, snapshots=policy)
     history = _tokens(rng, 20, vocab)
     writer.score("s", history, [])
-    layers = [(layer.keys, layer.values) for layer in writer._entries["s"].cache.layers]
+    layers = [(layer.keys, layer.values) for layer in writer.table.entries["s"].cache.layers]
     blob = encode_layers(layers, history, policy.identity)
     old = blob.replace(b'"format":"1"', b'"format":"0"')  # same length: the header stays valid
     assert old != blob
@@ -204,14 +205,14 @@ def test_prepacked_weights_score_as_the_models_own_modules(model):
 
     rng = random.Random(4)
     lm = copy.deepcopy(model).float()
-    plain = SessionCaches(lm, 512, prepack="off", kernels="torch")  # projections through oneDNN or MKL only
-    fast = SessionCaches(lm, 512, prepack="on", kernels="torch")
-    assert fast._packed.prepacked and not plain._packed.prepacked
+    plain = SessionCaches(lm, 512, engine=EngineOptions(prepack="off", kernels="torch"))  # projections: oneDNN or MKL
+    fast = SessionCaches(lm, 512, engine=EngineOptions(prepack="on", kernels="torch"))
+    assert fast.forward.prepacked and not plain.forward.prepacked
     requests = [ScoreRequest("a", _tokens(rng, 30, 100), []), ScoreRequest("b", _tokens(rng, 5, 100), [4, 5, 6, 7]),
                 ScoreRequest("c", _tokens(rng, 70, 100), [9])]
     for one, other in zip(plain.score_batch(requests), fast.score_batch(requests)):
         torch.testing.assert_close(other.logits, one.logits, rtol=1e-4, atol=1e-4)
         assert torch.equal(other.logits.argmax(-1), one.logits.argmax(-1))
     with pytest.raises(ValueError, match="float32"):
-        SessionCaches(model, 512, prepack="on")
-    assert not SessionCaches(model, 512, prepack="auto")._packed.prepacked  # float64: the plain path
+        SessionCaches(model, 512, engine=EngineOptions(prepack="on"))
+    assert not SessionCaches(model, 512, engine=EngineOptions(prepack="auto")).forward.prepacked  # float64: plain

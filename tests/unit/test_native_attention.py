@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from specdec.runtime import native_attention
+from specdec.runtime.engine_options import EngineOptions
 from specdec.runtime.kv import ScoreRequest, SessionCaches
 from specdec.runtime.kv_buffer import SessionKV
 from specdec.runtime.prefix_cache import PrefixCache
@@ -64,7 +65,7 @@ def test_one_call_over_uneven_rows_equals_exact_attention_in_float64(hkv, groups
     for kv, (past, n, _) in zip(sessions, rows):
         described.append((kv, start, n, past))
         start += n
-    native_attention.attend(native_attention.Plan(described), layer, q, out, hkv, scale)
+    native_attention.attend(native_attention.AttentionPlan(described), layer, q, out, hkv, scale)
     start = 0
     for kv, (past, n, _) in zip(sessions, rows):
         keys, values = kv.joined(layer, past + n)
@@ -84,12 +85,12 @@ def test_float32_stays_within_rounding_of_exact(n, d, kernel_build):
     sessions = [_session(gen, past, n, 3, d, torch.float64, ()) for past, n, _ in rows]
     q = torch.randn(5 * n, 9, d, generator=gen, dtype=torch.float64)
     exact = torch.empty_like(q)
-    native_attention.attend(native_attention.Plan([(kv, i * n, n, p) for i, (kv, (p, _, _)) in
+    native_attention.attend(native_attention.AttentionPlan([(kv, i * n, n, p) for i, (kv, (p, _, _)) in
                                                    enumerate(zip(sessions, rows))]), 0, q, exact, 3, 0.125)
     for kv in sessions:
         kv.data = kv.data.float()
     out = torch.empty_like(q, dtype=torch.float32)
-    native_attention.attend(native_attention.Plan([(kv, i * n, n, p) for i, (kv, (p, _, _)) in
+    native_attention.attend(native_attention.AttentionPlan([(kv, i * n, n, p) for i, (kv, (p, _, _)) in
                                                    enumerate(zip(sessions, rows))]), 0, q.float(), out, 3, 0.125)
     torch.testing.assert_close(out.double(), exact, rtol=0, atol=2e-6)
 
@@ -115,7 +116,7 @@ def test_the_kernel_stores_the_new_keys_and_values_it_is_given_as_a_write_would(
             described.append((kv, start, n, past))
             start += n
         out = torch.full((t, hkv * groups, d), float("nan"), dtype=torch.float64)
-        native_attention.attend(native_attention.Plan(described), layer, q, out, hkv, d**-0.5,
+        native_attention.attend(native_attention.AttentionPlan(described), layer, q, out, hkv, d**-0.5,
                                 new=(k, v) if store else None)
         outs.append(out)
     assert torch.equal(outs[0], outs[1])
@@ -143,7 +144,7 @@ def test_a_refused_call_stores_no_new_keys_in_any_row(rows, refusal):
     queries = sum(n for _, _, n, _ in plan)
     q, k = torch.zeros(queries, 3, 8, dtype=torch.float64), torch.ones(queries, 1, 8, dtype=torch.float64)
     with pytest.raises(ValueError, match=refusal):
-        native_attention.attend(native_attention.Plan(plan), 0, q, torch.empty_like(q), 1, 1.0, new=(k, k))
+        native_attention.attend(native_attention.AttentionPlan(plan), 0, q, torch.empty_like(q), 1, 1.0, new=(k, k))
     for (kv, *_), data in zip(plan, before):
         assert torch.equal(kv.data, data)
 
@@ -152,22 +153,22 @@ def test_a_block_longer_than_the_kernel_takes_is_refused():
     kv = _session(torch.Generator().manual_seed(0), 10, 30, 1, 8, torch.float64, ())
     q = torch.zeros(30, 3, 8, dtype=torch.float64)
     with pytest.raises(ValueError, match="at most 64 queries"):
-        native_attention.attend(native_attention.Plan([(kv, 0, 30, 10)]), 0, q, torch.empty_like(q), 1, 1.0)
+        native_attention.attend(native_attention.AttentionPlan([(kv, 0, 30, 10)]), 0, q, torch.empty_like(q), 1, 1.0)
 
 
 def test_a_pass_mixing_decode_rows_and_a_prefill_equals_torchs_path_and_a_plain_forward(tiny_model):
     """Short rows through the kernel, the prefill (too many queries for it) through `attend`, with
     shared prefixes: the same logits as torch's attention and as transformers, in float64."""
     rng, vocab = random.Random(3), tiny_model.config.vocab_size
-    engines = {way: SessionCaches(tiny_model, 2048, prefix_cache=PrefixCache(16), kernels=way)
+    engines = {way: SessionCaches(tiny_model, 2048, prefix_cache=PrefixCache(16), engine=EngineOptions(kernels=way))
                for way in ("native", "torch")}
-    assert engines["native"]._packed.native and not engines["torch"]._packed.native
+    assert engines["native"].forward.native and not engines["torch"].forward.native
     system = [rng.randrange(3, vocab) for _ in range(300)]  # a shared prompt head: prefix segments
     histories = {sid: system + [rng.randrange(3, vocab) for _ in range(rng.randrange(1, 400))] for sid in "abc"}
     requests = [ScoreRequest(sid, history, [rng.randrange(3, vocab) for _ in range(width)])
                 for (sid, history), width in zip(histories.items(), (0, 2, 4))]
     requests.append(ScoreRequest("fresh", system + [5] * 40, [7] * 40))  # a prefill beside the steps
-    assert 41 * engines["native"]._packed.groups > native_attention.MAX_QUERIES  # too long for the kernel
+    assert 41 * engines["native"].forward.groups > native_attention.MAX_QUERIES  # too long for the kernel
     results = {}
     for way, caches in engines.items():
         for sid, history in histories.items():

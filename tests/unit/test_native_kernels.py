@@ -13,8 +13,15 @@ import random
 import pytest
 import torch
 
-from specdec.runtime import native, packed
+from specdec.runtime import native, packed, projection
+from specdec.runtime.engine_options import EngineOptions
+from specdec.runtime.engine_plan import plan_engine
 from specdec.runtime.kv import ScoreRequest, SessionCaches
+
+
+def forward(model, **options) -> packed.PackedForward:
+    """The packed pass of `model` as `EngineOptions(**options)` plan it here."""
+    return packed.PackedForward(model, plan_engine(model, EngineOptions(**options)))
 
 
 @pytest.fixture
@@ -62,7 +69,7 @@ def test_float32_decode_logits_are_the_same_bits_alone_or_with_other_sessions(ti
     lm = copy.deepcopy(tiny_model).float()
     rng, vocab = random.Random(5), lm.config.vocab_size
     histories = {sid: [rng.randrange(3, vocab) for _ in range(rng.randrange(20, 90))] for sid in "abcdefg"}
-    caches = SessionCaches(lm, 512, kernels="native")
+    caches = SessionCaches(lm, 512, engine=EngineOptions(kernels="native"))
     for sid, history in histories.items():
         caches.score(sid, history, [])
     calls = []
@@ -85,8 +92,8 @@ def test_native_linear_scores_as_onednn_within_float32_rounding(tiny_model):
     requests = [ScoreRequest("a", [rng.randrange(3, 100) for _ in range(30)], []),
                 ScoreRequest("b", [rng.randrange(3, 100) for _ in range(5)], [4, 5, 6, 7]),
                 ScoreRequest("c", [rng.randrange(3, 100) for _ in range(70)], [9])]
-    fast, ref = SessionCaches(lm, 512, kernels="native"), SessionCaches(lm, 512, kernels="torch")
-    assert fast._packed.head.parts and not ref._packed.head.parts
+    fast, ref = (SessionCaches(lm, 512, engine=EngineOptions(kernels=way)) for way in ("native", "torch"))
+    assert fast.forward.head.parts and not ref.forward.head.parts
     for _ in range(2):  # the prefills (more rows than the kernel takes), then a pass of short rows
         for one, other in zip(ref.score_batch(requests), fast.score_batch(requests)):
             torch.testing.assert_close(other.logits, one.logits, rtol=1e-4, atol=1e-4)
@@ -112,12 +119,12 @@ def test_prebuilt_kernels_load_without_a_compiler_and_only_for_their_own_source(
 
 def test_native_kernels_are_refused_where_they_cannot_run(tiny_model, monkeypatch, fresh_library):
     with pytest.raises(ValueError, match="run float32 and float64, not bfloat16"):
-        packed.PackedForward(copy.deepcopy(tiny_model).to(torch.bfloat16), kernels="native")
+        forward(copy.deepcopy(tiny_model).to(torch.bfloat16), kernels="native")
     monkeypatch.setenv("CC", "/nonexistent/cc")
     monkeypatch.setenv("PATH", "/nonexistent")
     with pytest.raises(ValueError, match="--kernels native: no C compiler"):
-        packed.PackedForward(tiny_model, kernels="native")
-    auto = packed.PackedForward(copy.deepcopy(tiny_model).float(), kernels="auto")  # auto: torch's path, logged
+        forward(tiny_model, kernels="native")
+    auto = forward(copy.deepcopy(tiny_model).float(), kernels="auto")  # auto: torch's path, logged
     assert not auto.native and not any(p.parts for layer in auto.layers for p in layer)
 
 
@@ -125,20 +132,20 @@ def test_fixed_linear_rows_are_refused_where_the_linear_kernel_does_not_run(tiny
                                                                             fresh_library):
     """An explicit count would do nothing there; 0 (oneDNN only) and auto are what happens anyway."""
     lm = copy.deepcopy(tiny_model).float()
-    with pytest.raises(ValueError, match=r"--native-linear-rows 4: .* \(--kernels torch\)"):
-        packed.PackedForward(lm, kernels="torch", linear_rows=4)
+    with pytest.raises(ValueError, match=r"--native-linear-rows 4: .* --kernels torch"):
+        EngineOptions(kernels="torch", linear_rows=4)
     with monkeypatch.context() as without_compiler:
         without_compiler.setenv("CC", "/nonexistent/cc")
         without_compiler.setenv("PATH", "/nonexistent")
         with pytest.raises(ValueError, match=r"--native-linear-rows 8: .* \(no C compiler"):
-            SessionCaches(lm, 512, kernels="auto", linear_rows=8)
+            SessionCaches(lm, 512, engine=EngineOptions(kernels="auto", linear_rows=8))
         for rows in (0, "auto", None):
-            assert not SessionCaches(lm, 512, kernels="auto", linear_rows=rows)._packed.native
+            assert not SessionCaches(lm, 512, engine=EngineOptions(kernels="auto", linear_rows=rows)).forward.native
     native.library.cache_clear()
     with pytest.raises(ValueError, match="--native-linear-rows 8: the native linear kernel does not run here "
                                          r"\(the model runs float64\)"):
-        packed.PackedForward(copy.deepcopy(tiny_model).double(), kernels="auto", linear_rows=8)
-    assert packed.PackedForward(lm, kernels="auto", linear_rows=8).linear_rows == 8
+        forward(copy.deepcopy(tiny_model).double(), kernels="auto", linear_rows=8)
+    assert forward(lm, kernels="auto", linear_rows=8).linear_rows == 8
 
 
 def _decode_rows(caches: SessionCaches, histories: dict[str, list[int]], sessions: str) -> list:
@@ -156,7 +163,8 @@ def test_passes_above_linear_rows_take_onednn(tiny_model, monkeypatch):
     lm = copy.deepcopy(tiny_model).float()
     rng, vocab = random.Random(7), lm.config.vocab_size
     histories = {sid: [rng.randrange(3, vocab) for _ in range(30)] for sid in "abc"}
-    two, everyone = (SessionCaches(lm, 512, prepack="on", kernels="native", linear_rows=rows) for rows in (4, 48))
+    two, everyone = (SessionCaches(lm, 512, engine=EngineOptions(prepack="on", kernels="native", linear_rows=rows))
+                     for rows in (4, 48))
     for caches in (two, everyone):
         for sid, history in histories.items():
             caches.score(sid, history, [])
@@ -179,8 +187,8 @@ def test_linear_rows_auto_is_the_most_rows_the_kernel_wins_counting_up(tiny_mode
     """The decision, on scripted timings: the kernel takes 1.0 where it wins, 3.0 where it loses;
     oneDNN always 2.0. Measured at `warm_up`, applied to every projection, logged."""
     lm = copy.deepcopy(tiny_model).float()
-    caches = SessionCaches(lm, 512, prepack="on", kernels="native", linear_rows="auto")
-    forward = caches._packed
+    caches = SessionCaches(lm, 512, engine=EngineOptions(prepack="on", kernels="native", linear_rows="auto"))
+    forward = caches.forward
     assert forward.linear_rows == native.LINEAR_MAX_ROWS  # until measured
     asked = []
 
@@ -189,7 +197,7 @@ def test_linear_rows_auto_is_the_most_rows_the_kernel_wins_counting_up(tiny_mode
         asked.append((m, rows))
         return 2.0 if rows == 0 else 1.0 if m <= native_wins_up_to else 3.0
 
-    monkeypatch.setattr(packed, "_time_projections", timed)
+    monkeypatch.setattr(projection, "_time_projections", timed)
     with caplog.at_level("INFO", logger="specdec.runtime.packed"):
         caches.warm_up()
     assert forward.linear_rows == expected
@@ -202,14 +210,14 @@ def test_linear_rows_auto_is_the_most_rows_the_kernel_wins_counting_up(tiny_mode
 
 def test_linear_rows_auto_measures_real_passes_and_fixed_rows_do_not(tiny_model):
     lm = copy.deepcopy(tiny_model).float()
-    auto = SessionCaches(lm, 512, prepack="on", kernels="native", linear_rows="auto")
+    auto = SessionCaches(lm, 512, engine=EngineOptions(prepack="on", kernels="native", linear_rows="auto"))
     auto.warm_up()
-    assert auto._packed.linear_rows in (0, *packed.LINEAR_ROW_CANDIDATES)
-    fixed = SessionCaches(lm, 512, prepack="on", kernels="native", linear_rows=5)
+    assert auto.forward.linear_rows in (0, *projection.LINEAR_ROW_CANDIDATES)
+    fixed = SessionCaches(lm, 512, engine=EngineOptions(prepack="on", kernels="native", linear_rows=5))
     fixed.warm_up()
-    assert fixed._packed.linear_rows == 5
-    with pytest.raises(ValueError, match="linear_rows must be auto or 0 to 48"):
-        packed.PackedForward(lm, kernels="native", linear_rows=49)
+    assert fixed.forward.linear_rows == 5
+    with pytest.raises(ValueError, match="--native-linear-rows must be auto or 0 to 48"):
+        EngineOptions(kernels="native", linear_rows=49)
 
 
 @pytest.mark.parametrize("args, error", [

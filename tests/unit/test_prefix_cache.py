@@ -9,6 +9,7 @@ import torch
 
 from specdec.errors import ResourceExhausted
 from specdec.runtime import packed
+from specdec.runtime.engine_options import EngineOptions
 from specdec.runtime.kv import ScoreRequest, SessionCaches
 from specdec.runtime.prefix_cache import PrefixCache
 from specdec.runtime.snapshot_codec import SnapshotIdentity, decode_layers, encode_layers
@@ -45,13 +46,13 @@ def test_a_second_session_views_the_first_ones_prefix_and_computes_only_the_rest
     assert _check(model, caches, "a", first, _tokens(rng, 3, vocab)) == len(first) - 1
     prefix = caches.prefix
     assert prefix.blocks == len(first) // BLOCK  # the history's whole blocks are published
-    assert caches._entries["a"].cache.offset == 120  # and the first session now views them too
+    assert caches.table.entries["a"].cache.offset == 120  # and the first session now views them too
 
     second = system + _tokens(rng, 30, vocab)
     prefilled = _check(model, caches, "b", second, _tokens(rng, 4, vocab))
     assert prefilled == len(second) - 1 - 96  # the 12 whole blocks of the shared 100 tokens were not computed
     assert prefix.hits == 96 and prefix.queries == len(first) - 1 + len(second) - 1
-    a, b = caches._entries["a"].cache, caches._entries["b"].cache
+    a, b = caches.table.entries["a"].cache, caches.table.entries["b"].cache
     assert b.prefix[0].data_ptr() == a.prefix[0].data_ptr()  # the same storage: shared by reference
     assert prefix.shared_blocks >= 12
 
@@ -69,7 +70,7 @@ def test_sessions_publishing_the_same_prompt_in_one_pass_end_up_on_one_copy(mode
     for request, result in zip(requests, caches.score_batch(requests)):
         expected = full_logits(model, request.history + request.new_tokens)[len(request.history) - 1:]
         torch.testing.assert_close(result.logits, expected, rtol=0, atol=1e-9)
-    views = [caches._entries[sid].cache.prefix[0].data_ptr() for sid in "abc"]
+    views = [caches.table.entries[sid].cache.prefix[0].data_ptr() for sid in "abc"]
     assert len(set(views)) == 1
     assert caches.prefix.shared_blocks == 64 // BLOCK
 
@@ -80,7 +81,7 @@ def test_a_history_that_diverges_inside_the_shared_prefix_starts_over_and_stays_
     prompt = _tokens(rng, 50, vocab)
     _check(model, caches, "a", prompt, [])
     _check(model, caches, "b", prompt + [7], [])
-    assert caches._entries["b"].cache.offset == 48
+    assert caches.table.entries["b"].cache.offset == 48
     changed = prompt[:20] + _tokens(rng, 30, vocab)  # the same session, a history that differs at 20
     _check(model, caches, "b", changed, _tokens(rng, 2, vocab))
     assert caches.rollback("a", 10) == 0  # cut inside the prefix: nothing of the cache is left
@@ -93,10 +94,10 @@ def test_unused_prefixes_go_before_idle_sessions_and_nothing_leaks(model):
     for sid in "abc":
         _check(model, caches, sid, _tokens(rng, 90, vocab), [])
     used = caches.used_bytes
-    assert used == caches._own_bytes + caches.prefix.nbytes > 0
+    assert used == caches.table.own_bytes + caches.prefix.nbytes > 0
     for sid in "abc":
         assert caches.release(sid)
-    assert caches._own_bytes == 0 and caches.prefix.nbytes > 0  # unused prefixes stay until room is needed
+    assert caches.table.own_bytes == 0 and caches.prefix.nbytes > 0  # unused prefixes stay until room is needed
     assert len(caches.prefix.idle()) == 3
     oldest = caches.prefix.idle()[0]
     caches.budget_bytes = caches.prefix.nbytes  # full: a new session needs room
@@ -110,31 +111,31 @@ def test_a_full_budget_evicts_idle_sessions_lru_then_refuses_and_keeps_the_other
     caches = SessionCaches(model, max_context=512)  # no prefix sharing
     _check(model, caches, "old", _tokens(rng, 100, vocab), [])
     _check(model, caches, "new", _tokens(rng, 100, vocab), [])
-    one = caches._entries["old"].cache.nbytes
+    one = caches.table.entries["old"].cache.nbytes
     caches.budget_bytes = caches.used_bytes  # exactly full
     _check(model, caches, "third", _tokens(rng, 60, vocab), [])  # evicts the least recently used
-    assert "old" not in caches._entries and "new" in caches._entries and caches.evictions == 1
+    assert "old" not in caches.table.entries and "new" in caches.table.entries and caches.evictions == 1
     assert caches.used_bytes <= caches.budget_bytes
 
     # a pass whose own sessions fill the budget: the row that does not fit is refused, the rest served
     caches.budget_bytes = caches.used_bytes + one // 4
-    requests = [ScoreRequest("new", caches._entries["new"].tokens + [3], [4, 5]),
-                ScoreRequest("third", caches._entries["third"].tokens + [3], []),
+    requests = [ScoreRequest("new", caches.table.entries["new"].tokens + [3], [4, 5]),
+                ScoreRequest("third", caches.table.entries["third"].tokens + [3], []),
                 ScoreRequest("huge", _tokens(rng, 400, vocab), [])]
     results = caches.score_batch(requests)
     assert not isinstance(results[0], Exception) and not isinstance(results[1], Exception)
     assert isinstance(results[2], ResourceExhausted) and "--kv-cache-bytes" in str(results[2])
-    assert "huge" not in caches._entries  # a refused new session leaves nothing behind
-    assert set(caches._entries) == {"new", "third"}
+    assert "huge" not in caches.table.entries  # a refused new session leaves nothing behind
+    assert set(caches.table.entries) == {"new", "third"}
 
 
 def test_growth_stops_doubling_at_the_budget(model):
     rng, vocab = random.Random(5), model.config.vocab_size
     caches = SessionCaches(model, max_context=512)
     _check(model, caches, "a", _tokens(rng, 70, vocab), [])
-    per_position = caches._entries["a"].cache.bytes_for(1)
+    per_position = caches.table.entries["a"].cache.bytes_for(1)
     caches.budget_bytes = caches.used_bytes + 10 * per_position  # doubling 70 -> 140 would not fit
-    history = caches._entries["a"].tokens + _tokens(rng, 75 - len(caches._entries["a"].tokens), vocab)
+    history = caches.table.entries["a"].tokens + _tokens(rng, 75 - len(caches.table.entries["a"].tokens), vocab)
     _check(model, caches, "a", history, [])
     assert caches.used_bytes <= caches.budget_bytes
 
@@ -146,7 +147,7 @@ def test_a_snapshot_of_a_session_with_a_shared_prefix_holds_every_position(model
     _check(model, caches, "a", prompt, [])
     history = prompt + _tokens(rng, 10, vocab)
     _check(model, caches, "b", history, [])
-    entry = caches._entries["b"]
+    entry = caches.table.entries["b"]
     assert entry.cache.offset > 0
     identity = SnapshotIdentity("tiny", "float64", "x", model.config.num_hidden_layers)
     layers = [(layer.keys, layer.values) for layer in entry.cache.layers]
@@ -192,12 +193,12 @@ def test_engine_options_that_would_have_no_effect_are_refused(fields, message):
 
 
 def test_prepacked_weights_asked_for_a_model_the_packed_pass_does_not_run_are_refused(model, monkeypatch):
-    from specdec.runtime import kv
+    from specdec.runtime import engine_plan
 
-    monkeypatch.setattr(kv, "supports", lambda _: False)
+    monkeypatch.setattr(engine_plan, "supports", lambda _: False)
     with pytest.raises(ValueError, match="pre-packed weights"):
-        SessionCaches(model, max_context=64, prepack="on")
-    SessionCaches(model, max_context=64, prepack="auto")  # auto: the generic path, quietly
+        SessionCaches(model, max_context=64, engine=EngineOptions(prepack="on"))
+    SessionCaches(model, max_context=64, engine=EngineOptions(prepack="auto"))  # auto: the generic path, quietly
     with pytest.raises(ValueError, match="compiled pass"):
-        SessionCaches(model, max_context=64, compile="on")
-    assert not SessionCaches(model, max_context=64, compile="auto").compiled
+        SessionCaches(model, max_context=64, engine=EngineOptions(torch_compile="on"))
+    assert not SessionCaches(model, max_context=64, engine=EngineOptions(torch_compile="auto")).compiled

@@ -19,12 +19,18 @@
  * -inf), which -ffast-math's finite-math assumption requires. float32 on AVX2/FMA runs the
  * register-blocked loops below, and with AVX-512 wider ones (8 keys a block for 3 queries; 5
  * queries a pass over the values); other types and machines run the plain loops, which the compiler
- * vectorises. float64 is there so that tests can compare with an exact reference. */
+ * vectorises. float64 is there so that tests can compare with an exact reference.
+ *
+ * This file holds what does not depend on the element type and the float32 vector loops; the work
+ * items, the merge and the entry points specdec_attend_f32 and specdec_attend_f64 are in
+ * attend_impl.h, included at the end once per type. They return a `specdec_status` (status.h). */
 
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "status.h"
 
 /* Key positions per work item: a chunk's keys and values (512 KB at head_dim 64) stay in L2 between
  * loops. Measured against 256 and 512 (30 layers, medians of 9, side by side): 8 rows x 4096 x 3
@@ -315,129 +321,37 @@ static void values_f32(const float *w, int nq, int dim, const float *const *valu
 /* A row's own buffer: the last of its segments (shared prefix views come first). */
 #define OWN(segs, row) ((segs) + (row)->first_segment + (row)->segments - 1)
 
-/* One work item: row `row`, head `head`, key positions p0 .. p1 - 1. `state`: m[nq], l[nq], acc[nq][dim]. */
-#define DEFINE_ATTEND(T, NAME, SUFFIX, EXP)                                                          \
-    static void NAME##_item(const row_t *row, const segment_t *segs, int layer, int head, int groups, \
-                            int dim, const T *q, int64_t q_t, int64_t q_h, T scale, int64_t p0,      \
-                            int64_t p1, T *state, T *scores, const T **keys, const T **values) {     \
-        int n = row->queries, nq = groups * n;                                                       \
-        int64_t width = p1 - p0, seen[MAXQ];                                                         \
-        T qs[MAXQ * MAXDIM], *m = state, *l = state + nq, *acc = state + 2 * nq;                     \
-        for (int g = 0; g < groups; g++)                                                             \
-            for (int j = 0; j < n; j++) { /* query (g, j) is number g * n + j; it sees keys < past + j + 1 */ \
-                int i = g * n + j;                                                                   \
-                memcpy(qs + i * dim, q + (row->first_query + j) * q_t + (head * groups + g) * q_h,   \
-                       sizeof(T) * dim);                                                             \
-                int64_t end = row->past + j + 1 < p1 ? row->past + j + 1 : p1;                       \
-                seen[i] = end > p0 ? end - p0 : 0;                                                   \
-            }                                                                                        \
-        for (int s = 0; s < row->segments; s++) {                                                    \
-            const segment_t *seg = segs + row->first_segment + s;                                    \
-            int64_t a = seg->start > p0 ? seg->start : p0;                                           \
-            int64_t b = seg->start + seg->width < p1 ? seg->start + seg->width : p1;                 \
-            const T *at = (const T *)seg->base + layer * seg->layer_stride + head * seg->head_stride; \
-            for (int64_t p = a; p < b; p++) {                                                        \
-                keys[p - p0] = at + (p - seg->start) * seg->pos_stride;                              \
-                values[p - p0] = keys[p - p0] + seg->kv_stride;                                      \
-            }                                                                                        \
-        }                                                                                            \
-        scores_##SUFFIX(qs, nq, dim, keys, width, scale, scores);                                   \
-        for (int i = 0; i < nq; i++) { /* keys a query must not see get weight 0 */                 \
-            T *sc = scores + i * CHUNK, top = sc[0], sum = 0;                                        \
-            int64_t w = seen[i];                                                                     \
-            for (int64_t p = 1; p < w; p++) top = sc[p] > top ? sc[p] : top;                         \
-            _Pragma("omp simd reduction(+:sum)") for (int64_t p = 0; p < w; p++) {                   \
-                T e = EXP(sc[p] - top);                                                              \
-                sc[p] = e, sum += e;                                                                 \
-            }                                                                                        \
-            for (int64_t p = w; p < width; p++) sc[p] = 0;                                           \
-            m[i] = w ? top : 0, l[i] = sum;                                                          \
-        }                                                                                            \
-        values_##SUFFIX(scores, nq, dim, values, width, acc);                                       \
-    }                                                                                                \
-                                                                                                     \
-    int NAME(int rows, const row_t *row, const segment_t *segs, int layer, int heads_kv, int groups,  \
-             int dim, const T *q, int64_t q_t, int64_t q_h, const T *k, int64_t k_t, int64_t k_h,     \
-             const T *v, int64_t v_t, int64_t v_h, T *out, int64_t o_t, int64_t o_h, double scale,    \
-             int threads) {                                                                          \
-        if (dim < 1 || dim > MAXDIM || rows < 1) return -1;                                          \
-        for (int r = 0; r < rows; r++) { /* every row checked before anything is stored */           \
-            if (row[r].queries < 1 || row[r].queries * groups > MAXQ) return -1;                     \
-            if (k && row[r].past < OWN(segs, row + r)->start) return -3; /* in a shared prefix */    \
-        }                                                                                            \
-        int64_t *first = malloc(sizeof(int64_t) * (rows + 1)); /* first item of each row */          \
-        if (!first) return -2;                                                                       \
-        first[0] = 0;                                                                                \
-        int widest = 1; /* most queries of a row: the size of an item's state */                     \
-        for (int r = 0; r < rows; r++) {                                                             \
-            int64_t keys = row[r].past + row[r].queries;                                             \
-            widest = row[r].queries * groups > widest ? row[r].queries * groups : widest;            \
-            first[r + 1] = first[r] + heads_kv * ((keys + CHUNK - 1) / CHUNK);                       \
-        }                                                                                            \
-        int64_t items = first[rows], stride = (int64_t)(2 + dim) * widest;                           \
-        T *state = malloc(sizeof(T) * stride * items);                                               \
-        for (int r = 0; k && state && r < rows; r++) { /* the new keys/values, into the own buffer */ \
-            const segment_t *own = OWN(segs, row + r);                                               \
-            for (int j = 0; j < row[r].queries; j++)                                                 \
-                for (int h = 0; h < heads_kv; h++) {                                                 \
-                    T *dst = (T *)own->base + layer * own->layer_stride + h * own->head_stride +     \
-                             (row[r].past + j - own->start) * own->pos_stride;                       \
-                    int64_t at = row[r].first_query + j;                                             \
-                    memcpy(dst, k + at * k_t + h * k_h, sizeof(T) * dim);                            \
-                    memcpy(dst + own->kv_stride, v + at * v_t + h * v_h, sizeof(T) * dim);           \
-                }                                                                                    \
-        }                                                                                            \
-        int failed = !state;                                                                         \
-        _Pragma("omp parallel if (!failed) num_threads(threads)") {                                  \
-            T *scores = malloc(sizeof(T) * MAXQ * CHUNK);                                            \
-            const T **ptrs = malloc(sizeof(T *) * 2 * CHUNK);                                        \
-            int r = 0, mine = !scores || !ptrs;                                                      \
-            if (mine) {                                                                              \
-                _Pragma("omp atomic write") failed = 1;                                              \
-            }                                                                                        \
-            _Pragma("omp barrier");                                                                  \
-            _Pragma("omp for schedule(dynamic, 1)") for (int64_t it = 0; it < items; it++) {         \
-                if (failed) continue;                                                                \
-                while (first[r + 1] <= it) r++;                                                      \
-                while (first[r] > it) r--;                                                           \
-                int64_t chunks = (first[r + 1] - first[r]) / heads_kv, local = it - first[r];        \
-                int64_t c = local % chunks, keys = row[r].past + row[r].queries;                     \
-                int64_t p0 = c * CHUNK, p1 = p0 + CHUNK < keys ? p0 + CHUNK : keys;                  \
-                NAME##_item(row + r, segs, layer, (int)(local / chunks), groups, dim, q, q_t, q_h,   \
-                            (T)scale, p0, p1, state + it * stride, scores, ptrs, ptrs + CHUNK);      \
-            }                                                                                        \
-            free(scores);                                                                            \
-            free(ptrs);                                                                              \
-            _Pragma("omp for collapse(2)") for (int rr = 0; rr < rows; rr++)                         \
-                for (int h = 0; h < heads_kv; h++) {                                                 \
-                    if (failed) continue;                                                            \
-                    int n = row[rr].queries, nq = groups * n;                                        \
-                    int64_t chunks = (first[rr + 1] - first[rr]) / heads_kv;                         \
-                    const T *base = state + (first[rr] + h * chunks) * stride;                       \
-                    for (int i = 0; i < nq; i++) {                                                   \
-                        T top = 0, total = 0, o[MAXDIM];                                             \
-                        int any = 0;                                                                 \
-                        for (int64_t c = 0; c < chunks; c++) {                                       \
-                            const T *st = base + c * stride;                                         \
-                            if (st[nq + i] > 0 && (!any || st[i] > top)) top = st[i], any = 1;       \
-                        }                                                                            \
-                        memset(o, 0, sizeof(T) * dim);                                               \
-                        for (int64_t c = 0; c < chunks; c++) {                                       \
-                            const T *st = base + c * stride, *a = st + 2 * nq + i * dim;             \
-                            if (!(st[nq + i] > 0)) continue; /* a chunk this query sees none of */   \
-                            T f = EXP(st[i] - top);                                                  \
-                            total += f * st[nq + i];                                                 \
-                            for (int e = 0; e < dim; e++) o[e] += f * a[e];                          \
-                        }                                                                            \
-                        T *dst = out + (row[rr].first_query + i % n) * o_t + (h * groups + i / n) * o_h; \
-                        for (int e = 0; e < dim; e++) dst[e] = o[e] / total;                         \
-                    }                                                                                \
-                }                                                                                    \
-        }                                                                                            \
-        free(state);                                                                                 \
-        free(first);                                                                                 \
-        return failed ? -2 : 0;                                                                      \
+/* Whether the rows fit the kernel, checked before anything is stored: SPECDEC_OK, or what does not
+ * (`storing`: new keys/values are to be stored, which must not land in a shared prefix). */
+static int check_rows(int rows, const row_t *row, const segment_t *segs, int groups, int dim, int storing) {
+    if (dim < 1 || dim > MAXDIM || rows < 1) return SPECDEC_BAD_SHAPE;
+    for (int r = 0; r < rows; r++) {
+        if (row[r].queries < 1 || row[r].queries * groups > MAXQ) return SPECDEC_BAD_SHAPE;
+        if (storing && row[r].past < OWN(segs, row + r)->start) return SPECDEC_PREFIX_WRITE;
     }
+    return SPECDEC_OK;
+}
 
-DEFINE_ATTEND(float, specdec_attend_f32, f32, expf)
-DEFINE_ATTEND(double, specdec_attend_f64, f64, exp)
+/* The work items of each row: first[r] .. first[r + 1] - 1, one per key/value head and chunk of CHUNK
+ * keys. Returns the most queries a row brings (the size of an item's state). */
+static int plan_items(int rows, const row_t *row, int heads_kv, int groups, int64_t *first) {
+    int widest = 1;
+    first[0] = 0;
+    for (int r = 0; r < rows; r++) {
+        int64_t keys = row[r].past + row[r].queries;
+        widest = row[r].queries * groups > widest ? row[r].queries * groups : widest;
+        first[r + 1] = first[r] + heads_kv * ((keys + CHUNK - 1) / CHUNK);
+    }
+    return widest;
+}
+
+/* The entry points, specdec_attend_f32 and specdec_attend_f64 (attend_impl.h, once per type). */
+#define T float
+#define KIND f32
+#define EXP expf
+#include "attend_impl.h"
+
+#define T double
+#define KIND f64
+#define EXP exp
+#include "attend_impl.h"
