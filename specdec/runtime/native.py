@@ -35,7 +35,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("attend.c", "linear.c")  # compiled and linked into one library
+SOURCES = ("attend.c", "linear.c", "quant.c")  # compiled and linked into one library
 HEADERS = ("simd.h",)  # included by them
 _FLAGS = ["-O3", "-ffast-math", "-fopenmp", "-fPIC", "-std=gnu11"]
 NATIVE = ["-march=native", "-mtune=generic"]
