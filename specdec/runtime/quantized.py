@@ -120,7 +120,9 @@ def linear(x: torch.Tensor, weights: list[QuantizedWeight], out: torch.Tensor) -
     fn = lib.specdec_qlinear_f32 if x.dtype == torch.float32 else lib.specdec_qlinear_f64
     column, threads, size = 0, torch.get_num_threads(), x.element_size()
     for w in weights:
-        if w.shape[1] != k or not w.fmt.native:
+        if not w.fmt.native:
+            raise ValueError(unavailable(w.fmt, x.dtype))
+        if w.shape[1] != k:
             raise ValueError(f"{w.fmt.name} {list(w.shape)} against inputs of {k} features")
         for start in range(0, m, CHUNK_ROWS):
             rows = min(CHUNK_ROWS, m - start)

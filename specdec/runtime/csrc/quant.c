@@ -111,7 +111,7 @@ static int valid(int kind, int group, int m, int n, int k) {
 #include "simd.h"
 #define VECTOR 1
 
-/* d and m of a block (m = 0 where the kind has none), broadcast to 8 lanes. */
+/* d and m of one block (m = 0 where the kind has none), broadcast to 8 lanes. */
 static inline void scales8(int kind, const uint8_t *b, __m256 *d, __m256 *mn) {
     if (kind == ASYM4) {
         int32_t pair;
@@ -123,6 +123,25 @@ static inline void scales8(int kind, const uint8_t *b, __m256 *d, __m256 *mn) {
     }
 }
 
+/* The scales of the 4 weight rows at w (`w_t` bytes apart), converted once for the whole block:
+ * sc[8 g + 2 r] = d and sc[8 g + 2 r + 1] = m (0 where the kind has none) of row r's block g; the
+ * loops broadcast them from memory (a load, no arithmetic). For q4_1 at 1 row that took a run of
+ * 32 weights of one row from 7.7 to 6.5 cycles (2.45 GHz equivalent, 16384 x 576, one thread); for
+ * q8_0 (one scale, 2 instructions in the loop) and the 4-row de-quantization below it cost more
+ * than it gave (its loads wait on memory before the block's loop can start). */
+static inline void scales4(int kind, int group, const uint8_t *w, int64_t w_t, int k, float *sc) {
+    int64_t bytes = block_bytes(kind, group);
+    int groups = k / group;
+    uint32_t *pairs = (uint32_t *)sc; /* converted in place: 8 halves (16 bytes) become 8 floats */
+    for (int g = 0; g < groups; g++)
+        for (int r = 0; r < ROWS; r++) {
+            const uint8_t *b = w + r * w_t + g * bytes;
+            pairs[4 * g + r] = kind == ASYM4 ? (uint32_t)load16(b) | (uint32_t)load16(b + 2) << 16 : load16(b);
+        }
+    for (int g = groups - 1; g >= 0; g--) /* backwards: g's floats overwrite the halves of 2 g and 2 g + 1, done */
+        _mm256_storeu_ps(sc + 8 * g, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(pairs + 4 * g))));
+}
+
 /* Weights 8t .. 8t + 7 of the run at q (t < 4), as float32. */
 static inline __m256 weights8(int kind, const uint8_t *q, int t, __m256 d, __m256 mn) {
     if (kind == SYM8) return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8 * t)))), d);
@@ -132,26 +151,33 @@ static inline __m256 weights8(int kind, const uint8_t *q, int t, __m256 d, __m25
     return _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(v), mn);
 }
 
-/* QB input rows against the 4 weight rows at w (`w_t` bytes apart), all k, de-quantizing in registers. */
+/* QB input rows against the 4 weight rows at w (`w_t` bytes apart), all k, de-quantizing in registers:
+ * run by run (32 weights), row by row, the four vectors of 8 in order (each accumulator sums its
+ * elements in order; the rows' chains of multiply-adds are independent, and overlap). */
 #define DEFINE_DIRECT(QB)                                                                             \
     static inline void direct_##QB(int kind, int group, const float *x, int64_t x_t, const uint8_t *w, \
-                                   int64_t w_t, int k, float *y, int64_t y_t) {                       \
+                                   int64_t w_t, int k, float *y, int64_t y_t, float *sc) {            \
         __m256 a[QB][ROWS];                                                                           \
         for (int i = 0; i < QB; i++)                                                                  \
             for (int r = 0; r < ROWS; r++) a[i][r] = _mm256_setzero_ps();                             \
+        if (kind == ASYM4) scales4(kind, group, w, w_t, k, sc);                                       \
+        int runs = group / RUN, hb = header(kind), rb = run_bytes(kind);                              \
         int64_t bytes = block_bytes(kind, group);                                                     \
-        for (int e0 = 0; e0 < k; e0 += group, w += bytes) {                                           \
-            for (int r = 0; r < ROWS; r++) {                                                          \
+        for (int e = 0, g = 0, s = 0; e < k; e += RUN) {                                              \
+            const uint8_t *q = w + g * bytes + hb + s * rb;                                           \
+            _Pragma("GCC unroll 4") for (int r = 0; r < ROWS; r++) {                                  \
                 __m256 d, mn;                                                                         \
-                scales8(kind, w + r * w_t, &d, &mn);                                                  \
-                const uint8_t *q = w + r * w_t + header(kind);                                        \
-                for (int e = e0; e < e0 + group; e += RUN, q += run_bytes(kind))                      \
-                    for (int t = 0; t < 4; t++) {                                                     \
-                        __m256 v = weights8(kind, q, t, d, mn);                                       \
-                        for (int i = 0; i < QB; i++)                                                  \
-                            a[i][r] = _mm256_fmadd_ps(v, _mm256_loadu_ps(x + i * x_t + e + 8 * t), a[i][r]); \
-                    }                                                                                 \
+                if (kind == ASYM4)                                                                    \
+                    d = _mm256_broadcast_ss(sc + 8 * g + 2 * r), mn = _mm256_broadcast_ss(sc + 8 * g + 2 * r + 1); \
+                else                                                                                  \
+                    scales8(kind, w + g * bytes + r * w_t, &d, &mn);                                  \
+                _Pragma("GCC unroll 4") for (int t = 0; t < 4; t++) {                                 \
+                    __m256 v = weights8(kind, q + r * w_t, t, d, mn);                                 \
+                    _Pragma("GCC unroll 6") for (int i = 0; i < QB; i++)                              \
+                        a[i][r] = _mm256_fmadd_ps(v, _mm256_loadu_ps(x + i * x_t + e + 8 * t), a[i][r]); \
+                }                                                                                     \
             }                                                                                         \
+            if (++s == runs) s = 0, g++;                                                              \
         }                                                                                             \
         for (int i = 0; i < QB; i++) _mm_storeu_ps(y + i * y_t, sum4(a[i][0], a[i][1], a[i][2], a[i][3])); \
     }
@@ -180,7 +206,7 @@ DEFINE_FLOAT(1)
 DEFINE_FLOAT(2)
 DEFINE_FLOAT(3)
 
-/* The 4 weight rows at w de-quantized into `buf` (4 rows of k floats, 32-byte aligned). */
+/* The 4 weight rows at w de-quantized into `buf` (4 rows of k floats, 64-byte aligned). */
 static inline void decode4(int kind, int group, const uint8_t *w, int64_t w_t, int k, float *buf) {
     int64_t bytes = block_bytes(kind, group);
     for (int r = 0; r < ROWS; r++) {
@@ -195,14 +221,15 @@ static inline void decode4(int kind, int group, const uint8_t *w, int64_t w_t, i
     }
 }
 
-#define DIRECT_ROWS 3 /* passes of up to this many rows de-quantize in registers */
+#define DIRECT_ROWS 3 /* passes of up to this many rows de-quantize in registers; more: into `buf` once */
 
-static void rows_block(int kind, int group, int m, const float *x, int64_t x_t, const uint8_t *w, int64_t w_t,
+static inline void rows_block(int kind, int group, int m, const float *x, int64_t x_t, const uint8_t *w, int64_t w_t,
                        int k, float *y, int64_t y_t, float *buf) {
+    float *sc = buf + ROWS * (int64_t)k;
     if (m <= DIRECT_ROWS) {
-        if (m == 3) direct_3(kind, group, x, x_t, w, w_t, k, y, y_t);
-        else if (m == 2) direct_2(kind, group, x, x_t, w, w_t, k, y, y_t);
-        else direct_1(kind, group, x, x_t, w, w_t, k, y, y_t);
+        if (m == 3) direct_3(kind, group, x, x_t, w, w_t, k, y, y_t, sc);
+        else if (m == 2) direct_2(kind, group, x, x_t, w, w_t, k, y, y_t, sc);
+        else direct_1(kind, group, x, x_t, w, w_t, k, y, y_t, sc);
         return;
     }
     decode4(kind, group, w, w_t, k, buf);
@@ -214,13 +241,179 @@ static void rows_block(int kind, int group, int m, const float *x, int64_t x_t, 
     }
 }
 
-/* One kind at a time: the compiler specialises the loops for it. */
+#if defined(__AVX512F__) || defined(SPECDEC_EMULATE_AVX512)
+/* AVX-512: 16 lanes, half the instructions, and a 4-bit weight is a table look-up: the 16 values a
+ * nibble can take in a block, fma(q, d, m) for q = 0 .. 15 (one multiply-add a block), and
+ * vpermps picks each lane's from its nibble (it reads the low 4 bits of each index: the low
+ * nibble needs no mask). A run of 32 weights of one row: 1 widening load, 1 shift, 2 look-ups, the
+ * table, and a multiply-add per input row and 16 weights. Accumulators as linear.c's AVX-512 loop
+ * (lane e % 16 sums e = lane, lane + 16, ...; halves folded, then sum4): the same bits as linear.c
+ * computes from the de-quantized weights. The loops are written over a few wrappers (z_*) so that
+ * the tests can run them on a CPU without AVX-512: built with SPECDEC_EMULATE_AVX512 (never by the
+ * engine), the wrappers are plain loops over 16 lanes with the same IEEE results. */
+#ifdef __AVX512F__
+typedef __m512 zf;
+typedef __m512i zi;
+static inline zf z_zero(void) { return _mm512_setzero_ps(); }
+static inline zf z_set1(float v) { return _mm512_set1_ps(v); }
+static inline zf z_loadu(const float *p) { return _mm512_loadu_ps(p); }
+static inline zf z_load(const float *p) { return _mm512_load_ps(p); }
+static inline void z_store(float *p, zf a) { _mm512_store_ps(p, a); }
+static inline zf z_fma(zf a, zf b, zf c) { return _mm512_fmadd_ps(a, b, c); }
+static inline zf z_mul(zf a, zf b) { return _mm512_mul_ps(a, b); }
+static inline zf z_cvt(zi a) { return _mm512_cvtepi32_ps(a); }
+static inline zi z_u8(const uint8_t *q) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q)); }
+static inline zi z_i8(const uint8_t *q) { return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q)); }
+static inline zi z_srl4(zi a) { return _mm512_srli_epi32(a, 4); }
+static inline zf z_perm(zi index, zf table) { return _mm512_permutexvar_ps(index, table); }
+static inline zf z_iota(int from) {
+    return _mm512_add_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_ps((float)from));
+}
+static inline __m256 z_fold(zf a) { return fold(a); }
+#else
+typedef struct { float v[16]; } zf;
+typedef struct { int32_t v[16]; } zi;
+#define Z_LANES(r, expr) for (int l = 0; l < 16; l++) r.v[l] = (expr)
+static inline zf z_zero(void) { zf r; Z_LANES(r, 0.0f); return r; }
+static inline zf z_set1(float v) { zf r; Z_LANES(r, v); return r; }
+static inline zf z_loadu(const float *p) { zf r; Z_LANES(r, p[l]); return r; }
+static inline zf z_load(const float *p) { return z_loadu(p); }
+static inline void z_store(float *p, zf a) { for (int l = 0; l < 16; l++) p[l] = a.v[l]; }
+static inline zf z_fma(zf a, zf b, zf c) { zf r; Z_LANES(r, __builtin_fmaf(a.v[l], b.v[l], c.v[l])); return r; }
+static inline zf z_mul(zf a, zf b) { zf r; Z_LANES(r, a.v[l] * b.v[l]); return r; }
+static inline zf z_cvt(zi a) { zf r; Z_LANES(r, (float)a.v[l]); return r; }
+static inline zi z_u8(const uint8_t *q) { zi r; Z_LANES(r, q[l]); return r; }
+static inline zi z_i8(const uint8_t *q) { zi r; Z_LANES(r, (int8_t)q[l]); return r; }
+static inline zi z_srl4(zi a) { zi r; Z_LANES(r, (int32_t)((uint32_t)a.v[l] >> 4)); return r; }
+static inline zf z_perm(zi index, zf table) { zf r; Z_LANES(r, table.v[index.v[l] & 15]); return r; }
+static inline zf z_iota(int from) { zf r; Z_LANES(r, (float)(l + from)); return r; }
+static inline __m256 z_fold(zf a) {
+    float half[8];
+    for (int l = 0; l < 8; l++) half[l] = a.v[l] + a.v[l + 8];
+    return _mm256_loadu_ps(half);
+}
+#endif
+
+/* Weights 16t .. 16t + 15 (t < 2) of the run at q; `table`: the 16 values of a nibble in this block. */
+static inline zf weights16(int kind, const uint8_t *q, int t, zf d, zf table) {
+    if (kind == SYM8) return z_mul(z_cvt(z_i8(q + 16 * t)), d);
+    zi v = z_u8(q);
+    return z_perm(t ? z_srl4(v) : v, table);
+}
+
+/* w for q = 0 .. 15: d * (q - 8) (sym4) or fma(q, d, m) (asym4), as the de-quantizer computes them. */
+static inline zf table16(int kind, zf d, zf mn) {
+    return kind == ASYM4 ? z_fma(z_iota(0), d, mn) : z_mul(d, z_iota(-8));
+}
+
+#define DEFINE_DIRECT512(QB)                                                                          \
+    static inline void direct512_##QB(int kind, int group, const float *x, int64_t x_t, const uint8_t *w, \
+                                      int64_t w_t, int k, float *y, int64_t y_t, float *sc) {         \
+        zf a[QB][ROWS];                                                                               \
+        for (int i = 0; i < QB; i++)                                                                  \
+            for (int r = 0; r < ROWS; r++) a[i][r] = z_zero();                                        \
+        scales4(kind, group, w, w_t, k, sc);                                                          \
+        int runs = group / RUN, hb = header(kind), rb = run_bytes(kind);                              \
+        int64_t bytes = block_bytes(kind, group);                                                     \
+        for (int e = 0, g = 0, s = 0; e < k; e += RUN) {                                              \
+            const uint8_t *q = w + g * bytes + hb + s * rb;                                           \
+            _Pragma("GCC unroll 4") for (int r = 0; r < ROWS; r++) {                                  \
+                zf d = z_set1(sc[8 * g + 2 * r]);                                                     \
+                zf table = kind == SYM8 ? d : table16(kind, d, z_set1(sc[8 * g + 2 * r + 1]));        \
+                _Pragma("GCC unroll 2") for (int t = 0; t < 2; t++) {                                 \
+                    zf v = weights16(kind, q + r * w_t, t, d, table);                                 \
+                    _Pragma("GCC unroll 6") for (int i = 0; i < QB; i++)                              \
+                        a[i][r] = z_fma(v, z_loadu(x + i * x_t + e + 16 * t), a[i][r]);               \
+                }                                                                                     \
+            }                                                                                         \
+            if (++s == runs) s = 0, g++;                                                              \
+        }                                                                                             \
+        for (int i = 0; i < QB; i++)                                                                  \
+            _mm_storeu_ps(y + i * y_t, sum4(z_fold(a[i][0]), z_fold(a[i][1]), z_fold(a[i][2]), z_fold(a[i][3]))); \
+    }
+DEFINE_DIRECT512(1)
+DEFINE_DIRECT512(2)
+DEFINE_DIRECT512(3)
+
+/* linear.c's AVX-512 block over the de-quantized rows in cache. */
+#define DEFINE_FLOAT512(QB)                                                                           \
+    static inline void float512_##QB(const float *x, int64_t x_t, const float *w, int k, float *y, int64_t y_t) { \
+        zf a[QB][ROWS];                                                                               \
+        for (int i = 0; i < QB; i++)                                                                  \
+            for (int r = 0; r < ROWS; r++) a[i][r] = z_zero();                                        \
+        for (int e = 0; e < k; e += 16) {                                                             \
+            zf v0 = z_load(w + e), v1 = z_load(w + k + e), v2 = z_load(w + 2 * k + e), v3 = z_load(w + 3 * k + e); \
+            for (int i = 0; i < QB; i++) {                                                            \
+                zf u = z_loadu(x + i * x_t + e);                                                      \
+                a[i][0] = z_fma(u, v0, a[i][0]), a[i][1] = z_fma(u, v1, a[i][1]);                     \
+                a[i][2] = z_fma(u, v2, a[i][2]), a[i][3] = z_fma(u, v3, a[i][3]);                     \
+            }                                                                                         \
+        }                                                                                             \
+        for (int i = 0; i < QB; i++)                                                                  \
+            _mm_storeu_ps(y + i * y_t, sum4(z_fold(a[i][0]), z_fold(a[i][1]), z_fold(a[i][2]), z_fold(a[i][3]))); \
+    }
+DEFINE_FLOAT512(1)
+DEFINE_FLOAT512(2)
+DEFINE_FLOAT512(3)
+DEFINE_FLOAT512(4)
+DEFINE_FLOAT512(5)
+DEFINE_FLOAT512(6)
+#define WIDE_FROM 18 /* linear.c's: 6-row passes from 18 rows, 3-row ones below */
+
+static inline void decode4_512(int kind, int group, const uint8_t *w, int64_t w_t, int k, float *buf, float *sc) {
+    scales4(kind, group, w, w_t, k, sc);
+    int64_t bytes = block_bytes(kind, group);
+    for (int r = 0; r < ROWS; r++)
+        for (int e = 0, g = 0, s = 0; e < k; e += RUN) {
+            const uint8_t *q = w + r * w_t + g * bytes + header(kind) + s * run_bytes(kind);
+            zf d = z_set1(sc[8 * g + 2 * r]);
+            zf table = kind == SYM8 ? d : table16(kind, d, z_set1(sc[8 * g + 2 * r + 1]));
+            z_store(buf + r * (int64_t)k + e, weights16(kind, q, 0, d, table));
+            z_store(buf + r * (int64_t)k + e + 16, weights16(kind, q, 1, d, table));
+            if (++s == group / RUN) s = 0, g++;
+        }
+}
+
+static void rows_block512(int kind, int group, int m, const float *x, int64_t x_t, const uint8_t *w, int64_t w_t,
+                          int k, float *y, int64_t y_t, float *buf) {
+    float *sc = buf + ROWS * (int64_t)k;
+    if (m <= DIRECT_ROWS) {
+        if (m == 3) direct512_3(kind, group, x, x_t, w, w_t, k, y, y_t, sc);
+        else if (m == 2) direct512_2(kind, group, x, x_t, w, w_t, k, y, y_t, sc);
+        else direct512_1(kind, group, x, x_t, w, w_t, k, y, y_t, sc);
+        return;
+    }
+    decode4_512(kind, group, w, w_t, k, buf, sc);
+    int most = m >= WIDE_FROM ? 6 : 3;
+    for (int i = 0; i < m; i += most) {
+        const float *xi = x + i * x_t;
+        float *yi = y + i * y_t;
+        switch (m - i < most ? m - i : most) {
+        case 6: float512_6(xi, x_t, buf, k, yi, y_t); break;
+        case 5: float512_5(xi, x_t, buf, k, yi, y_t); break;
+        case 4: float512_4(xi, x_t, buf, k, yi, y_t); break;
+        case 3: float512_3(xi, x_t, buf, k, yi, y_t); break;
+        case 2: float512_2(xi, x_t, buf, k, yi, y_t); break;
+        default: float512_1(xi, x_t, buf, k, yi, y_t);
+        }
+    }
+}
+
 static void rows_block_kind(int kind, int group, int m, const float *x, int64_t x_t, const uint8_t *w, int64_t w_t,
                             int k, float *y, int64_t y_t, float *buf) {
+    if (kind == ASYM4) rows_block512(ASYM4, group, m, x, x_t, w, w_t, k, y, y_t, buf);
+    else if (kind == SYM8) rows_block512(SYM8, group, m, x, x_t, w, w_t, k, y, y_t, buf);
+    else rows_block512(SYM4, group, m, x, x_t, w, w_t, k, y, y_t, buf);
+}
+#else
+static void rows_block_kind(int kind, int group, int m, const float *x, int64_t x_t, const uint8_t *w, int64_t w_t,
+                            int k, float *y, int64_t y_t, float *buf) {
+    /* One kind at a time: the compiler specialises the loops for it. */
     if (kind == ASYM4) rows_block(ASYM4, group, m, x, x_t, w, w_t, k, y, y_t, buf);
     else if (kind == SYM8) rows_block(SYM8, group, m, x, x_t, w, w_t, k, y, y_t, buf);
     else rows_block(SYM4, group, m, x, x_t, w, w_t, k, y, y_t, buf);
 }
+#endif
 #else
 #define VECTOR 0
 static void rows_block_kind(int kind, int group, int m, const float *x, int64_t x_t, const uint8_t *w, int64_t w_t,
@@ -236,7 +429,8 @@ int specdec_qlinear_f32(int kind, int group, int m, int n, int k, const float *x
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
-        float *buf = aligned_alloc(64, ((size_t)ROWS * k * sizeof(float) + 63) / 64 * 64);
+        /* 4 de-quantized rows, then the scales of their blocks (8 floats a block), per thread */
+        float *buf = aligned_alloc(64, ((size_t)(ROWS * k + 8 * (k / group)) * sizeof(float) + 63) / 64 * 64);
         if (!buf) {
             failed = 1;
         } else {
