@@ -146,6 +146,12 @@ def dequantize(raw: np.ndarray | torch.Tensor, fmt: BlockFormat, shape: tuple[in
     """The float32 matrix `[n, k]` that `raw` (the blocks of `shape`, row after row) stores; bit for
     bit what `gguf.quants.dequantize` computes for the ggml formats."""
     blocks = _blocks(raw, fmt, shape)
+    with np.errstate(invalid="ignore", over="ignore"):  # non-finite scales give what gguf gives
+        w = _dequantize_blocks(blocks, fmt)
+    return torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32).reshape(shape))
+
+
+def _dequantize_blocks(blocks: np.ndarray, fmt: BlockFormat) -> np.ndarray:
     if fmt.kind == "sym4":
         q = _nibbles(blocks[:, 2:]).astype(np.int8) - np.int8(8)
         w = _half(blocks, 0) * q.astype(np.float32)
@@ -159,7 +165,7 @@ def dequantize(raw: np.ndarray | torch.Tensor, fmt: BlockFormat, shape: tuple[in
         w = _dequantize_q6_k(blocks)
     else:
         raise ValueError(f"no de-quantization for {fmt.name}")
-    return torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32).reshape(shape))
+    return w
 
 
 def _dequantize_q4_k(blocks: np.ndarray) -> np.ndarray:
