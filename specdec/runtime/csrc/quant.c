@@ -224,7 +224,7 @@ static inline void decode4(int kind, int group, const uint8_t *w, int64_t w_t, i
 #define DIRECT_ROWS 3 /* passes of up to this many rows de-quantize in registers; more: into `buf` once */
 
 static inline void rows_block(int kind, int group, int m, const float *x, int64_t x_t, const uint8_t *w, int64_t w_t,
-                       int k, float *y, int64_t y_t, float *buf) {
+                              int k, float *y, int64_t y_t, float *buf) {
     float *sc = buf + ROWS * (int64_t)k;
     if (m <= DIRECT_ROWS) {
         if (m == 3) direct_3(kind, group, x, x_t, w, w_t, k, y, y_t, sc);
@@ -359,6 +359,7 @@ DEFINE_FLOAT512(4)
 DEFINE_FLOAT512(5)
 DEFINE_FLOAT512(6)
 #define WIDE_FROM 18 /* linear.c's: 6-row passes from 18 rows, 3-row ones below */
+#define DIRECT_ROWS_512 3 /* passes of up to this many rows de-quantize in registers; more: into `buf` once */
 
 static inline void decode4_512(int kind, int group, const uint8_t *w, int64_t w_t, int k, float *buf, float *sc) {
     scales4(kind, group, w, w_t, k, sc);
@@ -377,7 +378,7 @@ static inline void decode4_512(int kind, int group, const uint8_t *w, int64_t w_
 static void rows_block512(int kind, int group, int m, const float *x, int64_t x_t, const uint8_t *w, int64_t w_t,
                           int k, float *y, int64_t y_t, float *buf) {
     float *sc = buf + ROWS * (int64_t)k;
-    if (m <= DIRECT_ROWS) {
+    if (m <= DIRECT_ROWS_512) {
         if (m == 3) direct512_3(kind, group, x, x_t, w, w_t, k, y, y_t, sc);
         else if (m == 2) direct512_2(kind, group, x, x_t, w, w_t, k, y, y_t, sc);
         else direct512_1(kind, group, x, x_t, w, w_t, k, y, y_t, sc);
