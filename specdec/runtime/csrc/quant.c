@@ -102,6 +102,20 @@ static void rows_one(int m, const float *x, int64_t x_t, const float *w, int k, 
     }
 }
 
+/* This thread's buffer of at least `floats` floats, 64-byte aligned, kept for its next call (OpenMP
+ * keeps its threads: an allocation and a free each call cost more than a small projection's work). */
+static float *scratch(size_t floats) {
+    static __thread float *buf;
+    static __thread size_t size;
+    if (size < floats) {
+        free(buf);
+        size = (floats + 1023) / 1024 * 1024;
+        buf = aligned_alloc(64, size * sizeof(float));
+        if (!buf) size = 0;
+    }
+    return buf;
+}
+
 static int valid(int kind, int group, int m, int n, int k) {
     return kind >= SYM4 && kind <= SYM8 && group >= RUN && group % RUN == 0 && m >= 1 && n >= 1 && k >= 1 &&
            k % group == 0;
@@ -430,8 +444,7 @@ int specdec_qlinear_f32(int kind, int group, int m, int n, int k, const float *x
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
-        /* 4 de-quantized rows, then the scales of their blocks (8 floats a block), per thread */
-        float *buf = aligned_alloc(64, ((size_t)(ROWS * k + 8 * (k / group)) * sizeof(float) + 63) / 64 * 64);
+        float *buf = scratch((size_t)(ROWS * k + 8 * (k / group)));
         if (!buf) {
             failed = 1;
         } else {
@@ -443,7 +456,6 @@ int specdec_qlinear_f32(int kind, int group, int m, int n, int k, const float *x
                 decode_row(kind, group, w + j * w_t, k, buf);
                 rows_one(m, x, x_t, buf, k, y + j, y_t);
             }
-            free(buf);
         }
     }
     return failed ? -2 : 0;
