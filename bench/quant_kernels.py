@@ -9,6 +9,9 @@
   `quantized.linear` and through today's float32 kernel (`native.linear`) on the de-quantized
   weights. Each figure comes with the format's bytes floor: its bytes over the read bandwidth
   measured in the same run (sum of a ~500 MB float32 tensor, as bench/engine.py).
+- torch: torch's own weight-only CPU operators (`_weight_int4pack_mm_for_cpu`, groups of 32;
+  `_weight_int8pack_mm`, a scale per output row: what a kept library offers for `--quantize`), in
+  float32 and bfloat16 activations, on the same shapes, against int4g32 (= q4_1) and int8g32 (= q8_0).
 - step: the 121 calls of one decode step's projections (fused q/k/v and gate/up per layer, o, down)
   and the tied q8_0 output layer, i.e. all 211 matrices, as the packaged GGUF stores them
   (96.6 MB with the norms, not read here), against the same through the float32 kernel (538 MB),
@@ -28,6 +31,7 @@ import random
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -35,9 +39,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.engine import read_bandwidth  # noqa: E402
-from specdec.core import quant  # noqa: E402
-from specdec.runtime import native, quantized  # noqa: E402
+from bench.engine import read_bandwidth
+from specdec.core import quant
+from specdec.runtime import native, quantized
 
 SHAPES = {"576->576": (576, 576), "576->192": (192, 576), "576->1536": (1536, 576), "1536->576": (576, 1536),
           "576->49152": (49152, 576)}
@@ -88,8 +92,8 @@ def shape_cells(model, rows: list[int], repeats: int, bandwidth: float) -> list[
             dense = weight.dequantize()
             for m in rows:
                 x, out = torch.randn(m, shape[1]), torch.empty(m, shape[0])
-                result = timed({"quant": lambda: quantized.linear(x, [weight], out),
-                                "float32": lambda: native.linear(x, [dense], out)}, repeats)
+                result = timed({"quant": partial(quantized.linear, x, [weight], out),
+                                "float32": partial(native.linear, x, [dense], out)}, repeats)
                 cells.append({"shape": label, "format": name, "rows": m, "bytes": weight.nbytes,
                               "floor_s": weight.nbytes / bandwidth,
                               **{f"{way}_s": med for way, (med, _) in result.items()},
@@ -97,6 +101,37 @@ def shape_cells(model, rows: list[int], repeats: int, bandwidth: float) -> list[
                 c = cells[-1]
                 print(f"{label:>11} {name:>8} m={m:<2} quant {c['quant_s'] * 1e3:7.3f} ms  float32 "
                       f"{c['float32_s'] * 1e3:7.3f} ms  floor {c['floor_s'] * 1e3:6.3f} ms", flush=True)
+    return cells
+
+
+def torch_cells(rows: list[int], repeats: int) -> list[dict]:
+    """torch's weight-only int4/int8 operators next to the kernel, per shape and row count."""
+    cells = []
+    for label, (n, k) in SHAPES.items():
+        gen = torch.Generator().manual_seed(n)
+        dense = torch.randn(n, k, generator=gen) * 0.05
+        int4 = quantized.QuantizedWeight.quantize(dense, "int4", 32)
+        int8 = quantized.QuantizedWeight.quantize(dense, "int8", 32)
+        packed4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            torch.randint(0, 16, (n, k), dtype=torch.int32, generator=gen), 8)
+        scales4 = torch.rand(k // 32, n, 2, generator=gen)
+        w8, scales8 = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen), torch.rand(n, generator=gen)
+        for m in rows:
+            x, out = torch.randn(m, k, generator=gen), torch.empty(m, n)
+            xb = x.bfloat16()
+            int4mm, int8mm = torch.ops.aten._weight_int4pack_mm_for_cpu, torch.ops.aten._weight_int8pack_mm
+            ways = {
+                "kernel_int4g32": partial(quantized.linear, x, [int4], out),
+                "kernel_int8g32": partial(quantized.linear, x, [int8], out),
+                "torch_int4_f32": partial(int4mm, x, packed4, 32, scales4),
+                "torch_int4_bf16": partial(int4mm, xb, packed4, 32, scales4.bfloat16()),
+                "torch_int8_f32": partial(int8mm, x, w8, scales8),
+                "torch_int8_bf16": partial(int8mm, xb, w8, scales8.bfloat16()),
+            }
+            result = timed(ways, max(3, repeats // 3))
+            cells.append({"shape": label, "rows": m, **{f"{way}_s": med for way, (med, _) in result.items()}})
+            times = "  ".join(f"{way} {med * 1e3:.2f}" for way, (med, _) in result.items())
+            print(f"{label:>11} m={m:<2} {times} ms", flush=True)
     return cells
 
 
@@ -111,6 +146,12 @@ def step_groups(model: quantized.GGUFWeights) -> list[list[quantized.QuantizedWe
     return groups + [[t["lm_head.weight"]]]
 
 
+def run_step(linear, groups, inputs: dict[int, torch.Tensor], outs: list[torch.Tensor]) -> None:
+    """Every call of a step through `linear` (quantized.linear or native.linear)."""
+    for group, out in zip(groups, outs):
+        linear(inputs[group[0].shape[1]], group, out)
+
+
 def step_cells(model, rows: list[int], repeats: int, bandwidth: float) -> list[dict]:
     groups = step_groups(model)
     dense = [[w.dequantize() for w in group] for group in groups]
@@ -119,15 +160,8 @@ def step_cells(model, rows: list[int], repeats: int, bandwidth: float) -> list[d
         inputs = {k: torch.randn(m, k) for k in {g[0].shape[1] for g in groups}}
         outs = [torch.empty(m, sum(w.shape[0] for w in g)) for g in groups]
 
-        def through_quant() -> None:
-            for g, o in zip(groups, outs):
-                quantized.linear(inputs[g[0].shape[1]], g, o)
-
-        def through_float() -> None:
-            for g, o in zip(dense, outs):
-                native.linear(inputs[g[0].shape[1]], g, o)
-
-        result = timed({"quant": through_quant, "float32": through_float}, repeats)
+        result = timed({"quant": partial(run_step, quantized.linear, groups, inputs, outs),
+                        "float32": partial(run_step, native.linear, dense, inputs, outs)}, repeats)
         cells.append({"rows": m, "floor_s": MODEL_BYTES / bandwidth,
                       "quant_bytes": sum(w.nbytes for g in groups for w in g),
                       "float32_bytes": sum(w.numel() * 4 for g in dense for w in g),
@@ -135,7 +169,8 @@ def step_cells(model, rows: list[int], repeats: int, bandwidth: float) -> list[d
                       **{f"{way}_min_s": low for way, (_, low) in result.items()}})
         c = cells[-1]
         print(f"decode step, {m} rows (211 matrices): quant {c['quant_s'] * 1e3:.2f} ms (min "
-              f"{c['quant_min_s'] * 1e3:.2f}), float32 {c['float32_s'] * 1e3:.2f} ms (min {c['float32_min_s'] * 1e3:.2f}), "
+              f"{c['quant_min_s'] * 1e3:.2f}), float32 {c['float32_s'] * 1e3:.2f} ms "
+              f"(min {c['float32_min_s'] * 1e3:.2f}), "
               f"floor of 96.6 MB {c['floor_s'] * 1e3:.2f} ms: {c['quant_s'] / c['floor_s']:.2f}x", flush=True)
     return cells
 
@@ -147,6 +182,7 @@ def main() -> None:
     ap.add_argument("--step-rows", default="1,2,3,5,8", help="row counts of the whole-step figure")
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--skip-shapes", action="store_true")
+    ap.add_argument("--torch-rows", default="1,5", help="row counts of the torch operators' cells ('' for none)")
     ap.add_argument("--out", default="bench/results/quant_kernels.json")
     args = ap.parse_args()
 
@@ -156,6 +192,7 @@ def main() -> None:
     print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s; kernels for {native.runnable_isas()[:1]}", flush=True)
     rows = [int(r) for r in args.rows.split(",")]
     shapes = [] if args.skip_shapes else shape_cells(model, rows, args.repeats, bandwidth)
+    torch_ops = torch_cells([int(r) for r in filter(None, args.torch_rows.split(","))], args.repeats)
     step = step_cells(model, [int(r) for r in args.step_rows.split(",")], args.repeats, bandwidth)
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor())
@@ -163,7 +200,8 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"cpu": cpu, "isas": native.runnable_isas(), "threads": args.threads,
                                "repeats": args.repeats, "read_bandwidth_gb_s": bandwidth / 1e9,
-                               "torch": torch.__version__, "step": step, "shapes": shapes}, indent=1) + "\n")
+                               "torch": torch.__version__, "step": step, "shapes": shapes,
+                               "torch_ops": torch_ops}, indent=1) + "\n")
     print(f"wrote {out}")
 
 

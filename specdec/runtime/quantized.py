@@ -11,7 +11,8 @@ native kernels (`csrc/quant.c`) that multiply float activations by them.
 - `load_gguf(path)`: a Llama GGUF's tensors under transformers' parameter names, projections as
   `QuantizedWeight`s (q/k rows permuted as transformers permutes them), norms as float32; K-quants
   and other block types de-quantized at load (listed in `GGUFWeights.dequantized`, logged).
-- `quantize(weight, "int4" | "int8", group)`: weight-only quantization of a float matrix.
+- `QuantizedWeight.quantize(weight, "int4" | "int8", group)`, `quantize_linears(model, bits,
+  group)`: weight-only quantization of a float matrix, of a model's linear layers.
 """
 
 from __future__ import annotations
@@ -71,10 +72,11 @@ class QuantizedWeight:
     @classmethod
     def quantize(cls, weight: torch.Tensor, bits: str, group: int = quant.SUB) -> QuantizedWeight:
         """`weight` `[n, k]` quantized to `bits` ("int4": asymmetric, "int8": symmetric) in groups of `group`."""
+        shape = (int(weight.shape[0]), int(weight.shape[1]))
         if bits == "int4":
-            return cls(quant.quantize_int4(weight, group), quant.int4_format(group), tuple(weight.shape))
+            return cls(quant.quantize_int4(weight, group), quant.int4_format(group), shape)
         if bits == "int8":
-            return cls(quant.quantize_int8(weight, group), quant.int8_format(group), tuple(weight.shape))
+            return cls(quant.quantize_int8(weight, group), quant.int8_format(group), shape)
         raise ValueError(f"quantize takes int4 or int8, not {bits!r}")
 
 
@@ -153,6 +155,22 @@ def embedding(ids: torch.Tensor, weight: QuantizedWeight, out: torch.Tensor | No
     return out
 
 
+def quantize_linears(model: torch.nn.Module, bits: str, group: int = quant.SUB) -> dict[str, QuantizedWeight]:
+    """`--quantize int4|int8` for a transformers model: every bias-free `nn.Linear` weight (the
+    projections and the LM head) quantized in groups of `group`, by parameter name; a weight
+    shared by several modules (a tied head) is quantized once and listed under each name. The
+    model is left as it is: the caller runs these through `linear` in its place."""
+    done: dict[int, QuantizedWeight] = {}
+    out: dict[str, QuantizedWeight] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and module.bias is None and module.in_features % group == 0:
+            weight = module.weight
+            if id(weight) not in done:
+                done[id(weight)] = QuantizedWeight.quantize(weight.detach().float(), bits, group)
+            out[f"{name}.weight" if name else "weight"] = done[id(weight)]
+    return out
+
+
 # --------------------------------------------------------------------------- GGUF files
 
 _LLAMA_NAMES = {
@@ -225,9 +243,10 @@ def load_gguf(path: str | Path) -> GGUFWeights:
         name = hf_name(t.name)
         if name is None:
             continue
-        shape = tuple(int(s) for s in reversed(t.shape.tolist()))  # GGUF lists dimensions innermost first
+        dims = [int(s) for s in reversed(t.shape.tolist())]  # GGUF lists dimensions innermost first
+        shape = (dims[0], dims[1]) if len(dims) == 2 else (1, dims[0])
         fmt = quant.GGUF_FORMATS.get(int(t.tensor_type))
-        if fmt is not None and fmt.native and len(shape) == 2:
+        if fmt is not None and fmt.native and len(dims) == 2:
             tensor: QuantizedWeight | torch.Tensor = QuantizedWeight(
                 torch.from_numpy(np.array(t.data, dtype=np.uint8).reshape(shape[0], -1)), fmt, shape)
         else:
@@ -236,7 +255,7 @@ def load_gguf(path: str | Path) -> GGUFWeights:
             raw = np.asarray(t.data)
             values = quant.dequantize(raw, fmt, shape) if fmt is not None else torch.from_numpy(
                 np.array(gguf_dequantize(raw, t.tensor_type), dtype=np.float32))
-            tensor = values.reshape(shape).contiguous()
+            tensor = values.reshape(dims).contiguous()
         heads_of = {"self_attn.q_proj": out.heads, "self_attn.k_proj": out.kv_heads}
         for module, count in heads_of.items():
             if f".{module}." in name:

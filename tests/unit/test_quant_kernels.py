@@ -205,3 +205,21 @@ def test_the_packaged_tensors_through_the_kernels(packaged, name, build):
         dense = weight.dequantize()
         assert torch.equal(quantized.linear(x, [weight], torch.empty(5, weight.shape[0])),
                            native.linear(x, [dense], torch.empty(5, weight.shape[0])))
+
+
+def test_quantize_linears_quantizes_each_weight_once(tiny_model):
+    """A tiny Llama's projections and its (tied) head: one `QuantizedWeight` per weight, running
+    through the kernel as the de-quantized weight does."""
+    import copy
+
+    lm = copy.deepcopy(tiny_model).float()
+    weights = quantized.quantize_linears(lm, "int4", 32)
+    config = lm.config
+    assert len(weights) == 7 * config.num_hidden_layers + 1
+    if config.tie_word_embeddings:
+        assert weights["lm_head.weight"].shape == tuple(lm.model.embed_tokens.weight.shape)
+    w = weights["model.layers.0.mlp.up_proj.weight"]
+    x = torch.randn(3, w.shape[1])
+    torch.testing.assert_close(quantized.linear(x, [w], torch.empty(3, w.shape[0])), x @ w.dequantize().T)
+    original = lm.model.layers[0].mlp.up_proj.weight
+    assert float((w.dequantize() - original).abs().max()) < float(original.abs().max()) / 7
