@@ -167,10 +167,11 @@ static inline __m256 weights8(int kind, const uint8_t *q, int t, __m256 d, __m25
 
 /* QB input rows against the 4 weight rows at w (`w_t` bytes apart), all k, de-quantizing in registers:
  * run by run (32 weights), row by row, the four vectors of 8 in order (each accumulator sums its
- * elements in order; the rows' chains of multiply-adds are independent, and overlap). */
-#define DEFINE_DIRECT(QB)                                                                             \
-    static inline void direct_##QB(int kind, int group, const float *x, int64_t x_t, const uint8_t *w, \
-                                   int64_t w_t, int k, float *y, int64_t y_t, float *sc) {            \
+ * elements in order; the rows' chains of multiply-adds are independent, and overlap). With STORE,
+ * the de-quantized weights are also kept in `keep` (4 rows of k floats) for the pass's other rows. */
+#define DEFINE_DIRECT(QB, NAME, STORE)                                                                \
+    static inline void NAME(int kind, int group, const float *x, int64_t x_t, const uint8_t *w,       \
+                            int64_t w_t, int k, float *y, int64_t y_t, float *sc, float *keep) {      \
         __m256 a[QB][ROWS];                                                                           \
         for (int i = 0; i < QB; i++)                                                                  \
             for (int r = 0; r < ROWS; r++) a[i][r] = _mm256_setzero_ps();                             \
@@ -187,6 +188,7 @@ static inline __m256 weights8(int kind, const uint8_t *q, int t, __m256 d, __m25
                     scales8(kind, w + g * bytes + r * w_t, &d, &mn);                                  \
                 _Pragma("GCC unroll 4") for (int t = 0; t < 4; t++) {                                 \
                     __m256 v = weights8(kind, q + r * w_t, t, d, mn);                                 \
+                    if (STORE) _mm256_store_ps(keep + r * (int64_t)k + e + 8 * t, v);                 \
                     _Pragma("GCC unroll 6") for (int i = 0; i < QB; i++)                              \
                         a[i][r] = _mm256_fmadd_ps(v, _mm256_loadu_ps(x + i * x_t + e + 8 * t), a[i][r]); \
                 }                                                                                     \
@@ -195,9 +197,10 @@ static inline __m256 weights8(int kind, const uint8_t *q, int t, __m256 d, __m25
         }                                                                                             \
         for (int i = 0; i < QB; i++) _mm_storeu_ps(y + i * y_t, sum4(a[i][0], a[i][1], a[i][2], a[i][3])); \
     }
-DEFINE_DIRECT(1)
-DEFINE_DIRECT(2)
-DEFINE_DIRECT(3)
+DEFINE_DIRECT(1, direct_1, 0)
+DEFINE_DIRECT(2, direct_2, 0)
+DEFINE_DIRECT(3, direct_3, 0)
+DEFINE_DIRECT(2, direct_2_keep, 1) /* the first 2 rows of a larger pass, keeping the weights in `keep` */
 
 /* linear.c's block: QB input rows against 4 float32 weight rows at w (`k` apart), from cache. */
 #define DEFINE_FLOAT(QB)                                                                              \
@@ -235,19 +238,26 @@ static inline void decode4(int kind, int group, const uint8_t *w, int64_t w_t, i
     }
 }
 
-#define DIRECT_ROWS 3 /* passes of up to this many rows de-quantize in registers; more: into `buf` once */
+#define DIRECT_ROWS 3 /* passes of up to this many rows de-quantize in registers */
 
+/* 4 rows and more: the first 2 de-quantizing in registers (and keeping the weights in `buf`), the
+ * others in passes of 3 over `buf`, from cache. Against de-quantizing into `buf` first and running
+ * every row from it (q4_1, 512 x 576 in cache, one thread; 2.45 GHz cycles a run of 32 weights and
+ * row, the quietest of 3 rounds): 4 rows 14.0 / 14.5, 5 rows 15.0 / 15.5; passes of 1-3 rows that
+ * each de-quantize in registers were slower still (5 rows 18.9: every pass pays it again). The
+ * floor at 5 rows is the multiply-adds: 20 a run and row (5 rows x 4 vectors), 2 a cycle, plus the
+ * de-quantization's 4 and its conversions. */
 static inline void rows_block(int kind, int group, int m, const float *x, int64_t x_t, const uint8_t *w, int64_t w_t,
                               int k, float *y, int64_t y_t, float *buf) {
     float *sc = buf + ROWS * (int64_t)k;
     if (m <= DIRECT_ROWS) {
-        if (m == 3) direct_3(kind, group, x, x_t, w, w_t, k, y, y_t, sc);
-        else if (m == 2) direct_2(kind, group, x, x_t, w, w_t, k, y, y_t, sc);
-        else direct_1(kind, group, x, x_t, w, w_t, k, y, y_t, sc);
+        if (m == 3) direct_3(kind, group, x, x_t, w, w_t, k, y, y_t, sc, 0);
+        else if (m == 2) direct_2(kind, group, x, x_t, w, w_t, k, y, y_t, sc, 0);
+        else direct_1(kind, group, x, x_t, w, w_t, k, y, y_t, sc, 0);
         return;
     }
-    decode4(kind, group, w, w_t, k, buf);
-    for (int i = 0; i < m; i += 3) {
+    direct_2_keep(kind, group, x, x_t, w, w_t, k, y, y_t, sc, buf);
+    for (int i = 2; i < m; i += 3) {
         int q = m - i < 3 ? m - i : 3;
         if (q == 3) float_3(x + i * x_t, x_t, buf, k, y + i * y_t, y_t);
         else if (q == 2) float_2(x + i * x_t, x_t, buf, k, y + i * y_t, y_t);
