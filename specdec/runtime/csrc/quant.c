@@ -9,18 +9,27 @@
  * weight j in its low nibble and weight j + 16 in its high one. Each weight is de-quantized in
  * registers to the float32 value `gguf`'s de-quantizer gives (d * q is exact in float32, so
  * fma(d, q, m) is the same one rounding as its d * q + m), then multiplied with float32 activations
- * and accumulated in float32: the weights are those of the de-quantized float32 model. (The other
- * way, d * sum(x q) + m * sum(x) per block, does as many multiply-adds per weight and row, rounds
- * differently, and costs more from 2 rows on, where a weight de-quantized once serves every row.)
+ * and accumulated in float32: the weights are those of the de-quantized float32 model. The other
+ * way, d * sum(x q) + m * sum(x) a block, rounds differently, and measured no faster at 1 row (q4_1,
+ * 512 x 576 in cache, one thread: 6.5 cycles a run of 32 weights either way) while costing a
+ * multiply-add per weight and row from 2 rows on, where a weight de-quantized once serves every row.
  *
  * The loops are linear.c's: blocks of 4 weight rows, each lane of an accumulator summing the
  * products of the elements e = lane, lane + 8 (or 16 with AVX-512), ... in order, the lanes added
  * in one fixed order (sum4, fold), so a row's result does not depend on the other rows of the pass,
  * and with whole blocks of 4 weight rows it is the same bits linear.c computes from the de-quantized
- * float32 weights. A pass of few rows (up to DIRECT_ROWS) de-quantizes each weight once in registers
- * and uses it for every row, the inputs read from cache; larger passes de-quantize the block's 4 rows
- * into a per-thread buffer once and run linear.c's passes over it. Weight rows are split over
- * `threads` OpenMP threads in contiguous ranges.
+ * float32 weights. Passes of 1-3 rows de-quantize each weight once in registers and use it for
+ * every row, the inputs read from cache; larger passes keep the block's 4 de-quantized rows in a
+ * per-thread buffer and run linear.c's passes over it. Weight rows are split over `threads` OpenMP
+ * threads in contiguous ranges.
+ *
+ * Where the time goes (AVX2, Zen 3, 1 row): a run of 32 weights of one row takes about 19 vector
+ * instructions (2 widening loads, 2 masks, 2 shifts, 4 conversions, 4 multiply-adds de-quantizing, 4
+ * accumulating, 2 scale broadcasts) and runs at about 2.5 a cycle: ~8 cycles, so 2 cores at 3 GHz
+ * read q4_1 at ~5 GB/s each, under the memory's bandwidth: the loop, not memory, is the bound.
+ * Removing each group in turn (timing only) saved 1.0 (conversions), 1.5 (de-quantizing
+ * multiply-adds) and 0.6 (masks and shifts) cycles; 8 weight rows at once (8 chains instead of 4)
+ * and magic-number conversions (or, subtract) were no faster, unpacking with shuffles slower.
  *
  * The float64 entry point (`specdec_qlinear_f64`) runs the same weights with float64 activations and
  * sums (plain loops): what the tests compare with de-quantize-then-matmul to 1e-12, and what a
@@ -168,7 +177,11 @@ static inline __m256 weights8(int kind, const uint8_t *q, int t, __m256 d, __m25
 /* QB input rows against the 4 weight rows at w (`w_t` bytes apart), all k, de-quantizing in registers:
  * run by run (32 weights), row by row, the four vectors of 8 in order (each accumulator sums its
  * elements in order; the rows' chains of multiply-adds are independent, and overlap). With STORE,
- * the de-quantized weights are also kept in `keep` (4 rows of k floats) for the pass's other rows. */
+ * the de-quantized weights are also kept in `keep` (4 rows of k floats) for the pass's other rows.
+ * Each run also prefetches its share of the next block of 4 rows (the whole block over the loop):
+ * the hardware prefetcher alone left the loop waiting on memory; a decode step's 211 matrices at 1
+ * row on one thread took 15.7-18.8 ms so against 22.3-23.7 without (minimums of 21, side by side;
+ * 2 blocks ahead or into L2 only measured the same). */
 #define DEFINE_DIRECT(QB, NAME, STORE)                                                                \
     static inline void NAME(int kind, int group, const float *x, int64_t x_t, const uint8_t *w,       \
                             int64_t w_t, int k, float *y, int64_t y_t, float *sc, float *keep) {      \
@@ -178,8 +191,11 @@ static inline __m256 weights8(int kind, const uint8_t *q, int t, __m256 d, __m25
         if (kind == ASYM4) scales4(kind, group, w, w_t, k, sc);                                       \
         int runs = group / RUN, hb = header(kind), rb = run_bytes(kind);                              \
         int64_t bytes = block_bytes(kind, group);                                                     \
+        const char *ahead = (const char *)(w + ROWS * w_t); /* the next block: prefetched a share a run */ \
+        int lines = (int)((ROWS * w_t + 64 * (k / RUN) - 1) / (64 * (k / RUN)));                      \
         for (int e = 0, g = 0, s = 0; e < k; e += RUN) {                                              \
             const uint8_t *q = w + g * bytes + hb + s * rb;                                           \
+            for (int l = 0; l < lines; l++, ahead += 64) _mm_prefetch(ahead, _MM_HINT_T0);           \
             _Pragma("GCC unroll 4") for (int r = 0; r < ROWS; r++) {                                  \
                 __m256 d, mn;                                                                         \
                 if (kind == ASYM4)                                                                    \
@@ -222,21 +238,6 @@ DEFINE_DIRECT(2, direct_2_keep, 1) /* the first 2 rows of a larger pass, keeping
 DEFINE_FLOAT(1)
 DEFINE_FLOAT(2)
 DEFINE_FLOAT(3)
-
-/* The 4 weight rows at w de-quantized into `buf` (4 rows of k floats, 64-byte aligned). */
-static inline void decode4(int kind, int group, const uint8_t *w, int64_t w_t, int k, float *buf) {
-    int64_t bytes = block_bytes(kind, group);
-    for (int r = 0; r < ROWS; r++) {
-        const uint8_t *b = w + r * w_t;
-        for (int e0 = 0; e0 < k; e0 += group, b += bytes) {
-            __m256 d, mn;
-            scales8(kind, b, &d, &mn);
-            const uint8_t *q = b + header(kind);
-            for (int e = e0; e < e0 + group; e += RUN, q += run_bytes(kind))
-                for (int t = 0; t < 4; t++) _mm256_store_ps(buf + r * (int64_t)k + e + 8 * t, weights8(kind, q, t, d, mn));
-        }
-    }
-}
 
 #define DIRECT_ROWS 3 /* passes of up to this many rows de-quantize in registers */
 
@@ -339,8 +340,11 @@ static inline zf table16(int kind, zf d, zf mn) {
         scales4(kind, group, w, w_t, k, sc);                                                          \
         int runs = group / RUN, hb = header(kind), rb = run_bytes(kind);                              \
         int64_t bytes = block_bytes(kind, group);                                                     \
+        const char *ahead = (const char *)(w + ROWS * w_t); /* as the AVX2 loop */                    \
+        int lines = (int)((ROWS * w_t + 64 * (k / RUN) - 1) / (64 * (k / RUN)));                      \
         for (int e = 0, g = 0, s = 0; e < k; e += RUN) {                                              \
             const uint8_t *q = w + g * bytes + hb + s * rb;                                           \
+            for (int l = 0; l < lines; l++, ahead += 64) _mm_prefetch(ahead, _MM_HINT_T0);           \
             _Pragma("GCC unroll 4") for (int r = 0; r < ROWS; r++) {                                  \
                 zf d = z_set1(sc[8 * g + 2 * r]);                                                     \
                 zf table = kind == SYM8 ? d : table16(kind, d, z_set1(sc[8 * g + 2 * r + 1]));        \
@@ -388,6 +392,8 @@ DEFINE_FLOAT512(6)
 static inline void decode4_512(int kind, int group, const uint8_t *w, int64_t w_t, int k, float *buf, float *sc) {
     scales4(kind, group, w, w_t, k, sc);
     int64_t bytes = block_bytes(kind, group);
+    const char *ahead = (const char *)(w + ROWS * w_t);
+    for (int l = 0; l < ROWS * w_t; l += 64) _mm_prefetch(ahead + l, _MM_HINT_T0);
     for (int r = 0; r < ROWS; r++)
         for (int e = 0, g = 0, s = 0; e < k; e += RUN) {
             const uint8_t *q = w + r * w_t + g * bytes + header(kind) + s * run_bytes(kind);
