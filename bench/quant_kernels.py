@@ -7,8 +7,9 @@
   576->49152 output layer) in each block format (q4_0, q4_1, q8_0, int4g64, int8g64; the real
   model's own tensors where it has the format, random blocks otherwise), at each row count, through
   `quantized.linear` and through today's float32 kernel (`native.linear`) on the de-quantized
-  weights. Each figure comes with the format's bytes floor: its bytes over the read bandwidth
-  measured in the same run (sum of a ~500 MB float32 tensor, as bench/engine.py).
+  weights, flushed from the caches before each call. Each figure comes with the format's bytes
+  floor: its bytes over the read bandwidth measured in the same run (sum of a ~500 MB float32
+  tensor, as bench/engine.py).
 - torch: torch's own weight-only CPU operators (`_weight_int4pack_mm_for_cpu`, groups of 32;
   `_weight_int8pack_mm`, a scale per output row: what a kept library offers for `--quantize`), in
   float32 and bfloat16 activations, on the same shapes, against int4g32 (= q4_1) and int8g32 (= q8_0).
@@ -57,13 +58,16 @@ def packaged_path() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def timed(ways: dict, repeats: int) -> dict[str, tuple[float, float]]:
-    """(median, min) seconds of each way, alternating in a random order each round."""
+def timed(ways: dict, repeats: int, before=None) -> dict[str, tuple[float, float]]:
+    """(median, min) seconds of each way, alternating in a random order each round; `before` runs
+    before each timed call (untimed)."""
     for run in ways.values():
         run()
     times: dict[str, list[float]] = {name: [] for name in ways}
     for _ in range(repeats):
         for name, run in random.sample(list(ways.items()), len(ways)):
+            if before is not None:
+                before()
             start = time.perf_counter()
             run()
             times[name].append(time.perf_counter() - start)
@@ -85,6 +89,9 @@ def weight_for(name: str, shape: tuple[int, int], model: quantized.GGUFWeights) 
 
 
 def shape_cells(model, rows: list[int], repeats: int, bandwidth: float) -> list[dict]:
+    """Each shape alone, its weights flushed from the caches before every call (a 64 MB write: twice
+    the largest L3 here), so that they come from memory as in a pass over the whole model."""
+    flush = torch.empty(16_000_000)
     cells = []
     for label, shape in SHAPES.items():
         for name in FORMATS:
@@ -93,7 +100,8 @@ def shape_cells(model, rows: list[int], repeats: int, bandwidth: float) -> list[
             for m in rows:
                 x, out = torch.randn(m, shape[1]), torch.empty(m, shape[0])
                 result = timed({"quant": partial(quantized.linear, x, [weight], out),
-                                "float32": partial(native.linear, x, [dense], out)}, repeats)
+                                "float32": partial(native.linear, x, [dense], out)}, repeats,
+                               before=partial(flush.add_, 1.0))
                 cells.append({"shape": label, "format": name, "rows": m, "bytes": weight.nbytes,
                               "floor_s": weight.nbytes / bandwidth,
                               **{f"{way}_s": med for way, (med, _) in result.items()},
