@@ -90,8 +90,11 @@ def weight_for(name: str, shape: tuple[int, int], model: quantized.GGUFWeights) 
 
 def shape_cells(model, rows: list[int], repeats: int, bandwidth: float) -> list[dict]:
     """Each shape alone, its weights flushed from the caches before every call (a 64 MB write: twice
-    the largest L3 here), so that they come from memory as in a pass over the whole model."""
-    flush = torch.empty(16_000_000)
+    the largest L3 here), so that they come from memory as in a pass over the whole model. The
+    flush is numpy's, on this thread: torch's operators run on torch's own OpenMP pool, whose
+    threads then spin on the cores the kernels' pool (the system's libgomp) needs (a 1536 x 576
+    matrix took 16 ms so on 2 threads)."""
+    flush = np.zeros(16_000_000, dtype=np.float32)
     cells = []
     for label, shape in SHAPES.items():
         for name in FORMATS:
@@ -101,7 +104,7 @@ def shape_cells(model, rows: list[int], repeats: int, bandwidth: float) -> list[
                 x, out = torch.randn(m, shape[1]), torch.empty(m, shape[0])
                 result = timed({"quant": partial(quantized.linear, x, [weight], out),
                                 "float32": partial(native.linear, x, [dense], out)}, repeats,
-                               before=partial(flush.add_, 1.0))
+                               before=partial(np.add, flush, 1.0, out=flush))
                 cells.append({"shape": label, "format": name, "rows": m, "bytes": weight.nbytes,
                               "floor_s": weight.nbytes / bandwidth,
                               **{f"{way}_s": med for way, (med, _) in result.items()},

@@ -133,6 +133,20 @@ def test_float32_is_linear_c_on_the_dequantized_weights(fmt, build):
             assert torch.equal(out[:, :whole], ref[:, :whole]), m
 
 
+@pytest.mark.parametrize("m", [1, 2, 5, 48])
+def test_fused_weights_fill_their_columns_of_one_output(m, build):
+    """q/k/v or gate/up side by side, each in its own format: the same bits as each alone."""
+    parts = [random_weight(quant.Q4_1, 12, 64, seed=1), random_weight(quant.Q8_0, 7, 64, seed=2),
+             random_weight(quant.int4_format(64), 4, 64, seed=3)]
+    x = torch.randn(m, 64)
+    fused = quantized.linear(x, parts, torch.full((m, 23), float("nan")))
+    alone = [quantized.linear(x, [w], torch.empty(m, w.shape[0])) for w in parts]
+    assert torch.equal(fused, torch.cat(alone, dim=1))
+    wide = torch.full((m, 40), float("nan"))  # a view with a row stride larger than its width
+    quantized.linear(x, parts, wide[:, 5:28])
+    assert torch.equal(wide[:, 5:28], fused) and wide[:, :5].isnan().all() and wide[:, 28:].isnan().all()
+
+
 def test_refusals():
     fmt = quant.Q4_1
     with pytest.raises(ValueError, match="uint8"):
