@@ -3,10 +3,11 @@ native kernels (`csrc/quant.c`) that multiply float activations by them.
 
 - `QuantizedWeight`: a matrix `[n, k]` as raw blocks (`specdec.core.quant` formats) with
   `dequantize()`: the float32 matrix transformers' GGUF loader would have made of it.
-- `linear(x, weights, out)`: `out` = `x` times each weight transposed, side by side (the fused
-  q/k/v or gate/up of a layer), like `native.linear` for float32 weights; float32 or float64
-  activations, any number of rows. Every weight is de-quantized in registers to exactly its
-  float32 value; products and sums are in the activations' dtype.
+- `QuantizedProjection(weights)(x, out)`: `out` = `x` times each weight transposed, side by side
+  (the fused q/k/v or gate/up of a layer), like `native.linear` for float32 weights; float32 or
+  float64 activations, any number of rows; `linear(x, weights, out)` the same, prepared for one
+  call. Every weight is de-quantized in registers to exactly its float32 value; products and sums
+  are in the activations' dtype.
 - `embedding(ids, weight)`: rows of a quantized matrix (a tied embedding / LM head).
 - `load_gguf(path)`: a Llama GGUF's tensors under transformers' parameter names, projections as
   `QuantizedWeight`s (q/k rows permuted as transformers permutes them), norms as float32; K-quants
@@ -83,16 +84,27 @@ class QuantizedWeight:
 # --------------------------------------------------------------------------- the kernels
 
 
+class _Spec(ctypes.Structure):
+    """quant.c's `specdec_qweight`: one weight of a call."""
+
+    _fields_ = [("kind", ctypes.c_int32), ("group", ctypes.c_int32), ("n", ctypes.c_int32),
+                ("unused", ctypes.c_int32), ("w_t", ctypes.c_int64), ("column", ctypes.c_int64),
+                ("w", ctypes.c_void_p)]
+
+
+MOST_WEIGHTS = 16  # quant.c's MOST_WEIGHTS: weights one call takes side by side
+
+
 def _library() -> Any:
     lib, why = native.library()
     if lib is None:
         raise RuntimeError(why)
     if not getattr(lib, "_specdec_quant_typed", False):
         i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
-        for name in ("specdec_qlinear_f32", "specdec_qlinear_f64"):
+        for name in ("specdec_qlinear_many_f32", "specdec_qlinear_many_f64"):
             fn = getattr(lib, name)
             fn.restype = i32
-            fn.argtypes = [i32, i32, i32, i32, i32, ptr, i64, ptr, i64, ptr, i64, i32]
+            fn.argtypes = [i32, ptr, i32, i32, ptr, i64, ptr, i64, i32]
         lib.specdec_qrows_f32.restype = i32
         lib.specdec_qrows_f32.argtypes = [i32, i32, i32, ptr, i32, ptr, i64, ptr, i64, i32]
         lib._specdec_quant_typed = True
@@ -108,33 +120,61 @@ def unavailable(fmt: BlockFormat, dtype: torch.dtype) -> str:
     return native.library()[1]
 
 
-def linear(x: torch.Tensor, weights: list[QuantizedWeight], out: torch.Tensor) -> torch.Tensor:
-    """`out` `[m, sum n_i]` = `x` `[m, k]` times each `weights[i]` `[n_i, k]` transposed, side by side;
-    `x` and `out` float32 (float32 sums) or float64 (float64 sums), features contiguous."""
-    lib = _library()
-    m, k = x.shape
-    if x.dtype not in (torch.float32, torch.float64) or out.dtype != x.dtype:
-        raise ValueError("the quantized kernels take float32 or float64 activations and output of their dtype")
-    if x.stride(1) != 1 or out.stride(1) != 1 or out.shape[0] != m:
-        raise ValueError("the quantized kernels take rows with contiguous features, as many out as in")
-    if out.shape[1] != sum(w.shape[0] for w in weights):
-        raise ValueError(f"out has {out.shape[1]} columns for {sum(w.shape[0] for w in weights)} outputs")
-    fn = lib.specdec_qlinear_f32 if x.dtype == torch.float32 else lib.specdec_qlinear_f64
-    column, threads, size = 0, torch.get_num_threads(), x.element_size()
-    for w in weights:
-        if not w.fmt.native:
-            raise ValueError(unavailable(w.fmt, x.dtype))
-        if w.shape[1] != k:
-            raise ValueError(f"{w.fmt.name} {list(w.shape)} against inputs of {k} features")
+class QuantizedProjection:
+    """`x @ W.T` for one quantized weight, or several side by side (a layer's fused q/k/v or gate/up),
+    prepared once: each call is one call into the kernels and one parallel region (a decode step of
+    SmolLM2-135M is 121 of them; `linear` prepares one for each call, ~10 us more). Built where the
+    kernels it calls are the library `native.library()` gives at that moment.
+
+    `sizes`, `width`: each weight's outputs and their sum (the output's columns, weight after weight)."""
+
+    def __init__(self, weights: list[QuantizedWeight]) -> None:
+        if not 1 <= len(weights) <= MOST_WEIGHTS:
+            raise ValueError(f"a projection takes 1 to {MOST_WEIGHTS} weights, not {len(weights)}")
+        self.weights = list(weights)  # keeps the raw blocks alive while the kernel reads them
+        self.k = weights[0].shape[1]
+        self.sizes = [w.shape[0] for w in weights]
+        self.width = sum(self.sizes)
+        specs, column = [], 0
+        for w in weights:
+            if not w.fmt.native:
+                raise ValueError(unavailable(w.fmt, torch.float32))
+            if w.shape[1] != self.k:
+                raise ValueError(f"{w.fmt.name} {list(w.shape)} against inputs of {self.k} features")
+            specs.append(_Spec(_KINDS[w.fmt.kind], w.fmt.group, w.shape[0], 0, w.raw.stride(0), column,
+                               w.raw.data_ptr()))
+            column += w.shape[0]
+        self._specs = (_Spec * len(specs))(*specs)
+        self._address = ctypes.addressof(self._specs)  # passed as an address: converting the array costs ~4 us
+        lib = _library()
+        self._kernels = {torch.float32: lib.specdec_qlinear_many_f32, torch.float64: lib.specdec_qlinear_many_f64}
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """`x` `[m, k]` (float32 or float64, features contiguous) -> `out` `[m, width]` of its dtype."""
+        m = x.size(0)
+        if out is None:
+            out = x.new_empty((m, self.width))
+        fn = self._kernels.get(x.dtype)
+        if fn is None:
+            raise ValueError(unavailable(self.weights[0].fmt, x.dtype))
+        if (out.dtype != x.dtype or x.size(1) != self.k or out.size(0) != m or out.size(1) != self.width
+                or x.stride(1) != 1 or out.stride(1) != 1):
+            raise ValueError(f"the quantized kernels take x [m, {self.k}] and out [m, {self.width}] of one dtype, "
+                             f"features contiguous")
+        threads, size, x_t, y_t = torch.get_num_threads(), x.element_size(), x.stride(0), out.stride(0)
         for start in range(0, m, CHUNK_ROWS):
-            rows = min(CHUNK_ROWS, m - start)
-            code = fn(_KINDS[w.fmt.kind], w.fmt.group, rows, w.shape[0], k, x.data_ptr() + start * x.stride(0) * size,
-                      x.stride(0), w.raw.data_ptr(), w.raw.stride(0),
-                      out.data_ptr() + (start * out.stride(0) + column) * size, out.stride(0), threads)
+            code = fn(len(self._specs), self._address, min(CHUNK_ROWS, m - start), self.k,
+                      x.data_ptr() + start * x_t * size, x_t, out.data_ptr() + start * y_t * size, y_t, threads)
             if code:
                 raise RuntimeError(f"the quantized linear kernel failed ({code})")
-        column += w.shape[0]
-    return out
+        return out
+
+
+def linear(x: torch.Tensor, weights: list[QuantizedWeight], out: torch.Tensor) -> torch.Tensor:
+    """`out` `[m, sum n_i]` = `x` `[m, k]` times each `weights[i]` `[n_i, k]` transposed, side by side;
+    `x` and `out` float32 (float32 sums) or float64 (float64 sums), features contiguous (a
+    `QuantizedProjection` prepared for one call: keep one where the same weights run again)."""
+    return QuantizedProjection(weights)(x, out)
 
 
 def embedding(ids: torch.Tensor, weight: QuantizedWeight, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -453,52 +453,97 @@ static void rows_block_kind(int kind, int group, int m, const float *x, int64_t 
 }
 #endif
 
-int specdec_qlinear_f32(int kind, int group, int m, int n, int k, const float *x, int64_t x_t, const uint8_t *w,
-                        int64_t w_t, float *y, int64_t y_t, int threads) {
-    if (!valid(kind, group, m, n, k)) return -1;
-    int64_t blocks = VECTOR ? n / ROWS : 0;
+/* One weight of a call: its blocks' kind and group, its n rows of `w_t` bytes at w, and the column
+ * of y where its outputs start (the weights of a fused projection, q/k/v or gate/up, side by side). */
+typedef struct {
+    int32_t kind, group, n, unused;
+    int64_t w_t, column;
+    const uint8_t *w;
+} specdec_qweight;
+
+#define MOST_WEIGHTS 16
+
+/* Where flat block b (of ROWS weight rows) or tail row b lies: weight i, its b-th block / tail row. */
+static inline int locate(int count, const int64_t *starts, int64_t *b) {
+    int i = 0;
+    while (i + 1 < count && *b >= starts[i + 1]) i++;
+    *b -= starts[i];
+    return i;
+}
+
+/* y[:, column_i + j] for every weight i of `ws` and row j < n_i: all the weights' blocks of 4 rows
+ * as one range split over the threads (one parallel region a fused projection, not one a weight),
+ * then the rows past their last whole block. */
+int specdec_qlinear_many_f32(int count, const specdec_qweight *ws, int m, int k, const float *x, int64_t x_t,
+                             float *y, int64_t y_t, int threads) {
+    int64_t blocks[MOST_WEIGHTS + 1] = {0}, tails[MOST_WEIGHTS + 1] = {0};
+    size_t need = 0;
+    if (count < 1 || count > MOST_WEIGHTS) return -1;
+    for (int i = 0; i < count; i++) {
+        if (!valid(ws[i].kind, ws[i].group, m, ws[i].n, k)) return -1;
+        int64_t whole = VECTOR ? ws[i].n / ROWS : 0;
+        blocks[i + 1] = blocks[i] + whole;
+        tails[i + 1] = tails[i] + ws[i].n - whole * ROWS;
+        size_t floats = (size_t)(ROWS * k + 8 * (k / ws[i].group));
+        if (floats > need) need = floats;
+    }
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
-        float *buf = scratch((size_t)(ROWS * k + 8 * (k / group)));
+        float *buf = scratch(need);
         if (!buf) {
             failed = 1;
         } else {
 #pragma omp for schedule(static)
-            for (int64_t b = 0; b < blocks; b++)
-                rows_block_kind(kind, group, m, x, x_t, w + b * ROWS * w_t, w_t, k, y + b * ROWS, y_t, buf);
+            for (int64_t f = 0; f < blocks[count]; f++) {
+                int64_t b = f;
+                const specdec_qweight *q = ws + locate(count, blocks, &b);
+                rows_block_kind(q->kind, q->group, m, x, x_t, q->w + b * ROWS * q->w_t, q->w_t, k,
+                                y + q->column + b * ROWS, y_t, buf);
+            }
 #pragma omp for schedule(static)
-            for (int64_t j = blocks * ROWS; j < n; j++) {
-                decode_row(kind, group, w + j * w_t, k, buf);
-                rows_one(m, x, x_t, buf, k, y + j, y_t);
+            for (int64_t f = 0; f < tails[count]; f++) {
+                int64_t j = f;
+                int i = locate(count, tails, &j);
+                const specdec_qweight *q = ws + i;
+                j += (blocks[i + 1] - blocks[i]) * ROWS; /* past the weight's whole blocks */
+                decode_row(q->kind, q->group, q->w + j * q->w_t, k, buf);
+                rows_one(m, x, x_t, buf, k, y + q->column + j, y_t);
             }
         }
     }
     return failed ? -2 : 0;
 }
 
-int specdec_qlinear_f64(int kind, int group, int m, int n, int k, const double *x, int64_t x_t, const uint8_t *w,
-                        int64_t w_t, double *y, int64_t y_t, int threads) {
-    if (!valid(kind, group, m, n, k)) return -1;
+/* The same products with float64 activations and sums (plain loops, one weight row at a time). */
+int specdec_qlinear_many_f64(int count, const specdec_qweight *ws, int m, int k, const double *x, int64_t x_t,
+                             double *y, int64_t y_t, int threads) {
+    int64_t rows[MOST_WEIGHTS + 1] = {0};
+    if (count < 1 || count > MOST_WEIGHTS) return -1;
+    for (int i = 0; i < count; i++) {
+        if (!valid(ws[i].kind, ws[i].group, m, ws[i].n, k)) return -1;
+        rows[i + 1] = rows[i] + ws[i].n;
+    }
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
-        float *row = malloc((size_t)k * sizeof(float));
+        float *row = scratch((size_t)k);
         if (!row) {
             failed = 1;
         } else {
 #pragma omp for schedule(static)
-            for (int64_t j = 0; j < n; j++) {
-                decode_row(kind, group, w + j * w_t, k, row);
+            for (int64_t f = 0; f < rows[count]; f++) {
+                int64_t j = f;
+                const specdec_qweight *q = ws + locate(count, rows, &j);
+                decode_row(q->kind, q->group, q->w + j * q->w_t, k, row);
                 for (int i = 0; i < m; i++) {
                     const double *u = x + i * x_t;
                     double sum = 0;
 #pragma omp simd reduction(+ : sum)
                     for (int e = 0; e < k; e++) sum += u[e] * (double)row[e];
-                    y[i * y_t + j] = sum;
+                    y[i * y_t + q->column + j] = sum;
                 }
             }
-            free(row);
         }
     }
     return failed ? -2 : 0;
