@@ -491,18 +491,19 @@ int specdec_qlinear_many_f32(int count, const specdec_qweight *ws, int m, int k,
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
         float *buf = scratch(need);
-        if (!buf) {
-            failed = 1;
-        } else {
+        failed = !buf; /* every thread still meets both loops (OpenMP requires it), skipping their work */
 #pragma omp for schedule(static)
-            for (int64_t f = 0; f < blocks[count]; f++) {
+        for (int64_t f = 0; f < blocks[count]; f++) {
+            if (buf) {
                 int64_t b = f;
                 const specdec_qweight *q = ws + locate(count, blocks, &b);
                 rows_block_kind(q->kind, q->group, m, x, x_t, q->w + b * ROWS * q->w_t, q->w_t, k,
                                 y + q->column + b * ROWS, y_t, buf);
             }
+        }
 #pragma omp for schedule(static)
-            for (int64_t f = 0; f < tails[count]; f++) {
+        for (int64_t f = 0; f < tails[count]; f++) {
+            if (buf) {
                 int64_t j = f;
                 int i = locate(count, tails, &j);
                 const specdec_qweight *q = ws + i;
@@ -528,11 +529,10 @@ int specdec_qlinear_many_f64(int count, const specdec_qweight *ws, int m, int k,
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
         float *row = scratch((size_t)k);
-        if (!row) {
-            failed = 1;
-        } else {
+        failed = !row;
 #pragma omp for schedule(static)
-            for (int64_t f = 0; f < rows[count]; f++) {
+        for (int64_t f = 0; f < rows[count]; f++) {
+            if (row) {
                 int64_t j = f;
                 const specdec_qweight *q = ws + locate(count, rows, &j);
                 decode_row(q->kind, q->group, q->w + j * q->w_t, k, row);
