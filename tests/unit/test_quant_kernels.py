@@ -237,3 +237,49 @@ def test_quantize_linears_quantizes_each_weight_once(tiny_model):
     torch.testing.assert_close(quantized.linear(x, [w], torch.empty(3, w.shape[0])), x @ w.dequantize().T)
     original = lm.model.layers[0].mlp.up_proj.weight.detach()
     assert float((w.dequantize() - original).abs().max()) < float(original.abs().max()) / 7
+
+
+def test_load_gguf_keeps_kernel_formats_as_blocks_and_dequantizes_k_quants(tmp_path, caplog):
+    """A small Llama GGUF written here: q8_0 and q4_0 projections stay blocks (q and k with
+    transformers' row order), a q4_k one is de-quantized at load and said so, norms are float32,
+    the embedding doubles as the head when the file has no output weight."""
+    import gguf
+
+    rng = np.random.default_rng(4)
+    path = tmp_path / "tiny.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_head_count(4)
+    writer.add_head_count_kv(2)
+    shapes = {"blk.0.attn_q.weight": (32, 256, quant.Q8_0), "blk.0.attn_k.weight": (16, 256, quant.Q4_0),
+              "blk.0.ffn_up.weight": (8, 256, quant.Q4_K), "token_embd.weight": (10, 256, quant.Q8_0)}
+    blocks = {}
+    for name, (n, k, fmt) in shapes.items():
+        raw = rng.integers(0, 256, size=(n * fmt.row_bytes(k) // fmt.nbytes, fmt.nbytes), dtype=np.uint8)
+        for at in (0, 2) if fmt.kind == "q4_k" else (0,):
+            raw[:, at:at + 2] = rng.uniform(-1, 1, (raw.shape[0], 1)).astype(np.float16).view(np.uint8)
+        blocks[name] = raw.reshape(n, -1)
+        writer.add_tensor(name, blocks[name], raw_shape=blocks[name].shape,
+                          raw_dtype=gguf.GGMLQuantizationType(fmt.ggml))
+    writer.add_tensor("blk.0.attn_norm.weight", np.linspace(0, 1, 256, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    with caplog.at_level("INFO", logger="specdec.runtime.quantized"):
+        loaded = quantized.load_gguf(path)
+    t = loaded.tensors
+    q, k = t["model.layers.0.self_attn.q_proj.weight"], t["model.layers.0.self_attn.k_proj.weight"]
+    assert isinstance(q, quantized.QuantizedWeight) and q.fmt is quant.Q8_0 and q.shape == (32, 256)
+    assert torch.equal(q.raw, torch.from_numpy(blocks["blk.0.attn_q.weight"])[quantized.unpermute_rows(32, 4)])
+    assert k.fmt is quant.Q4_0
+    assert torch.equal(k.dequantize(), quant.dequantize(blocks["blk.0.attn_k.weight"], quant.Q4_0, (16, 256))
+                       [quantized.unpermute_rows(16, 2)])
+    up = t["model.layers.0.mlp.up_proj.weight"]
+    assert isinstance(up, torch.Tensor) and up.dtype == torch.float32
+    assert torch.equal(up, quant.dequantize(blocks["blk.0.ffn_up.weight"], quant.Q4_K, (8, 256)))
+    assert loaded.dequantized == {"model.layers.0.mlp.up_proj.weight": "Q4_K"}
+    assert "de-quantized to float32 at load (no native kernel for Q4_K)" in caplog.text
+    norm = torch.from_numpy(np.linspace(0, 1, 256, dtype=np.float32))
+    assert torch.equal(t["model.layers.0.input_layernorm.weight"], norm)
+    assert t["lm_head.weight"] is t["model.embed_tokens.weight"]
