@@ -38,7 +38,7 @@ from specdec.runtime.engine_options import LINEAR_MAX_ROWS
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("attend.c", "linear.c")  # compiled and linked into one library
+SOURCES = ("attend.c", "linear.c", "quant.c")  # compiled and linked into one library
 HEADERS = ("simd.h", "status.h", "attend_impl.h")  # included by them
 _FLAGS = ["-O3", "-ffast-math", "-fopenmp", "-fPIC", "-std=gnu11"]
 NATIVE = ["-march=native", "-mtune=generic"]
