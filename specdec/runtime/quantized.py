@@ -166,7 +166,7 @@ class QuantizedProjection:
             code = fn(len(self._specs), self._address, min(CHUNK_ROWS, m - start), self.k,
                       x.data_ptr() + start * x_t * size, x_t, out.data_ptr() + start * y_t * size, y_t, threads)
             if code:
-                raise RuntimeError(f"the quantized linear kernel failed ({code})")
+                raise RuntimeError(f"the quantized linear kernel failed ({native.KernelStatus(code).name})")
         return out
 
 
@@ -191,7 +191,7 @@ def embedding(ids: torch.Tensor, weight: QuantizedWeight, out: torch.Tensor | No
                                         weight.raw.data_ptr(), weight.raw.stride(0), out.data_ptr(), out.stride(0),
                                         torch.get_num_threads())
     if code:
-        raise RuntimeError(f"the quantized row kernel failed ({code})")
+        raise RuntimeError(f"the quantized row kernel failed ({native.KernelStatus(code).name})")
     return out
 
 

@@ -39,6 +39,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "status.h"
+
 #define SYM4 0
 #define ASYM4 1
 #define SYM8 2
@@ -478,9 +480,9 @@ int specdec_qlinear_many_f32(int count, const specdec_qweight *ws, int m, int k,
                              float *y, int64_t y_t, int threads) {
     int64_t blocks[MOST_WEIGHTS + 1] = {0}, tails[MOST_WEIGHTS + 1] = {0};
     size_t need = 0;
-    if (count < 1 || count > MOST_WEIGHTS) return -1;
+    if (count < 1 || count > MOST_WEIGHTS) return SPECDEC_BAD_SHAPE;
     for (int i = 0; i < count; i++) {
-        if (!valid(ws[i].kind, ws[i].group, m, ws[i].n, k)) return -1;
+        if (!valid(ws[i].kind, ws[i].group, m, ws[i].n, k)) return SPECDEC_BAD_SHAPE;
         int64_t whole = VECTOR ? ws[i].n / ROWS : 0;
         blocks[i + 1] = blocks[i] + whole;
         tails[i + 1] = tails[i] + ws[i].n - whole * ROWS;
@@ -513,16 +515,16 @@ int specdec_qlinear_many_f32(int count, const specdec_qweight *ws, int m, int k,
             }
         }
     }
-    return failed ? -2 : 0;
+    return failed ? SPECDEC_NO_MEMORY : SPECDEC_OK;
 }
 
 /* The same products with float64 activations and sums (plain loops, one weight row at a time). */
 int specdec_qlinear_many_f64(int count, const specdec_qweight *ws, int m, int k, const double *x, int64_t x_t,
                              double *y, int64_t y_t, int threads) {
     int64_t rows[MOST_WEIGHTS + 1] = {0};
-    if (count < 1 || count > MOST_WEIGHTS) return -1;
+    if (count < 1 || count > MOST_WEIGHTS) return SPECDEC_BAD_SHAPE;
     for (int i = 0; i < count; i++) {
-        if (!valid(ws[i].kind, ws[i].group, m, ws[i].n, k)) return -1;
+        if (!valid(ws[i].kind, ws[i].group, m, ws[i].n, k)) return SPECDEC_BAD_SHAPE;
         rows[i + 1] = rows[i] + ws[i].n;
     }
     int failed = 0;
@@ -546,15 +548,15 @@ int specdec_qlinear_many_f64(int count, const specdec_qweight *ws, int m, int k,
             }
         }
     }
-    return failed ? -2 : 0;
+    return failed ? SPECDEC_NO_MEMORY : SPECDEC_OK;
 }
 
 /* out[r] = the de-quantized weight row rows[r] (r < count): the embedding's gather, or a whole
  * matrix de-quantized (rows 0 .. n - 1). */
 int specdec_qrows_f32(int kind, int group, int count, const int64_t *rows, int k, const uint8_t *w, int64_t w_t,
                       float *out, int64_t out_t, int threads) {
-    if (!valid(kind, group, 1, 1, k) || count < 0) return -1;
+    if (!valid(kind, group, 1, 1, k) || count < 0) return SPECDEC_BAD_SHAPE;
 #pragma omp parallel for schedule(static) num_threads(threads) if (count > 64)
     for (int r = 0; r < count; r++) decode_row(kind, group, w + rows[r] * w_t, k, out + r * out_t);
-    return 0;
+    return SPECDEC_OK;
 }
