@@ -221,7 +221,8 @@ class ModelServiceConfig(RedisClientOptions, ServiceConfig, DeviceOption):
     prefill_chunk_tokens: int = Field(
         512, ge=0, description="Most prompt tokens one forward pass prefills, over all its sessions (0: no limit); a "
         "longer prompt is prefilled over several passes, each shared with the running sessions' steps, so its "
-        "arrival delays them by a bounded amount."
+        "arrival delays them by a bounded amount. A prompt scored for its log-probabilities (echo, prompt_logprobs) "
+        "goes the same way, at most 512 positions a pass whatever the limit."
     )
     prefix_redis_url: str = Field(
         "", description="Redis URL through which replicas share prefix blocks (empty: each replica keeps its own): "
