@@ -102,7 +102,8 @@ def main() -> None:
     args = parser.parse_args()
 
     plan = PipelineSpec(log_dir=tempfile.mkdtemp(prefix="bench-worst-"), orchestrator_port=free_port(),
-                        draft_port=free_port(), target_port=free_port(), redis_port=free_port(), http_port=free_port())
+                        draft_port=free_port(), target_port=free_port(), redis_port=free_port(), http_port=free_port(),
+                        extra_http_args=["--request-timeout-s", str(args.timeout_s)])  # slow machines finish too
     pipeline = Pipeline(plan)
     pipeline.start(echo=lambda *_: None)
     pids = {name: proc.pid for name, proc in pipeline.procs.items() if name in WATCHED}

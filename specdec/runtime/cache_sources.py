@@ -18,7 +18,9 @@ session's pass for one session's round trips:
   not saved (the writer is behind; the session re-prefills if it comes back).
 
 Every source is an optimisation: anything missing is prefilled, and a failure is logged, never
-raised to a request.
+raised to a request. Nothing read is trusted: every tensor is checked against the model's
+`KVLayout` as it is decoded, here, before anything is staged for a pass; a malformed snapshot is
+deleted from Redis and counted (`rejected_snapshots`; the prefix store counts its own).
 """
 
 from __future__ import annotations
@@ -32,10 +34,11 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.errors import FailedPrecondition
 from specdec.runtime.cache_table import Entry, common_prefix_length
 from specdec.runtime.prefix_cache import PrefixCache
 from specdec.runtime.prefix_store import FetchedRun, RedisPrefixStore
-from specdec.runtime.snapshot_codec import decode_layers, encode_layers, host_join
+from specdec.runtime.snapshot_codec import KVLayout, MalformedKV, decode_layers, encode_layers, host_join
 from specdec.runtime.snapshot_store import SnapshotPolicy
 
 log = logging.getLogger(__name__)
@@ -76,9 +79,12 @@ class CacheSources:
     owner's lock: single dict lookups, and a stale answer only makes a fetch larger or smaller)."""
 
     def __init__(self, snapshots: SnapshotPolicy | None = None, prefix_store: RedisPrefixStore | None = None,
-                 prefix: PrefixCache | None = None, max_pending_saves: int = 2) -> None:
+                 prefix: PrefixCache | None = None, max_pending_saves: int = 2, layout: KVLayout | None = None) -> None:
+        """`layout`: the model's keys/values, which everything fetched must fit (`SessionCaches` passes it)."""
         if prefix_store is not None and prefix is None:
             raise ValueError("a prefix store shares the prefix cache's blocks: it needs a prefix cache")
+        self.layout = layout
+        self.rejected_snapshots = 0  # snapshots found malformed (and deleted)
         self.snapshots = snapshots
         self.prefix_store = prefix_store
         self.prefix = prefix
@@ -132,7 +138,15 @@ class CacheSources:
             blob = policy.store.get(session_id)
             if blob is None:
                 return None
-            tokens, layers = decode_layers(blob, policy.identity)
+            tokens, layers = decode_layers(blob, policy.identity, self.layout)
+        except MalformedKV as exc:  # corrupt: nobody can use it
+            self.rejected_snapshots += 1
+            log.warning("snapshot of %s is malformed (%s): deleted, re-prefilling", session_id, exc)
+            policy.store.delete(session_id)
+            return None
+        except FailedPrecondition as exc:  # another model's or format's: left to its replicas
+            log.info("snapshot of %s not restored (%s); re-prefilling", session_id, exc)
+            return None
         except Exception as exc:  # noqa: BLE001 - a snapshot is an optimisation: fall back to prefill
             log.warning("snapshot of %s not restored (%s); re-prefilling", session_id, exc)
             return None
@@ -149,13 +163,16 @@ class CacheSources:
         local = prefix.match(needed, count=False)
         if len(needed) // block * block - local.length < store.min_tokens:
             return None
-        runs = store.lookup([name for _, name in prefix.chain(needed, local)])
+        names = [name for _, name in prefix.chain(needed, local)]
+        runs = store.lookup(names)
         if sum(run.blocks for run in runs) * block < store.min_tokens:
             return None
         fetched: list[FetchedRun] = []
         start = local.length
         for run in runs:
-            one = store.fetch(run, block, start, needed[start : start + run.blocks * block])
+            first = (start - local.length) // block
+            one = store.fetch(run, block, start, needed[start : start + run.blocks * block],
+                              names[first : first + run.blocks], self.layout)
             if one is None:
                 break
             fetched.append(one)

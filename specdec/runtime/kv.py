@@ -44,7 +44,7 @@ from specdec.runtime.kv_buffer import SessionKV
 from specdec.runtime.packed import PackedRow, build_forward, kv_geometry
 from specdec.runtime.prefix_cache import PrefixCache
 from specdec.runtime.prefix_store import RedisPrefixStore
-from specdec.runtime.snapshot_codec import encode_layers
+from specdec.runtime.snapshot_codec import KVLayout, encode_layers
 from specdec.runtime.snapshot_store import SnapshotPolicy
 
 if TYPE_CHECKING:
@@ -128,8 +128,11 @@ class SessionCaches:
         self.model, self.max_context = model, max_context
         self.device, self.dtype, self.vocab_size = head.device, head.dtype, head.shape[0]  # inputs go to the weights
         budget = default_budget_bytes(self.device) if budget_bytes is None else budget_bytes
+        layers, kv_heads, head_dim = kv_geometry(model)
+        self.layout = KVLayout(layers, kv_heads, head_dim, self.dtype, self.vocab_size, max_context)
         self.table = CacheTable(self._new_cache, budget, max_sessions, idle_ttl_s, prefix_cache, self.device)
-        self.sources = CacheSources(snapshots, prefix_store, prefix_cache) if snapshots or prefix_store else None
+        self.sources = (CacheSources(snapshots, prefix_store, prefix_cache, layout=self.layout)
+                        if snapshots or prefix_store else None)
         if self.sources is not None:
             self.table.on_evict = self.sources.save
             if prefix_store is not None:
@@ -165,6 +168,16 @@ class SessionCaches:
     def evictions(self) -> int:
         """Sessions evicted to make room under the budget."""
         return self.table.evictions
+
+    @property
+    def rejected(self) -> dict[str, int]:
+        """Entries read from Redis that were malformed and dropped, by source ("snapshot", "prefix")."""
+        out = {}
+        if self.sources is not None and self.sources.snapshots is not None:
+            out["snapshot"] = self.sources.rejected_snapshots
+        if self.prefix_store is not None:
+            out["prefix"] = self.prefix_store.rejected
+        return out
 
     @property
     def prefix(self) -> PrefixCache | None:
@@ -315,6 +328,8 @@ class SessionCaches:
         """A new session's entry, added to the table: its restored snapshot, or the shared prefix
         blocks of `needed` held here or fetched from other replicas, or nothing."""
         fetched = self.sources.take(session_id, needed) if self.sources is not None else None
+        if fetched is not None and not self._fits(fetched):
+            fetched = None  # checked when decoded; this is the invariant the pass relies on, kept here too
         if isinstance(fetched, Restore):
             entry = self.table.restored(fetched.tokens, fetched.layers)
             assert self.snapshots is not None
@@ -323,6 +338,20 @@ class SessionCaches:
             entry = self.table.start(needed, fetched.runs if isinstance(fetched, SharedPrefix) else ())
         self.table.add(session_id, entry)
         return entry
+
+    def _fits(self, fetched: Restore | SharedPrefix) -> bool:
+        """Whether fetched keys/values are exactly the model's: its layers, dtype, heads and head_dim, as
+        many positions as tokens, head_dim contiguous (a restore's `[1, H, T, D]`, a run's `[H, n, D]`)."""
+        layout = self.layout
+
+        def fits(pairs: list[tuple[torch.Tensor, torch.Tensor]], *shape: int) -> bool:
+            return len(pairs) == layout.layers and all(
+                part.dtype == layout.dtype and tuple(part.shape) == shape and part.stride(-1) == 1
+                for pair in pairs for part in pair)
+
+        if isinstance(fetched, Restore):
+            return fits(fetched.layers, 1, layout.kv_heads, len(fetched.tokens), layout.head_dim)
+        return all(fits(run.layers, layout.kv_heads, len(run.tokens), layout.head_dim) for run in fetched.runs)
 
     def _count_fetched(self, tokens: int) -> None:
         """A segment fetched from other replicas joined the prefix cache (GetInfo counts them)."""

@@ -24,10 +24,11 @@ from specdec.runtime.grammars import SessionGrammars
 from specdec.runtime.kv import SessionCaches
 from specdec.runtime.latency import LatencyProfile
 from specdec.runtime.models import LoadedModel, load_model
+from specdec.runtime.packed import kv_geometry
 from specdec.runtime.prefix_cache import PrefixCache
 from specdec.runtime.prefix_store import RedisPrefixStore
 from specdec.runtime.snapshot_codec import SnapshotIdentity
-from specdec.runtime.snapshot_store import RedisSnapshotStore, SnapshotPolicy
+from specdec.runtime.snapshot_store import CHUNK_BYTES, RedisSnapshotStore, SnapshotPolicy, snapshot_max_bytes
 from specdec.server.admission import Admission
 from specdec.server.config import ModelServiceConfig
 from specdec.server.metrics import ServiceMetrics
@@ -121,8 +122,14 @@ def snapshot_policy(config: ModelServiceConfig, loaded: LoadedModel, role: str,
     if not config.snapshot_redis_url:
         return None
     client = client or connect(config.redis_settings(config.snapshot_redis_url))
-    return SnapshotPolicy(RedisSnapshotStore(client, role, config.snapshot_ttl_s), model_identity(loaded),
-                          config.snapshot_min_tokens)
+    store = RedisSnapshotStore(client, role, config.snapshot_ttl_s, CHUNK_BYTES, largest_snapshot(loaded))
+    return SnapshotPolicy(store, model_identity(loaded), config.snapshot_min_tokens)
+
+
+def largest_snapshot(loaded: LoadedModel) -> int:
+    """Bytes of the largest KV blob the loaded model makes: what its stores read at most from Redis."""
+    layers, kv_heads, head_dim = kv_geometry(loaded.model)
+    return snapshot_max_bytes(layers, kv_heads, head_dim, loaded.dtype.itemsize, loaded.max_context)
 
 
 def model_identity(loaded: LoadedModel) -> SnapshotIdentity:
@@ -163,7 +170,7 @@ def session_caches(config: ModelServiceConfig, loaded: LoadedModel, role: str) -
         store = None
         if config.prefix_redis_url:
             store = RedisPrefixStore(clients[config.prefix_redis_url], role, model_identity(loaded),
-                                     config.prefix_ttl_s, config.prefix_min_fetch_tokens)
+                                     config.prefix_ttl_s, config.prefix_min_fetch_tokens, largest_snapshot(loaded))
         caches = SessionCaches(loaded.model, loaded.max_context, config.max_sessions, config.idle_ttl_s,
                                snapshot_policy(config, loaded, role, clients.get(config.snapshot_redis_url)),
                                budget_bytes=config.kv_cache_bytes or None,
