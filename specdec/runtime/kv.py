@@ -26,13 +26,13 @@ publishes new prefix blocks. It makes no network call. A row refused for room
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import psutil
 import torch
 
 from specdec.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
@@ -41,6 +41,7 @@ from specdec.runtime.cache_table import CacheTable, Entry, common_prefix_length
 from specdec.runtime.engine_options import EngineOptions
 from specdec.runtime.engine_plan import plan_engine
 from specdec.runtime.kv_buffer import SessionKV
+from specdec.runtime.memory import available_bytes
 from specdec.runtime.packed import PackedRow, build_forward, kv_geometry
 from specdec.runtime.prefix_cache import PrefixCache
 from specdec.runtime.prefix_store import RedisPrefixStore
@@ -49,6 +50,8 @@ from specdec.runtime.snapshot_store import SnapshotPolicy
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
+
+log = logging.getLogger(__name__)
 
 __all__ = ["PREFILL_ALONE_ABOVE", "PUBLISH_ABOVE", "ScoreRequest", "Scored", "SessionCaches", "common_prefix_length",
            "default_budget_bytes"]
@@ -64,19 +67,24 @@ publishes its history's new whole blocks to the prefix cache; decode rounds publ
 session's prefix stays a handful of segments."""
 
 CPU_BUDGET_FRACTION = 0.5
-"""Default KV budget on a CPU: this fraction of the memory available when the service starts."""
+"""Default KV budget on a CPU: this fraction of the memory available when the service starts (the
+machine's, or its container's limit less what it holds, whichever is smaller)."""
 GPU_BUDGET_FRACTION = 0.9
 """Default KV budget on a GPU: this fraction of the device memory free after the weights loaded."""
 
 
 def default_budget_bytes(device: torch.device | str) -> int:
-    """The KV budget a service gets when none is configured, from the machine it runs on."""
+    """The KV budget a service gets when none is configured, from the machine it runs on: on a CPU, a
+    fraction of the memory it can still take, its container's limit included (`memory.available_bytes`)."""
     device = torch.device(device)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free * GPU_BUDGET_FRACTION)
-    available = psutil.virtual_memory().available
-    return int(available * CPU_BUDGET_FRACTION)
+    available, source = available_bytes()
+    budget = int(available * CPU_BUDGET_FRACTION)
+    log.info("KV budget: %d bytes, %.0f%% of %d available (%s); --kv-cache-bytes sets it", budget,
+             100 * CPU_BUDGET_FRACTION, available, source)
+    return budget
 
 
 @dataclass(frozen=True)

@@ -181,7 +181,8 @@ class ModelServiceConfig(RedisClientOptions, ServiceConfig, DeviceOption):
     idle_ttl_s: float = Field(900.0, gt=0, description="Seconds an unused session cache is kept.")
     kv_cache_bytes: int = Field(
         0, ge=0, description="Bytes of keys/values held at most, sessions' and shared prefixes' (0: derived from the "
-        "machine: half the memory available at start on a CPU, 0.9 of the GPU memory free after loading). When full, "
+        "machine: on a CPU half the memory available at start, or of the container's memory limit (cgroup v1 or v2) "
+        "less what it holds when that is smaller; 0.9 of the GPU memory free after loading). When full, "
         "unused prefixes and idle sessions are evicted (least recently used first), else RESOURCE_EXHAUSTED."
     )
     prefix_cache: bool = Field(
