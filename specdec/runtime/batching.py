@@ -220,6 +220,16 @@ class Batcher:
         """Jobs in the current batch."""
         return len(self._active)
 
+    def stalled_for(self, now: float | None = None) -> float:
+        """Seconds work has waited on the model thread with no pass completing: since the later of the
+        last pass's end and the submission of the oldest job that is running or could run (not one
+        still fetching its cache); 0 when none waits. A health check reads it (on the event loop)."""
+        now = time.monotonic() if now is None else now
+        waiting = [job.enqueued for job in (*self._active, *self._pending) if job.ready and not job.done]
+        if not waiting:
+            return 0.0
+        return max(0.0, now - max(self._last_step_end, min(waiting)))
+
     # -- the API a servicer uses ----------------------------------------------------------------
 
     async def run(self, job: Job) -> tuple[Any, StepInfo]:

@@ -267,6 +267,12 @@ class ModelServiceConfig(RedisClientOptions, ServiceConfig, DeviceOption):
     max_batch: MaxBatch
     batch_window_ms: BatchWindowMs
     max_concurrent: int = Field(64, ge=1, description="Admission: requests served at once; more wait in the queue.")
+    health_stall_s: float = Field(
+        60.0, gt=0, description="Health reports NOT_SERVING while work has waited this many seconds on the model "
+        "thread with no forward pass completing (a stalled model thread then fails Kubernetes' probes instead of "
+        "answering SERVING); SERVING again once a pass completes. Above the longest pass: a prefill chunk of "
+        "--prefill-chunk-tokens at the longest context."
+    )
     max_queued: int = Field(
         256, ge=0, description="Admission: requests that may wait; beyond, RESOURCE_EXHAUSTED with a retry hint."
     )

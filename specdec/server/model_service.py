@@ -204,10 +204,26 @@ def batcher_for(config: ModelServiceConfig, caches: SessionCaches, profile: Late
     return batcher
 
 
+def model_stall(batcher: Batcher, deadline_s: float) -> Callable[[], str | None]:
+    """A health check: why the service cannot serve (its model thread has completed no pass for
+    `deadline_s` while work waits), or None."""
+
+    def why() -> str | None:
+        stalled = batcher.stalled_for()
+        if stalled <= deadline_s:
+            return None
+        return (f"the model thread has completed no pass for {stalled:.0f} s while work waits "
+                f"(--health-stall-s {deadline_s:g})")
+
+    return why
+
+
 async def serve_model_service(config: ModelServiceConfig, servicer: ModelServicer, metrics: ServiceMetrics,
                               register: Callable[[grpc.aio.Server], None], service_name: str,
                               description: str) -> None:
-    """Start the metrics endpoint (its port goes into GetInfo) and serve `servicer` until signalled."""
+    """Start the metrics endpoint (its port goes into GetInfo) and serve `servicer` until signalled; its
+    health says NOT_SERVING while its model thread is stalled (`model_stall`)."""
     servicer.info.metrics_port = start_metrics(metrics.registry, config.host, config.metrics_port)
+    check = model_stall(servicer.batcher, config.health_stall_s) if servicer.batcher is not None else None
     await serve_servicer(config.address, register, service_name, description,
-                         credentials=server_credentials_of(config))
+                         credentials=server_credentials_of(config), health_check=check)
