@@ -139,7 +139,8 @@ class SessionCaches:
         layers, kv_heads, head_dim = kv_geometry(model)
         self.layout = KVLayout(layers, kv_heads, head_dim, self.dtype, self.vocab_size, max_context)
         self.table = CacheTable(self._new_cache, budget, max_sessions, idle_ttl_s, prefix_cache, self.device)
-        self.sources = (CacheSources(snapshots, prefix_store, prefix_cache, layout=self.layout)
+        self.sources = (CacheSources(snapshots, prefix_store, prefix_cache, layout=self.layout,
+                                     max_staged_bytes=budget // 2)
                         if snapshots or prefix_store else None)
         if self.sources is not None:
             self.table.on_evict = self.sources.save

@@ -151,3 +151,32 @@ async def test_the_stall_clock_counts_only_work_the_model_thread_owes(tiny_model
     await job
     assert batcher.stalled_for() == 0.0
     await batcher.close()
+
+
+async def test_new_sessions_do_not_queue_behind_fetches_from_a_redis_that_does_not_answer(tiny_model, redis_url):
+    """Fetches run one at a time on the I/O thread, each Redis call bounded by the timeout: against a
+    Redis that answers nothing, every new session's fetch would wait out its calls' timeouts behind the
+    others'. After a fetch fails, the sources stop asking for a while (doubling), and new sessions
+    prefill at once."""
+    r = redis.Redis.from_url(redis_url)
+    r.flushdb()
+    rng = random.Random(5)
+    identity = SnapshotIdentity(model="tiny", dtype="float64", fingerprint="fp",
+                                layers=tiny_model.config.num_hidden_layers)
+    client = connect(RedisSettings(url=redis_url, timeout_s=1.0, connect_timeout_s=1.0))
+    reader = SessionCaches(tiny_model, 512,
+                           snapshots=SnapshotPolicy(RedisSnapshotStore(client, "target", 60), identity, 32),
+                           prefix_cache=PrefixCache(8),
+                           prefix_store=RedisPrefixStore(client, "target", identity, 60, min_tokens=32))
+    batcher = Batcher(reader, BatchConfig(8, 0.0))
+    histories = {f"new{i}": [rng.randrange(3, 100) for _ in range(60)] for i in range(6)}
+    pause_s = 6.0
+    r.client_pause(int(pause_s * 1000), all=True)
+    started = time.monotonic()
+    results = await asyncio.gather(*(batcher.run(ScoreJob(sid, h, [])) for sid, h in histories.items()))
+    took = time.monotonic() - started
+    await asyncio.sleep(max(0.0, pause_s + 0.2 - took))  # Redis answers again before the next test
+    await batcher.close()
+    for history, (result, _) in zip(histories.values(), results):
+        torch.testing.assert_close(result.logits, full_logits(tiny_model, history)[-1:], rtol=0, atol=1e-9)
+    assert took < 4.0, f"{len(histories)} new sessions took {took:.1f} s behind fetches that time out after 1 s"
