@@ -37,9 +37,11 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
                                           LogprobRequest(request.top_logprobs, self.logprobs_mode), params, deadline)
             job.enqueued = arrived
             job.sent_unix_ns = request.sent_unix_ns
-            entries, step = await self.batcher.run(job)
-        return target_pb2.ScoreTokensResponse(logprobs=[logprobs_to_pb(e) for e in entries],
-                                              compute_ns=step.compute_ns)
+            entries, compute_ns = [], 0
+            async for step_entries, step in self.batcher.stream(job):  # a step's positions at a time
+                entries.extend(logprobs_to_pb(e) for e in step_entries)
+                compute_ns += step.compute_ns
+        return target_pb2.ScoreTokensResponse(logprobs=entries, compute_ns=compute_ns)
 
     @grpc_errors
     async def Verify(self, request: target_pb2.VerifyRequest, context):
