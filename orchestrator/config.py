@@ -128,8 +128,19 @@ class OrchestratorConfig(ServiceConfig):
         True, description="Append each finished generation's output tokens to a capped Redis stream that draft "
         "replicas running --proposer suffix read, so a pattern one session produced speeds up the next on any "
         "replica; written only while a draft replica reports reading it (nothing is stored behind other drafts; "
-        "named explicitly with a draft that keeps no corpus, or none, it is refused at start). "
-        "Output stays lossless either way; turn it off where tenants must not share even a speed-up."
+        "named explicitly with a draft that keeps no corpus, or none, it is refused at start). An output drafts "
+        "only requests of its own corpus group (--corpus-groups; by default each caller identity is a group of "
+        "its own, and without tokens all callers are one). Within a group sharing reveals outputs: every chunk's "
+        "round statistics show what the draft proposed and what was accepted, so a caller probing with greedy "
+        "decoding and a logit_bias can read the group's earlier outputs token by token, and timing shows whether "
+        "a text was generated recently. Output stays lossless either way; turn it off where callers of one group "
+        "must not learn each other's outputs."
+    )
+    corpus_groups: str = Field(
+        "", description="Identities whose outputs may draft each other's requests (see --share-outputs): "
+        "'GROUP=NAME,NAME;GROUP=NAME', names as --auth-tokens-file gives them (token-<12 hex> for an unnamed "
+        "token), '*' for every identity named nowhere else. Empty: each identity is its own group. Group only "
+        "callers that may read each other's outputs."
     )
     max_concurrent: int = Field(
         256, ge=1, description="Admission: generations running at once; more wait in the queue."
@@ -137,6 +148,14 @@ class OrchestratorConfig(ServiceConfig):
     max_queued: int = Field(
         256, ge=0, description="Admission: generations waiting for a slot; beyond this RESOURCE_EXHAUSTED at once."
     )
+
+    @field_validator("corpus_groups")
+    @classmethod
+    def _corpus_groups(cls, value: str) -> str:
+        from orchestrator.corpus import CorpusGroups
+
+        CorpusGroups.parse(value)  # ValueError names what is wrong
+        return value
 
     @field_validator("redis_cluster_nodes", "redis_sentinels")
     @classmethod
