@@ -27,7 +27,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from specdec.core.grammar import GrammarState, apply_mask
+from specdec.core.grammar import GrammarState
 from specdec.core.ngram import propose_ngram
 from specdec.core.processors import process_block
 from specdec.core.sampling import DRAFT_STREAM, SamplingParams, derive_generator, logits_to_probs, sample
@@ -83,9 +83,8 @@ def draft_token(logits: torch.Tensor, context: list[int], params: SamplingParams
     """The next draft token after `context` from the last row of `logits [n, V]`, and its q row when
     sampling. The logits processors see `context`, and `grammar` (at the end of `context`) masks the
     row, exactly as the target's row for this position will be; `grammar` then takes the token."""
-    last = process_block(logits[-1:], context, [], params)  # [1, V]
-    if grammar is not None:
-        last = apply_mask(last, grammar.allowed()[None, :last.shape[1]])
+    allowed = None if grammar is None else grammar.allowed()[None, :logits.shape[1]]  # [1, V]
+    last = process_block(logits[-1:], context, [], params, allowed)  # [1, V]
     token, q = _pick(last, params, generator)
     if grammar is not None:
         with contextlib.suppress(ValueError):  # after an end of sequence nothing follows: the state stays there

@@ -246,3 +246,16 @@ def test_processors_with_prompt_lookup_equal_the_target_alone(ngram_pipeline, re
         got = client.generate(prompt_ids, max_new_tokens=24, temperature=0, draft_length=3, repetition_penalty=1.3,
                               logit_bias={biased: -3.5})
     assert got.token_ids == expected and got.stats["draft_tokens"] > 0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_a_grammar_that_ends_before_min_tokens_wins(http_pipeline, reference, temperature):
+    """min_tokens holds back the end of sequence while the output is shorter, but where the grammar
+    allows nothing else (it is complete) the grammar wins: the output ends there, with EOS, shorter
+    than min_tokens, instead of drawing from a row where nothing is allowed."""
+    with Client(orchestrator_address(http_pipeline)) as client:
+        for seed in range(3):
+            out = client.generate("Answer: ", max_new_tokens=20, min_tokens=10, temperature=temperature, seed=seed,
+                                  draft_length=4, grammar=("choice", json.dumps(["yes", "no"])))
+            assert out.text in ("yes", "no") and out.finish_reason == "eos", (out.text, out.finish_reason)
+            assert out.token_ids[-1] in reference.loaded.eos_token_ids
