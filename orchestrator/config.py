@@ -84,6 +84,12 @@ class OrchestratorConfig(ServiceConfig):
     max_new_tokens_limit: int = Field(4096, ge=1, description="Largest max_new_tokens a request may ask for.")
     max_stop_strings: int = Field(16, ge=0, description="Most stop strings per request.")
     max_stop_length: int = Field(256, ge=1, description="Longest stop string, in characters.")
+    max_grammar_bytes: int = Field(
+        64 * 1024, ge=1, le=256 * 1024, description="Largest grammar (JSON schema, regex, Lark or GBNF text) a "
+        "request may send, in bytes (at most 256 KiB: what draft and target accept). Grammars are also bounded in "
+        "nesting (100 levels), in the grammar engine's work, and to 10 s of compiling; past any bound, "
+        "INVALID_ARGUMENT naming it."
+    )
     max_prompt_tokens: int | None = Field(
         None, ge=1, description="Most tokens a request's input may have (unset: what the model's context holds)."
     )

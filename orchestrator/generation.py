@@ -28,6 +28,7 @@ from orchestrator.store import GenerationRecord, SessionState, SessionStore
 from specdec.core.policy import PolicyConfig
 from specdec.core.sampling import SamplingParams
 from specdec.errors import SpecdecError
+from specdec.runtime.grammars import check_grammar
 from specdec.server.admission import Admission
 from specdec.server.limits import check_session_id
 from specdec.server.metrics import OrchestratorMetrics, SpecDecodingStats
@@ -87,6 +88,7 @@ class Orchestrator:
 
     async def _generate(self, spec: GenerationSpec, deadline: float | None, timer) -> AsyncIterator[pb.GenerateChunk]:
         start = time.perf_counter()
+        await check_grammar(spec.params, self.requests.grammar_limits)  # compiled off the event loop, time-bounded
         state = await (self.sessions.resume(spec) if spec.resume_from is not None else self.sessions.open(spec))
         owner = state.generation.owner
         finish = pb.FINISH_REASON_UNSPECIFIED

@@ -171,10 +171,13 @@ class DraftEnv:
         return self.grammars
 
     async def forced(self, request: DraftRequest) -> list[int]:
-        """The tokens the request's grammar forces (none without one), at most `k`."""
+        """The tokens the request's grammar forces (none without one), at most `k`. The grammar is
+        compiled first, on the grammar worker (`SessionGrammars.prepare`): never on this worker
+        thread, where it would hold up every other session's proposals."""
         spec = request.grammar
         if spec is None:
             return []
+        await self._grammars().prepare(spec)
         return await self.run(self._grammars().forced, request.session_id, spec, request.output, request.k)
 
     async def fork(self, request: DraftRequest) -> GrammarState | None:
