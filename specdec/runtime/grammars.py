@@ -119,16 +119,21 @@ class GrammarWorker:
         started: list[float] = []  # the worker appends when it starts the work
         self._jobs.put((fn, future, started))
         wrapped = asyncio.wrap_future(future)
-        while True:
-            left = None if not started else started[0] + self.timeout_s - time.monotonic()
-            done, _ = await asyncio.wait({wrapped}, timeout=0.05 if left is None else max(left, 0.0))
-            if done:
-                return wrapped.result()
-            if started and time.monotonic() - started[0] >= self.timeout_s:
-                self._too_slow[key] = None
-                while len(self._too_slow) > self._remember:
-                    self._too_slow.popitem(last=False)
-                raise InvalidArgument(f"{what}: compiling it took over {self.timeout_s:g} s (the limit); simplify it")
+        try:
+            while True:
+                left = None if not started else started[0] + self.timeout_s - time.monotonic()
+                done, _ = await asyncio.wait({wrapped}, timeout=0.05 if left is None else max(left, 0.0))
+                if done:
+                    return wrapped.result()
+                if started and time.monotonic() - started[0] >= self.timeout_s:
+                    self._too_slow[key] = None
+                    while len(self._too_slow) > self._remember:
+                        self._too_slow.popitem(last=False)
+                    raise InvalidArgument(f"{what}: compiling it took over {self.timeout_s:g} s (the limit); "
+                                          "simplify it")
+        except asyncio.CancelledError:
+            wrapped.cancel()  # its caller left: work not started yet is dropped
+            raise
 
 
 _WORKER: GrammarWorker | None = None
@@ -147,13 +152,19 @@ async def check_grammar(params: SamplingParams, limits: GrammarLimits) -> None:
     `limits`: the cheap checks here, the compile without a tokenizer on the `GrammarWorker` (the
     orchestrator's check: the services compile it for their tokenizer)."""
     spec = grammar_of(params)
-    if spec is None:
+    if spec is None or (spec, limits) in _CHECKED:
         return
     try:
         spec.check(limits)
         await worker().run(spec, lambda: spec.validate(limits))
     except ValueError as exc:
         raise InvalidArgument(f"grammar: {exc}") from None
+    _CHECKED[spec, limits] = None  # the same schema comes again and again: checked once
+    while len(_CHECKED) > 256:
+        _CHECKED.popitem(last=False)
+
+
+_CHECKED: OrderedDict[tuple[GrammarSpec, GrammarLimits], None] = OrderedDict()  # used from the event loop only
 
 
 async def prepare(grammars: SessionGrammars | None, params: SamplingParams | None) -> None:

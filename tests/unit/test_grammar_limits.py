@@ -151,3 +151,15 @@ async def test_the_orchestrators_check_refuses_with_the_grammar_named():
         await check_grammar(params, GrammarLimits())
     await check_grammar(SamplingParams(grammar_kind="regex", grammar_text="[0-9]+"), GrammarLimits())
     await check_grammar(SamplingParams(), GrammarLimits())  # no grammar: nothing to check
+
+
+async def test_work_whose_caller_left_before_it_started_is_dropped():
+    worker = GrammarWorker(timeout_s=5)
+    ran = []
+    first = asyncio.ensure_future(worker.run("a", lambda: time.sleep(0.3)))
+    await asyncio.sleep(0.05)
+    second = asyncio.ensure_future(worker.run("b", lambda: ran.append("b")))
+    await asyncio.sleep(0.05)
+    second.cancel()  # its client went away while it queued
+    await first
+    assert await worker.run("c", lambda: "c") == "c" and ran == []
