@@ -35,7 +35,7 @@ class DraftServicer(ModelServicer, draft_pb2_grpc.DraftServiceServicer):
         deadline = deadline_of(context)
         async with self.admission.slot(deadline, context):
             drafts = self.drafter.stream(request.session_id, history, request.num_tokens, params, request.seed,
-                                         deadline, arrived, request.sent_unix_ns)
+                                         deadline, arrived, request.sent_unix_ns, request.corpus_group)
             index = 0
             async for draft, step in drafts:
                 yield draft_pb2.Proposal(

@@ -145,15 +145,17 @@ class DraftBackend(_ModelBackend):
 
     async def propose(self, session_id: str, history: list[int], k: int, params: SamplingParams,
                       seed: int, fingerprint: str, into: DraftReply | None = None,
-                      progress: asyncio.Event | None = None, timeout: float | None = None) -> DraftReply:
+                      progress: asyncio.Event | None = None, timeout: float | None = None,
+                      corpus_group: str = "") -> DraftReply:
         """Collect the streamed proposals (into `into`, as they arrive, if given).
 
-        `timeout` is what is left of the request's deadline (the call's own limit if shorter).
+        `timeout` is what is left of the request's deadline (the call's own limit if shorter);
+        `corpus_group`: whose earlier outputs may draft it (orchestrator.corpus).
         """
         start = time.perf_counter_ns()
         request = draft_pb2.ProposeRequest(
             session_id=session_id, history=history, num_tokens=k, sampling=sampling_to_pb(params),
-            seed=seed, tokenizer_fingerprint=fingerprint, sent_unix_ns=time.time_ns(),
+            seed=seed, tokenizer_fingerprint=fingerprint, sent_unix_ns=time.time_ns(), corpus_group=corpus_group,
         )
         proposal = into if into is not None else DraftReply()
         try:

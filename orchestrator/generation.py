@@ -15,6 +15,7 @@ import time
 from collections.abc import AsyncIterator
 
 from orchestrator.config import OrchestratorConfig
+from orchestrator.corpus import CorpusGroups
 from orchestrator.detokenizer import Detokenizer
 from orchestrator.draft_length import DraftLengthController, within_budget
 from orchestrator.loop import Round, Speculator
@@ -27,6 +28,7 @@ from orchestrator.store import GenerationRecord, SessionState, SessionStore
 from specdec.core.policy import PolicyConfig
 from specdec.core.sampling import SamplingParams
 from specdec.errors import SpecdecError
+from specdec.runtime.grammars import check_grammar
 from specdec.server.admission import Admission
 from specdec.server.limits import check_session_id
 from specdec.server.metrics import OrchestratorMetrics, SpecDecodingStats
@@ -59,6 +61,7 @@ class Orchestrator:
         self.sessions = Sessions(store, config.session_lease_s, self.max_context, self.eos_ids)
         self.policy_config = PolicyConfig(k_max=config.max_draft_length, ewma=config.policy_ewma,
                                           explore_every=config.policy_explore_every, overlap=config.overlap)
+        self.corpus_groups = CorpusGroups.parse(config.corpus_groups)  # whose outputs may draft whose requests
 
     def parse(self, request: pb.GenerateRequest, principal: str = "") -> GenerationSpec:
         return self.requests.parse(request, principal)
@@ -85,6 +88,7 @@ class Orchestrator:
 
     async def _generate(self, spec: GenerationSpec, deadline: float | None, timer) -> AsyncIterator[pb.GenerateChunk]:
         start = time.perf_counter()
+        await check_grammar(spec.params, self.requests.grammar_limits)  # compiled off the event loop, time-bounded
         state = await (self.sessions.resume(spec) if spec.resume_from is not None else self.sessions.open(spec))
         owner = state.generation.owner
         finish = pb.FINISH_REASON_UNSPECIFIED
@@ -136,7 +140,7 @@ class Orchestrator:
                                        self.draft.sources if self.draft is not None else ())
         speculator = Speculator(state.session_id, SamplingParams(**state.sampling), state.seed, self.draft,
                                 self.target, self.fingerprint, overlap=self.config.overlap, deadline=deadline,
-                                top_logprobs=gen.top_logprobs)
+                                top_logprobs=gen.top_logprobs, corpus_group=self.corpus_groups.of(state.principal))
         first, round_end = True, None
         try:
             while not gen.finish:
@@ -218,7 +222,7 @@ class Orchestrator:
         if self.config.kv_snapshots:
             self._save_snapshots(state.session_id)
         if self._shareable(gen) and sent and self.draft is not None and self.draft.reads_shared_outputs:
-            self._spawn(self._publish(state.tokens[gen.start:]))
+            self._spawn(self._publish(state.tokens[gen.start:], self.corpus_groups.of(state.principal)))
         chunk.text = text.release(final=True)
         chunk.stats.CopyFrom(gen.stats(sent, state.seed))
         timer.observe_finish(gen.finish_label, chunk.stats.prompt_tokens, sent)
@@ -273,12 +277,12 @@ class Orchestrator:
         for pool in self._pools():
             self._spawn(pool.save_snapshot(session_id))
 
-    async def _publish(self, output: list[int]) -> None:
-        """--share-outputs: offer the output to the suffix indexes of the draft replicas that read the
-        outputs stream (best effort; with no such replica nothing is written: no tenant's output sits in
-        Redis for nobody)."""
+    async def _publish(self, output: list[int], group: str) -> None:
+        """--share-outputs: offer the output to the suffix corpus of its corpus group (`group`, from the
+        session's principal: orchestrator.corpus) in the draft replicas that read the outputs stream (best
+        effort; with no such replica nothing is written: no tenant's output sits in Redis for nobody)."""
         try:
-            await self.store.publish_output(output)
+            await self.store.publish_output(output, group)
         except SpecdecError as exc:
             log.info("could not share a finished output: %s", exc)
 

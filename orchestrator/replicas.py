@@ -142,7 +142,8 @@ class Drafts(Pool, Protocol):
 
     async def propose(self, session_id: str, history: list[int], k: int, params: SamplingParams, seed: int,
                       fingerprint: str, into: DraftReply | None = None,
-                      progress: asyncio.Event | None = None, timeout: float | None = None) -> DraftReply: ...
+                      progress: asyncio.Event | None = None, timeout: float | None = None,
+                      corpus_group: str = "") -> DraftReply: ...
 
 
 class ReplicaPool(Generic[B]):
@@ -446,14 +447,16 @@ class DraftPool(ReplicaPool[DraftBackend]):
 
     async def propose(self, session_id: str, history: list[int], k: int, params: SamplingParams, seed: int,
                       fingerprint: str, into: DraftReply | None = None,
-                      progress: asyncio.Event | None = None, timeout: float | None = None) -> DraftReply:
+                      progress: asyncio.Event | None = None, timeout: float | None = None,
+                      corpus_group: str = "") -> DraftReply:
         replica = self.pick(session_id)
         if replica is None:
             raise DraftUnavailable("no healthy draft replica")
         replica.in_flight += 1
         try:
             proposal = await replica.backend.propose(session_id, history, k, params, seed, fingerprint,
-                                                     into=into, progress=progress, timeout=timeout)
+                                                     into=into, progress=progress, timeout=timeout,
+                                                     corpus_group=corpus_group)
         except DraftReleased:
             raise  # the session's caches were released after the call was sent: the replica is fine
         except DraftUnavailable as exc:

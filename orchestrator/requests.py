@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 
 from orchestrator.chat import first_turn, next_turn
 from orchestrator.config import OrchestratorConfig
-from specdec.core.grammar import GrammarSpec
+from specdec.core.grammar import DEFAULT_LIMITS, GrammarLimits, GrammarSpec
 from specdec.core.logprobs import MAX_TOP_LOGPROBS
 from specdec.core.sampling import SamplingParams
 from specdec.errors import FailedPrecondition, InvalidArgument
@@ -55,9 +55,11 @@ def parse_resume(request: pb.GenerateRequest) -> GenerationSpec:
 
 
 def parse_sampling(request: pb.GenerateRequest, end_ids: set[int] = frozenset(),
-                   vocab_size: int | None = None) -> SamplingParams:
+                   vocab_size: int | None = None, grammar_limits: GrammarLimits = DEFAULT_LIMITS) -> SamplingParams:
     """The request's sampling parameters and logits processors; `end_ids` are the tokens `min_tokens`
-    holds back (end of sequence and the request's stop token ids)."""
+    holds back (end of sequence and the request's stop token ids). A grammar is checked here against
+    `grammar_limits` only (size, nesting); compiling it is `specdec.runtime.grammars.check_grammar`'s
+    work, off the event loop."""
     temperature = request.temperature if request.HasField("temperature") else 0.0
     top_p = request.top_p if request.HasField("top_p") else 1.0
     top_k = request.top_k if request.HasField("top_k") else 0
@@ -73,7 +75,7 @@ def parse_sampling(request: pb.GenerateRequest, end_ids: set[int] = frozenset(),
     kind, text = request.grammar.kind, request.grammar.text
     if kind or text:
         try:
-            GrammarSpec(kind, text).validate()
+            GrammarSpec(kind, text).check(grammar_limits)
         except ValueError as exc:
             raise InvalidArgument(f"grammar: {exc}") from exc
     params = SamplingParams(
@@ -104,6 +106,7 @@ class RequestParser:
         self.max_context = max_context
         self.eos_ids = eos_ids
         self.vocab_size = vocab_size
+        self.grammar_limits = GrammarLimits(max_bytes=config.max_grammar_bytes)
 
     def parse(self, request: pb.GenerateRequest, principal: str = "") -> GenerationSpec:
         if request.session_id:
@@ -113,7 +116,7 @@ class RequestParser:
         score_only = request.prompt_logprobs and request.HasField("max_new_tokens") and request.max_new_tokens == 0
         max_new = 0 if score_only else self._max_new_tokens(request)
         stop_ids = self._token_ids("stop_token_ids", request.stop_token_ids)
-        params = parse_sampling(request, self.eos_ids | set(stop_ids), self.vocab_size)
+        params = parse_sampling(request, self.eos_ids | set(stop_ids), self.vocab_size, self.grammar_limits)
         k = self._draft_length(request)
         share = self._share_output(request)
         stop = self._stop(request)

@@ -39,7 +39,7 @@ from redis.exceptions import (
     TryAgainError,
 )
 
-from specdec.core.suffix import encode_output
+from specdec.core.suffix import encode_entry
 from specdec.errors import Aborted, Unavailable
 from specdec.keys import PRIOR_KEY, session_meta_key, session_tokens_key, suffix_outputs_key
 from specdec.v1 import orchestrator_pb2 as pb
@@ -259,8 +259,9 @@ class SessionStore(Protocol):
 
     async def save_prior(self, prior: dict) -> None: ...
 
-    async def publish_output(self, tokens: list[int]) -> None:
-        """Offer a finished generation's output to every draft replica's suffix index (evictable)."""
+    async def publish_output(self, tokens: list[int], group: str = "") -> None:
+        """Offer a finished generation's output to the suffix corpus of corpus group `group` in every
+        draft replica (evictable)."""
 
     async def close(self) -> None: ...
 
@@ -341,10 +342,11 @@ class RedisSessionStore:
         removed = await self._call(lambda: self.redis.delete(*keys))
         return removed > 0
 
-    async def publish_output(self, tokens: list[int]) -> None:
-        """Append to the capped stream the suffix-speculation draft replicas read (suffix_outputs_key)."""
-        data = encode_output(tokens)
-        await self._call(lambda: self.redis.xadd(suffix_outputs_key(), {"tokens": data},
+    async def publish_output(self, tokens: list[int], group: str = "") -> None:
+        """Append to the capped stream the suffix-speculation draft replicas read (suffix_outputs_key),
+        with its corpus group (`encode_entry`)."""
+        fields = encode_entry(tokens, group)
+        await self._call(lambda: self.redis.xadd(suffix_outputs_key(), fields,
                                                  maxlen=SHARED_OUTPUTS_MAXLEN, approximate=True))
 
     async def close(self) -> None:

@@ -131,15 +131,18 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_down(args: argparse.Namespace) -> int:
-    from specdec.launcher import state_file, stop_pids
+    from specdec.launcher import state_file, stop_recorded
 
     path = state_file()
     if not path.exists():
         print("no detached pipeline is running (nothing to stop)")
         return 0
     state = json.loads(path.read_text())
-    stop_pids(state["pids"])
+    left = stop_recorded(state)
     path.unlink()
+    for name in left:
+        print(f"{name}: pid {state['pids'][name]} is no longer the process `specdec up` started (it exited, or "
+              "the id now belongs to another process, e.g. after a reboot): left alone")
     print("pipeline stopped")
     return 0
 

@@ -8,6 +8,7 @@ from specdec.core.logprobs import MAX_TOP_LOGPROBS
 from specdec.errors import InvalidArgument
 from specdec.rpc_errors import grpc_errors
 from specdec.runtime.batching import Batcher
+from specdec.runtime.grammars import prepare
 from specdec.runtime.verifier import LogprobRequest, Verifier
 from specdec.server.admission import Admission, deadline_of
 from specdec.server.model_service import ModelServicer
@@ -33,6 +34,7 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
             raise InvalidArgument(f"top_logprobs must be 0..{MAX_TOP_LOGPROBS}, got {request.top_logprobs}")
         deadline = deadline_of(context)
         async with self.admission.slot(deadline, context):
+            await prepare(self.verifier.grammars, params)  # compiled off the model thread
             job = self.verifier.score_job(request.session_id, list(request.tokens), request.start,
                                           LogprobRequest(request.top_logprobs, self.logprobs_mode), params, deadline)
             job.enqueued = arrived
@@ -55,6 +57,7 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
         q = probs_from_bytes(request.draft_probs, len(draft_tokens), self.info.vocab_size)
         deadline = deadline_of(context)
         async with self.admission.slot(deadline, context):
+            await prepare(self.verifier.grammars, params)  # compiled off the model thread
             job = self.verifier.job(request.session_id, list(request.history), draft_tokens, q, params,
                                     request.seed, deadline, logprobs)
             job.enqueued = arrived  # the queue wait includes the admission queue

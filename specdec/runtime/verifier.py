@@ -13,7 +13,6 @@ import numpy as np
 import torch
 
 from specdec.core.acceptance import Verdict, verify
-from specdec.core.grammar import apply_mask
 from specdec.core.logprobs import TokenLogprob, logprobs_of
 from specdec.core.processors import process_block
 from specdec.core.sampling import TARGET_STREAM, SamplingParams, derive_generator
@@ -41,12 +40,11 @@ def target_rows(logits: torch.Tensor, session_id: str, context: list[int], block
     """Rows `[N, V]` of the target's logits as the target alone would sample them: row i after
     `context + block[:i]`, through the processors and, when the request has one, the grammar (over the
     output part: it starts at `params.output_start`, within `context`)."""
-    logits = process_block(logits, context, block, params)
     spec = grammar_of(params)
     if spec is None or grammars is None or len(context) < params.output_start:
-        return logits
+        return process_block(logits, context, block, params)
     masks = grammars.block_masks(session_id, spec, context[params.output_start:], block)  # [len(block) + 1, V]
-    return apply_mask(logits, masks[:logits.shape[0]])
+    return process_block(logits, context, block, params, masks[:logits.shape[0]])
 
 
 @dataclass(frozen=True)

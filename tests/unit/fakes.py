@@ -26,6 +26,7 @@ class InMemorySessionStore:
         self._sessions: dict[str, tuple[int, str, list[int]]] = {}  # id -> (version, record, tokens)
         self._prior: str | None = None
         self.published: list[list[int]] = []
+        self.published_groups: list[str] = []  # the corpus group of each published output
         self.down = False
 
     def _check(self) -> None:
@@ -62,9 +63,10 @@ class InMemorySessionStore:
         self._check()
         self._prior = json.dumps(prior)
 
-    async def publish_output(self, tokens: list[int]) -> None:
+    async def publish_output(self, tokens: list[int], group: str = "") -> None:
         self._check()
         self.published.append(list(tokens))
+        self.published_groups.append(group)
 
     async def close(self) -> None:
         pass
@@ -144,10 +146,12 @@ class FakeDraft(_FakePool):
         self.fail = fail
         self.available = available
         self.calls: list[tuple[int, int]] = []  # (len(history), k)
+        self.corpus_groups: list[str] = []  # the corpus group of each call
 
     async def propose(self, session_id, history, k, params, seed, fingerprint, into=None, progress=None,
-                      timeout=None) -> DraftReply:
+                      timeout=None, corpus_group="") -> DraftReply:
         self.calls.append((len(history), k))
+        self.corpus_groups.append(corpus_group)
         if self.fail == "released":
             raise DraftReleased("the session's caches were released")
         if self.fail:
