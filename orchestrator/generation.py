@@ -165,7 +165,9 @@ class Orchestrator:
         entries = list(reply.logprobs)
         if first == 0:  # nothing precedes a session's first token: rank 0, no log-probability
             entries.insert(0, common_pb2.TokenLogprobs(token_id=state.tokens[0]))
-        return pb.GenerateChunk(session_id=state.session_id, prompt_logprobs=[self._named(e) for e in entries])
+        # A whole prompt's tokens and their alternatives: decoded off the event loop.
+        named = await asyncio.to_thread(lambda: [self._named(e) for e in entries])
+        return pb.GenerateChunk(session_id=state.session_id, prompt_logprobs=named)
 
     async def _score_only_end(self, state: SessionState, timer) -> pb.GenerateChunk:
         """The end of a request that asked for no new tokens (max_new_tokens 0 with prompt_logprobs)."""
@@ -181,21 +183,22 @@ class Orchestrator:
                         deadline: float | None) -> list[pb.GenerateChunk]:
         """A resume: catch the detokenizer up to what the client holds, then send what it lacks
         (nothing when it holds all of a generation still running), with log-probabilities when the
-        generation asked for them (the target scores the tokens again: the rounds' are not kept)."""
+        generation asked for them (the target scores the tokens again: the rounds' are not kept).
+        The whole generation so far is decoded here, off the event loop."""
         gen = state.generation
         produced = state.tokens[gen.start:]
-        text.replay(produced[:sent], self.eos_ids)
+        await asyncio.to_thread(text.replay, produced[:sent], self.eos_ids)
         text.release()
         if sent == len(produced) and not gen.finish:
             return []
-        text.replay(produced[sent:], self.eos_ids)
+        await asyncio.to_thread(text.replay, produced[sent:], self.eos_ids)
         chunk = pb.GenerateChunk(session_id=state.session_id, token_ids=produced[sent:], offset=sent,
                                  finish_reason=gen.finish, text=text.release(final=bool(gen.finish)))
         if gen.top_logprobs is not None:
             reply = await self.target.score(state.session_id, state.tokens, gen.start + sent, gen.top_logprobs,
                                             SamplingParams(**state.sampling),
                                             timeout=None if deadline is None else deadline - time.monotonic())
-            chunk.logprobs.extend(self._named(e) for e in reply.logprobs)
+            chunk.logprobs.extend(await asyncio.to_thread(lambda: [self._named(e) for e in reply.logprobs]))
         if gen.finish:
             chunk.stats.CopyFrom(gen.stats(len(produced), state.seed))
             timer.observe_finish(gen.finish_label, gen.prompt_tokens, len(produced) - sent)
