@@ -94,6 +94,15 @@ class OrchestratorConfig(ServiceConfig):
         16, ge=0, description="Generations one token may run at once on this replica (0 = no limit; not applied "
         "without --auth-tokens-file/env)."
     )
+    max_closes_per_s: float = Field(
+        10.0, ge=0, description="CloseSession calls one token (without tokens: one client address) may make per "
+        "second on this replica, in bursts of up to twice as many; each sends a Release to every replica "
+        "(RESOURCE_EXHAUSTED with a retry hint beyond; 0 = no limit)."
+    )
+    status_cache_s: float = Field(
+        1.0, ge=0, description="Seconds GetStatus reuses a replica's last GetInfo answer (concurrent callers share "
+        "one call), so GetStatus never fans out to every replica more often; 0 asks on every call."
+    )
     auth_tokens_file: str = Field(
         "", description="File of accepted bearer tokens, one per line: TOKEN or NAME:TOKEN. With none (here or in "
         "--auth-tokens-env) the API is open."

@@ -22,7 +22,7 @@ from orchestrator.replicas import Drafts, Pool, Targets
 from orchestrator.requests import GenerationSpec, RequestParser
 from orchestrator.sessions import Sessions
 from orchestrator.sources import controller_for
-from orchestrator.status import Counters
+from orchestrator.status import BackendProbes, Counters
 from orchestrator.store import GenerationRecord, SessionState, SessionStore
 from specdec.core.policy import PolicyConfig
 from specdec.core.sampling import SamplingParams
@@ -59,6 +59,7 @@ class Orchestrator:
         self.sessions = Sessions(store, config.session_lease_s, self.max_context, self.eos_ids)
         self.policy_config = PolicyConfig(k_max=config.max_draft_length, ewma=config.policy_ewma,
                                           explore_every=config.policy_explore_every, overlap=config.overlap)
+        self.probes = BackendProbes(self.backends, config.status_cache_s)  # GetStatus's look at the replicas
 
     def parse(self, request: pb.GenerateRequest, principal: str = "") -> GenerationSpec:
         return self.requests.parse(request, principal)
@@ -242,12 +243,14 @@ class Orchestrator:
     # -- sessions and caches ----------------------------------------------------------------
 
     async def close_session(self, session_id: str, principal: str = "") -> bool:
+        """Delete the session and free its caches on every replica; False (and no call to any replica)
+        for a session that does not exist, or is another identity's."""
         check_session_id(session_id)
-        allowed, state = await self.sessions.closable(session_id, principal)
-        if not allowed:
-            return False  # another identity's session: as if it did not exist
+        state = await self.sessions.closable(session_id, principal)
+        if state is None:
+            return False
         closed = await self.store.delete(session_id)
-        await self._release_caches(session_id, forget_output=not self._shareable(state and state.generation))
+        await self._release_caches(session_id, forget_output=not self._shareable(state.generation))
         return closed
 
     def _shareable(self, gen: GenerationRecord | None) -> bool:

@@ -18,7 +18,7 @@ from specdec.errors import Unavailable
 from specdec.runtime.models import load_tokenizer, tokenizer_fingerprint
 from specdec.server.auth import AuthInterceptor, Tokens
 from specdec.server.interceptors import DecodeGuard
-from specdec.server.limits import ConcurrencyLimit, PerIdentityLimit
+from specdec.server.limits import ConcurrencyLimit, PerIdentityLimit, PerIdentityRate, RateLimit
 from specdec.server.serving import StartupError, run_main, serve_servicer, start_metrics
 from specdec.server.tls import ClientTLS, server_credentials_of
 from specdec.server.tracing import ServerTracing
@@ -141,7 +141,8 @@ def public_api_security(config: OrchestratorConfig) -> dict:
                     "reaches it", config.auth_tokens_env)
     return dict(credentials=credentials,
                 interceptors=[ServerTracing(logging.INFO), AuthInterceptor(tokens),
-                              ConcurrencyLimit(PerIdentityLimit(config.max_concurrent_per_token)), DecodeGuard()],
+                              ConcurrencyLimit(PerIdentityLimit(config.max_concurrent_per_token)),
+                              RateLimit(PerIdentityRate(config.max_closes_per_s, "--max-closes-per-s")), DecodeGuard()],
                 options=[("grpc.max_receive_message_length", config.max_message_bytes)])
 
 

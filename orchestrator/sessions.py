@@ -117,8 +117,8 @@ class Sessions:
             log.info("could not release the lease of %s: %s", session_id, exc)
         return owned
 
-    async def closable(self, session_id: str, principal: str) -> tuple[bool, SessionState | None]:
-        """Whether `principal` may close the session (theirs, or none at all: another identity's
-        session looks as if it did not exist), and its state."""
+    async def closable(self, session_id: str, principal: str) -> SessionState | None:
+        """The session `principal` may close: theirs; None when it does not exist or is another
+        identity's (which looks as if it did not exist)."""
         state = await self.store.load(session_id)
-        return state is None or state.principal == principal, state
+        return state if state is not None and state.principal == principal else None
