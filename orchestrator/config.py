@@ -84,6 +84,15 @@ class OrchestratorConfig(ServiceConfig):
     max_new_tokens_limit: int = Field(4096, ge=1, description="Largest max_new_tokens a request may ask for.")
     max_stop_strings: int = Field(16, ge=0, description="Most stop strings per request.")
     max_stop_length: int = Field(256, ge=1, description="Longest stop string, in characters.")
+    max_stop_token_ids: int = Field(256, ge=0, description="Most stop_token_ids per request.")
+    max_logit_bias: int = Field(
+        1024, ge=0, description="Most logit_bias entries per request (it is kept with the session and sent to each "
+        "draft and target replica once)."
+    )
+    max_grammar_bytes: int = Field(
+        65536, ge=0, description="Largest grammar (JSON schema, regex, choices, Lark or EBNF text) per request, in "
+        "UTF-8 bytes (kept with the session and sent to each draft and target replica once)."
+    )
     max_prompt_tokens: int | None = Field(
         None, ge=1, description="Most tokens a request's input may have (unset: what the model's context holds)."
     )

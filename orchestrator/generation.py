@@ -25,7 +25,6 @@ from orchestrator.sources import controller_for
 from orchestrator.status import BackendProbes, Counters
 from orchestrator.store import GenerationRecord, SessionState, SessionStore
 from specdec.core.policy import PolicyConfig
-from specdec.core.sampling import SamplingParams
 from specdec.errors import SpecdecError
 from specdec.server.admission import Admission
 from specdec.server.limits import check_session_id
@@ -135,7 +134,7 @@ class Orchestrator:
         gen, drafting = state.generation, self.draft is not None
         lengths = await controller_for(state, self.store, self.policy_config, drafting,
                                        self.draft.sources if self.draft is not None else ())
-        speculator = Speculator(state.session_id, SamplingParams(**state.sampling), state.seed, self.draft,
+        speculator = Speculator(state.session_id, state.sampling_params(), state.seed, self.draft,
                                 self.target, self.fingerprint, overlap=self.config.overlap, deadline=deadline,
                                 top_logprobs=gen.top_logprobs)
         first, round_end = True, None
@@ -197,7 +196,7 @@ class Orchestrator:
                                  finish_reason=gen.finish, text=text.release(final=bool(gen.finish)))
         if gen.top_logprobs is not None:
             reply = await self.target.score(state.session_id, state.tokens, gen.start + sent, gen.top_logprobs,
-                                            SamplingParams(**state.sampling),
+                                            state.sampling_params(),
                                             timeout=None if deadline is None else deadline - time.monotonic())
             chunk.logprobs.extend(await asyncio.to_thread(lambda: [self._named(e) for e in reply.logprobs]))
         if gen.finish:

@@ -113,6 +113,7 @@ class RequestParser:
         score_only = request.prompt_logprobs and request.HasField("max_new_tokens") and request.max_new_tokens == 0
         max_new = 0 if score_only else self._max_new_tokens(request)
         stop_ids = self._token_ids("stop_token_ids", request.stop_token_ids)
+        self._check_sizes(request, stop_ids)
         params = parse_sampling(request, self.eos_ids | set(stop_ids), self.vocab_size)
         k = self._draft_length(request)
         share = self._share_output(request)
@@ -130,6 +131,21 @@ class RequestParser:
             logprobs=request.logprobs, top_logprobs=top, prompt_logprobs=request.prompt_logprobs,
             share_output=share,
         )
+
+    def _check_sizes(self, request: pb.GenerateRequest, stop_ids: list[int]) -> None:
+        """What a request keeps in its session and sends on with every round is bounded (the record
+        and the calls must not grow with what a client chooses to send)."""
+        cfg = self.config
+        if len(stop_ids) > cfg.max_stop_token_ids:
+            raise InvalidArgument(f"stop_token_ids has {len(stop_ids)} ids; the limit is "
+                                  f"--max-stop-token-ids={cfg.max_stop_token_ids}")
+        if len(request.logit_bias) > cfg.max_logit_bias:
+            raise InvalidArgument(f"logit_bias has {len(request.logit_bias)} entries; the limit is "
+                                  f"--max-logit-bias={cfg.max_logit_bias}")
+        size = len(request.grammar.text.encode())
+        if size > cfg.max_grammar_bytes:
+            raise InvalidArgument(f"grammar text has {size} bytes; the limit is --max-grammar-bytes="
+                                  f"{cfg.max_grammar_bytes}: send a smaller schema or grammar")
 
     def _share_output(self, request: pb.GenerateRequest) -> bool:
         if not request.HasField("share_output"):

@@ -13,7 +13,7 @@ from orchestrator.discovery import locality_from_env
 from orchestrator.generation import Orchestrator
 from orchestrator.replicas import DraftPool, TargetPool
 from orchestrator.servicer import OrchestratorServicer
-from orchestrator.store import RedisSessionStore
+from orchestrator.store import RedisSessionStore, SessionStoreMetrics
 from specdec.errors import Unavailable
 from specdec.runtime.models import load_tokenizer, tokenizer_fingerprint
 from specdec.server.auth import AuthInterceptor, Tokens
@@ -73,6 +73,7 @@ def backend_tls(config: OrchestratorConfig) -> ClientTLS | None:
 async def build_orchestrator(config: OrchestratorConfig) -> Orchestrator:
     store = session_store(config)
     await store.ping()
+    store.watch_memory()  # its memory against its maxmemory, for the metrics
     tls = backend_tls(config)
     try:
         node, zone = locality_from_env()  # where this orchestrator runs: nearer replicas are preferred
@@ -149,6 +150,7 @@ def public_api_security(config: OrchestratorConfig) -> dict:
 async def serve(config: OrchestratorConfig) -> None:
     security = public_api_security(config)
     orchestrator = await build_orchestrator(config)
+    orchestrator.metrics.registry.register(SessionStoreMetrics(orchestrator.store))
     start_metrics(orchestrator.metrics.registry, config.host, config.metrics_port)
     servicer = OrchestratorServicer(orchestrator)
     await serve_servicer(config.address,

@@ -12,7 +12,7 @@ import logging
 import secrets
 import time
 import uuid
-from dataclasses import asdict, replace
+from dataclasses import replace
 
 from orchestrator.requests import GenerationSpec
 from orchestrator.store import GenerationRecord, SessionState, SessionStore
@@ -39,7 +39,7 @@ class Sessions:
             input_ids = spec.input_ids
         state.tokens.extend(input_ids)
         # The penalties count the output from here on (a continued session's earlier turns are context).
-        state.sampling = asdict(replace(spec.params, output_start=len(state.tokens)))
+        state.set_sampling(replace(spec.params, output_start=len(state.tokens)))
         state.draft_length = spec.draft_length
         state.generation = GenerationRecord(
             id=uuid.uuid4().hex, start=len(state.tokens), prompt_tokens=len(state.tokens),

@@ -122,3 +122,26 @@ def test_tools_that_are_not_objects_are_named(tools, field):
     messages = pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="hi")], tools_json=tools)
     with pytest.raises(InvalidArgument, match=field):
         chat_parser().parse(pb.GenerateRequest(messages=messages))
+
+
+# -- request-constant state: capped, named ------------------------------------------------------------
+
+
+def test_a_logit_bias_over_its_limit_is_refused_naming_the_field_and_flag():
+    bias = {t: 1.0 for t in range(33, 33 + 9)}
+    with pytest.raises(InvalidArgument, match=r"^logit_bias has 9 entries; the limit is --max-logit-bias=8"):
+        parser(max_logit_bias=8).parse(pb.GenerateRequest(prompt="hi", logit_bias=bias))
+    assert parser(max_logit_bias=9).parse(pb.GenerateRequest(prompt="hi", logit_bias=bias)).params.logit_bias
+
+
+def test_a_grammar_over_its_limit_is_refused_naming_the_field_and_flag():
+    text = '{"type": "string", "description": "' + "x" * 2000 + '"}'
+    request = pb.GenerateRequest(prompt="hi", grammar=pb.Grammar(kind="json_schema", text=text))
+    with pytest.raises(InvalidArgument, match=r"^grammar text has 20\d\d bytes; the limit is --max-grammar-bytes=1024"):
+        parser(max_grammar_bytes=1024).parse(request)
+    assert parser(max_grammar_bytes=4096).parse(request).params.grammar_text == text
+
+
+def test_stop_token_ids_over_their_limit_are_refused_naming_the_flag():
+    with pytest.raises(InvalidArgument, match=r"^stop_token_ids has 5 ids; the limit is --max-stop-token-ids=4"):
+        parser(max_stop_token_ids=4).parse(pb.GenerateRequest(prompt="hi", stop_token_ids=[40, 41, 42, 43, 44]))
