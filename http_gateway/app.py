@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import time
 from collections.abc import AsyncIterator, Awaitable
@@ -36,12 +37,13 @@ from http_gateway.openai_api import (
     validation_error,
 )
 from specdec.client import AsyncClient, AsyncStream, Chunk
-from specdec.errors import Internal, SpecdecError
+from specdec.errors import Internal, SpecdecError, Unauthenticated
 from specdec.server import logs
 from specdec.server.auth import UNAUTHENTICATED_MESSAGE, Tokens, bearer_token
 from specdec.server.tracing import tracer
 
 T = TypeVar("T")
+log = logging.getLogger("specdec.http")
 
 
 def _error_response(err: ApiError) -> JSONResponse:
@@ -148,6 +150,7 @@ class Gateway:
         self.tokens = Tokens.load(config.auth_tokens_file, config.auth_tokens_env)
         self.own_token = self._own_token(config)
         self._health: tuple[float, asyncio.Future] | None = None  # when /health last asked, and the answer
+        self._auth_checked = not self.tokens.enabled  # whether the orchestrator was seen refusing tokenless calls
 
     def _own_token(self, config: GatewayConfig) -> str:
         if config.token_file:
@@ -172,8 +175,30 @@ class Gateway:
         probes share the call; a failure is kept as long); raises ApiError."""
         now, asked = time.monotonic(), self._health
         if asked is None or (asked[1].done() and now - asked[0] >= self.config.health_cache_s):
-            asked = self._health = (now, asyncio.ensure_future(self.status()))
+            asked = self._health = (now, asyncio.ensure_future(self._health_fetch()))
         return asked[1].result() if asked[1].done() else await asyncio.shield(asked[1])
+
+    async def _health_fetch(self) -> dict[str, Any]:
+        status = await self.status()
+        if not self._auth_checked:
+            await self._check_orchestrator_auth()
+        return status
+
+    async def _check_orchestrator_auth(self) -> None:
+        """A gateway that checks tokens warns (once) when the orchestrator serves a call without one:
+        every key is then the same anonymous identity there, so sessions are not bound to keys and
+        anything that reaches the orchestrator needs no token. Give it the same tokens."""
+        try:
+            await self.client.status(timeout=self.config.health_timeout_s, token="")
+        except Unauthenticated:
+            self._auth_checked = True
+            return
+        except SpecdecError:
+            return  # unreachable for now: asked again with the next status
+        self._auth_checked = True
+        log.warning("this gateway checks bearer tokens but the orchestrator at %s serves calls without one: "
+                    "sessions are not bound to API keys and its gRPC API is open; give the orchestrator the same "
+                    "tokens (--auth-tokens-file)", self.config.orchestrator)
 
     def shows_details(self, request: Request) -> bool:
         """Whether /health may show this caller the backends' addresses and errors: one with a token this

@@ -11,7 +11,7 @@ from fastapi.testclient import TestClient
 
 from http_gateway.app import create_app
 from http_gateway.config import GatewayConfig
-from specdec.errors import Unavailable
+from specdec.errors import Unauthenticated, Unavailable
 
 TOKEN = "alice-token-0123456789abcdef"
 STATUS = {"address": "orch-0.internal:50051", "backends": [
@@ -22,17 +22,20 @@ STATUS = {"address": "orch-0.internal:50051", "backends": [
 class FakeClient:
     """Counts status calls (each takes a moment, so concurrent probes overlap)."""
 
-    def __init__(self, fail: bool = False) -> None:
+    def __init__(self, fail: bool = False, checks_tokens: bool = True) -> None:
         self.calls = 0
         self.fail = fail
+        self.checks_tokens = checks_tokens
         self.lock = threading.Lock()
 
-    async def status(self, timeout=None, token=""):
+    async def status(self, timeout=None, token=None):
         with self.lock:
             self.calls += 1
         await asyncio.sleep(0.05)
         if self.fail:
             raise Unavailable("orchestrator orch-0.internal:50051: failed to connect to 10.0.0.5:50051")
+        if token == "" and self.checks_tokens:
+            raise Unauthenticated("missing or invalid bearer token")
         return STATUS
 
     async def close(self):
@@ -41,14 +44,14 @@ class FakeClient:
 
 @pytest.fixture
 def gateway(tmp_path):
-    def make(tokens: bool, fail: bool = False, **config):
+    def make(tokens: bool, fail: bool = False, checks_tokens: bool | None = None, **config):
         if tokens:
             (tmp_path / "tokens").write_text(f"alice:{TOKEN}\n")
             config["auth_tokens_file"] = str(tmp_path / "tokens")
         app = create_app(GatewayConfig(orchestrator="127.0.0.1:1", model_name="m", **config))
         client = TestClient(app)
         client.__enter__()
-        fake = app.state.gateway.client = FakeClient(fail)
+        fake = app.state.gateway.client = FakeClient(fail, tokens if checks_tokens is None else checks_tokens)
         return client, fake
 
     yield make
@@ -63,7 +66,7 @@ def test_health_asks_the_orchestrator_once_per_interval_however_many_probes(gate
 
 
 def test_health_details_need_a_token_where_the_gateway_checks_them(gateway):
-    client, fake = gateway(tokens=True)
+    client, fake = gateway(tokens=True, health_cache_s=60)
     reply = client.get("/health")
     assert reply.status_code == 200 and reply.json() == {"status": "degraded"}  # no address, no error text
     for header in ("Bearer wrong-token-wrong-token", "Basic x"):
@@ -101,3 +104,15 @@ class ThreadPool:
 
     def map(self, fn, items):
         return list(self.pool.map(fn, items))
+
+
+def test_a_gateway_that_checks_tokens_warns_once_of_an_orchestrator_that_does_not(gateway, caplog):
+    client, fake = gateway(tokens=True, checks_tokens=False, health_cache_s=0)
+    for _ in range(3):
+        assert client.get("/health").status_code == 200
+    warnings = [r for r in caplog.records if "serves calls without one" in r.getMessage()]
+    assert len(warnings) == 1 and "--auth-tokens-file" in warnings[0].getMessage()
+    caplog.clear()
+    client, fake = gateway(tokens=True, checks_tokens=True, health_cache_s=0)
+    client.get("/health")
+    assert not [r for r in caplog.records if "serves calls without one" in r.getMessage()]
