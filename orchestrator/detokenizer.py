@@ -5,13 +5,14 @@ U+FFFD) and any tail that could still grow into a stop string. Decoding works on
 of recent tokens (the offsets trick of text-generation-inference), so a round costs the same at
 token 10 and at token 10,000.
 
-The window stays short for bytes that never make a character, too. An incomplete character has at
-most 3 bytes, so it lies in the last 3 tokens; when more tokens than `PENDING` wait and the window
-still ends in U+FFFD, the text up to a token at least 3 from the end is final (those bytes are
-invalid UTF-8 and decode as U+FFFD for good) and is released, at a cut where no character spans
-the boundary (the shorter decode is a prefix of the longer one). Without it, a run of lone
-continuation bytes (which logit_bias and ignore_eos can force) made every token decode the whole
-run again: n^2/2 tokens decoded for n tokens.
+The window stays short for bytes that never make a character, and for tokens with no text, too.
+An incomplete character has at most 3 bytes, so it lies in the last 3 tokens; when more tokens
+than `PENDING` wait and the window still ends in U+FFFD (or has not grown), the text up to a token
+at least 3 from the end is final (those bytes are invalid UTF-8 and decode as U+FFFD for good;
+skipped special tokens decode as nothing) and is released, at a cut where no character spans the
+boundary (the shorter decode is a prefix of the longer one). Without it, a run of lone
+continuation bytes or of special tokens (which logit_bias and ignore_eos can force) made every
+token decode the whole run again: n^2/2 tokens decoded for n tokens.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ class Detokenizer:
         prefix = self._prefix_text()
         end, window = len(self._ids), self._decode(self._ids[self._prefix_offset:])
         if len(window) <= len(prefix) or window.endswith("\ufffd"):
-            end, window = self._final_cut(prefix, window)  # an incomplete character, or bytes that never make one
+            # An incomplete character, bytes that never make one, or tokens with no text.
+            end, window = self._final_cut(prefix, window)
             if end is None:
                 return
         new = window[len(prefix):]
@@ -72,7 +74,7 @@ class Detokenizer:
             return None, window
         for cut in range(len(ids) - 3, max(self._read_offset, len(ids) - 3 - CUT_TRIES), -1):
             head = self._decode(ids[start:cut])
-            if len(head) > len(prefix) and window.startswith(head):  # no character spans the cut
+            if len(head) >= len(prefix) and window.startswith(head):  # no character spans the cut
                 return cut, head
         return None, window
 

@@ -149,3 +149,13 @@ def test_streamed_text_equals_the_whole_decode_for_any_bytes(btok, seed):
 def test_a_stop_string_after_invalid_bytes_still_stops(btok):
     ids = [0x80] * 50 + list(b"xxEND") + [0x80] * 5
     assert stream_text(btok, ids, stop=["END"]) == "\ufffd" * 50 + "xx"
+
+
+def test_special_tokens_that_decode_to_nothing_cost_a_bounded_window_too(tok):
+    """A run of tokens with no text (special tokens are skipped) never grows the window either."""
+    n = 2048
+    counting = Counting(tok)
+    bos = tok.convert_tokens_to_ids("<s>")
+    ids = [bos] * n + tok("ok", add_special_tokens=False)["input_ids"]
+    assert stream_text(counting, ids) == "ok"
+    assert counting.decoded < 64 * n, counting.decoded
