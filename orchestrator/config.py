@@ -79,11 +79,17 @@ class OrchestratorConfig(RedisClientOptions, ServiceConfig):
     max_new_tokens_limit: int = Field(4096, ge=1, description="Largest max_new_tokens a request may ask for.")
     max_stop_strings: int = Field(16, ge=0, description="Most stop strings per request.")
     max_stop_length: int = Field(256, ge=1, description="Longest stop string, in characters.")
+    max_stop_token_ids: int = Field(256, ge=0, description="Most stop_token_ids per request.")
+    max_logit_bias: int = Field(
+        1024, ge=0, description="Most logit_bias entries per request (it is kept with the session and sent to each "
+        "draft and target replica once)."
+    )
     max_grammar_bytes: int = Field(
         64 * 1024, ge=1, le=256 * 1024, description="Largest grammar (JSON schema, regex, Lark or GBNF text) a "
         "request may send, in bytes (at most 256 KiB: what draft and target accept). Grammars are also bounded in "
         "nesting (100 levels), in the grammar engine's work, and to 10 s of compiling; past any bound, "
-        "INVALID_ARGUMENT naming it."
+        "INVALID_ARGUMENT naming it. The grammar is kept with the session and sent to each draft and target "
+        "replica once."
     )
     max_prompt_tokens: int | None = Field(
         None, ge=1, description="Most tokens a request's input may have (unset: what the model's context holds)."
@@ -94,6 +100,15 @@ class OrchestratorConfig(RedisClientOptions, ServiceConfig):
     max_concurrent_per_token: int = Field(
         16, ge=0, description="Generations one token may run at once on this replica (0 = no limit; not applied "
         "without --auth-tokens-file/env)."
+    )
+    max_closes_per_s: float = Field(
+        10.0, ge=0, description="CloseSession calls one token (without tokens: one client address) may make per "
+        "second on this replica, in bursts of up to twice as many; each sends a Release to every replica "
+        "(RESOURCE_EXHAUSTED with a retry hint beyond; 0 = no limit)."
+    )
+    status_cache_s: float = Field(
+        1.0, ge=0, description="Seconds GetStatus reuses a replica's last GetInfo answer (concurrent callers share "
+        "one call), so GetStatus never fans out to every replica more often; 0 asks on every call."
     )
     auth_tokens_file: str = Field(
         "", description="File of accepted bearer tokens, one per line: TOKEN or NAME:TOKEN. With none (here or in "

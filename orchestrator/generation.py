@@ -23,10 +23,9 @@ from orchestrator.replicas import Drafts, Pool, Targets
 from orchestrator.requests import GenerationSpec, RequestParser
 from orchestrator.sessions import Sessions
 from orchestrator.sources import controller_for
-from orchestrator.status import Counters
+from orchestrator.status import BackendProbes, Counters
 from orchestrator.store import GenerationRecord, SessionState, SessionStore
 from specdec.core.policy import PolicyConfig
-from specdec.core.sampling import SamplingParams
 from specdec.errors import SpecdecError
 from specdec.runtime.grammars import check_grammar
 from specdec.server.admission import Admission
@@ -62,6 +61,7 @@ class Orchestrator:
         self.policy_config = PolicyConfig(k_max=config.max_draft_length, ewma=config.policy_ewma,
                                           explore_every=config.policy_explore_every, overlap=config.overlap)
         self.corpus_groups = CorpusGroups.parse(config.corpus_groups)  # whose outputs may draft whose requests
+        self.probes = BackendProbes(self.backends, config.status_cache_s)  # GetStatus's look at the replicas
 
     def parse(self, request: pb.GenerateRequest, principal: str = "") -> GenerationSpec:
         return self.requests.parse(request, principal)
@@ -138,7 +138,7 @@ class Orchestrator:
         gen, drafting = state.generation, self.draft is not None
         lengths = await controller_for(state, self.store, self.policy_config, drafting,
                                        self.draft.sources if self.draft is not None else ())
-        speculator = Speculator(state.session_id, SamplingParams(**state.sampling), state.seed, self.draft,
+        speculator = Speculator(state.session_id, state.sampling_params(), state.seed, self.draft,
                                 self.target, self.fingerprint, overlap=self.config.overlap, deadline=deadline,
                                 top_logprobs=gen.top_logprobs, corpus_group=self.corpus_groups.of(state.principal))
         first, round_end = True, None
@@ -169,7 +169,9 @@ class Orchestrator:
         entries = list(reply.logprobs)
         if first == 0:  # nothing precedes a session's first token: rank 0, no log-probability
             entries.insert(0, common_pb2.TokenLogprobs(token_id=state.tokens[0]))
-        return pb.GenerateChunk(session_id=state.session_id, prompt_logprobs=[self._named(e) for e in entries])
+        # A whole prompt's tokens and their alternatives: decoded off the event loop.
+        named = await asyncio.to_thread(lambda: [self._named(e) for e in entries])
+        return pb.GenerateChunk(session_id=state.session_id, prompt_logprobs=named)
 
     async def _score_only_end(self, state: SessionState, timer) -> pb.GenerateChunk:
         """The end of a request that asked for no new tokens (max_new_tokens 0 with prompt_logprobs)."""
@@ -185,21 +187,22 @@ class Orchestrator:
                         deadline: float | None) -> list[pb.GenerateChunk]:
         """A resume: catch the detokenizer up to what the client holds, then send what it lacks
         (nothing when it holds all of a generation still running), with log-probabilities when the
-        generation asked for them (the target scores the tokens again: the rounds' are not kept)."""
+        generation asked for them (the target scores the tokens again: the rounds' are not kept).
+        The whole generation so far is decoded here, off the event loop."""
         gen = state.generation
         produced = state.tokens[gen.start:]
-        text.replay(produced[:sent], self.eos_ids)
+        await asyncio.to_thread(text.replay, produced[:sent], self.eos_ids)
         text.release()
         if sent == len(produced) and not gen.finish:
             return []
-        text.replay(produced[sent:], self.eos_ids)
+        await asyncio.to_thread(text.replay, produced[sent:], self.eos_ids)
         chunk = pb.GenerateChunk(session_id=state.session_id, token_ids=produced[sent:], offset=sent,
                                  finish_reason=gen.finish, text=text.release(final=bool(gen.finish)))
         if gen.top_logprobs is not None:
             reply = await self.target.score(state.session_id, state.tokens, gen.start + sent, gen.top_logprobs,
-                                            SamplingParams(**state.sampling),
+                                            state.sampling_params(),
                                             timeout=None if deadline is None else deadline - time.monotonic())
-            chunk.logprobs.extend(self._named(e) for e in reply.logprobs)
+            chunk.logprobs.extend(await asyncio.to_thread(lambda: [self._named(e) for e in reply.logprobs]))
         if gen.finish:
             chunk.stats.CopyFrom(gen.stats(len(produced), state.seed))
             timer.observe_finish(gen.finish_label, gen.prompt_tokens, len(produced) - sent)
@@ -243,12 +246,14 @@ class Orchestrator:
     # -- sessions and caches ----------------------------------------------------------------
 
     async def close_session(self, session_id: str, principal: str = "") -> bool:
+        """Delete the session and free its caches on every replica; False (and no call to any replica)
+        for a session that does not exist, or is another identity's."""
         check_session_id(session_id)
-        allowed, state = await self.sessions.closable(session_id, principal)
-        if not allowed:
-            return False  # another identity's session: as if it did not exist
+        state = await self.sessions.closable(session_id, principal)
+        if state is None:
+            return False
         closed = await self.store.delete(session_id)
-        await self._release_caches(session_id, forget_output=not self._shareable(state and state.generation))
+        await self._release_caches(session_id, forget_output=not self._shareable(state.generation))
         return closed
 
     def _shareable(self, gen: GenerationRecord | None) -> bool:

@@ -116,6 +116,7 @@ class RequestParser:
         score_only = request.prompt_logprobs and request.HasField("max_new_tokens") and request.max_new_tokens == 0
         max_new = 0 if score_only else self._max_new_tokens(request)
         stop_ids = self._token_ids("stop_token_ids", request.stop_token_ids)
+        self._check_sizes(request, stop_ids)
         params = parse_sampling(request, self.eos_ids | set(stop_ids), self.vocab_size, self.grammar_limits)
         k = self._draft_length(request)
         share = self._share_output(request)
@@ -133,6 +134,21 @@ class RequestParser:
             logprobs=request.logprobs, top_logprobs=top, prompt_logprobs=request.prompt_logprobs,
             share_output=share,
         )
+
+    def _check_sizes(self, request: pb.GenerateRequest, stop_ids: list[int]) -> None:
+        """What a request keeps in its session and sends on with every round is bounded (the record
+        and the calls must not grow with what a client chooses to send)."""
+        cfg = self.config
+        if len(stop_ids) > cfg.max_stop_token_ids:
+            raise InvalidArgument(f"stop_token_ids has {len(stop_ids)} ids; the limit is "
+                                  f"--max-stop-token-ids={cfg.max_stop_token_ids}")
+        if len(request.logit_bias) > cfg.max_logit_bias:
+            raise InvalidArgument(f"logit_bias has {len(request.logit_bias)} entries; the limit is "
+                                  f"--max-logit-bias={cfg.max_logit_bias}")
+        size = len(request.grammar.text.encode())
+        if size > cfg.max_grammar_bytes:
+            raise InvalidArgument(f"grammar text has {size} bytes; the limit is --max-grammar-bytes="
+                                  f"{cfg.max_grammar_bytes}: send a smaller schema or grammar")
 
     def _share_output(self, request: pb.GenerateRequest) -> bool:
         if not request.HasField("share_output"):
@@ -224,6 +240,10 @@ class RequestParser:
         if not getattr(self.tokenizer, "chat_template", None):
             raise FailedPrecondition("the model has no chat template; send a raw prompt instead")
         tools = _json_list(request.messages.tools_json, "tools") if request.messages.tools_json else None
+        for j, tool in enumerate(tools or ()):
+            if not isinstance(tool, dict):
+                raise InvalidArgument(f"tools[{j}] must be a JSON object "
+                                      '({"type": "function", "function": {"name": ..., "parameters": {...}}})')
         return messages, tools
 
     @staticmethod
@@ -235,14 +255,7 @@ class RequestParser:
             if m.role != "assistant":
                 raise InvalidArgument(f"messages[{i}]: only an assistant message has tool calls")
             calls = _json_list(m.tool_calls_json, f"messages[{i}].tool_calls")
-            for call in calls:  # templates take the arguments as an object; OpenAI sends a JSON string
-                function = call.get("function", {}) if isinstance(call, dict) else {}
-                if isinstance(function.get("arguments"), str):
-                    try:
-                        function["arguments"] = json.loads(function["arguments"])
-                    except ValueError:
-                        raise InvalidArgument(f"messages[{i}].tool_calls: arguments must be a JSON object") from None
-            message["tool_calls"] = calls
+            message["tool_calls"] = [_tool_call(call, f"messages[{i}].tool_calls[{j}]") for j, call in enumerate(calls)]
         if m.role == "tool":
             message.update(tool_call_id=m.tool_call_id, name=m.name)
         return message
@@ -258,11 +271,57 @@ class RequestParser:
         return list(ids)
 
 
+MAX_JSON_DEPTH = 64  # nesting of tools and tool calls: deeper than any real schema, far from Python's recursion limit
+
+
 def _json_list(text: str, name: str) -> list:
+    """A JSON list (tools, tool calls) nested at most MAX_JSON_DEPTH levels, or InvalidArgument naming `name`."""
     try:
         value = json.loads(text)
+    except RecursionError:  # nested deeper than the parser's recursion allows
+        raise InvalidArgument(_too_deep(name)) from None
     except ValueError:
         raise InvalidArgument(f"{name} must be a JSON list") from None
     if not isinstance(value, list):
         raise InvalidArgument(f"{name} must be a JSON list")
+    _check_depth(value, name)
     return value
+
+
+def _too_deep(name: str) -> str:
+    return f"{name} is nested deeper than {MAX_JSON_DEPTH} levels; flatten it"
+
+
+def _check_depth(value, name: str) -> None:
+    """InvalidArgument if `value` nests lists and objects deeper than MAX_JSON_DEPTH (measured level by
+    level, without recursion)."""
+    level, depth = [value], 0
+    while level:
+        depth += 1
+        if depth > MAX_JSON_DEPTH:
+            raise InvalidArgument(_too_deep(name))
+        level = [child for item in level if isinstance(item, (list, dict))
+                 for child in (item.values() if isinstance(item, dict) else item)]
+
+
+def _tool_call(call, name: str) -> dict:
+    """An assistant message's tool call as the chat template takes it (OpenAI sends the arguments as a
+    JSON string; templates take an object), or InvalidArgument naming the field."""
+    if not isinstance(call, dict):
+        raise InvalidArgument(f'{name} must be a JSON object: {{"id": ..., "type": "function", "function": '
+                              '{"name": ..., "arguments": "{...}"}}')
+    function = call.get("function")
+    if not isinstance(function, dict):
+        raise InvalidArgument(f'{name}.function must be a JSON object: {{"name": ..., "arguments": "{{...}}"}}')
+    if not isinstance(function.get("name"), str) or not function["name"]:
+        raise InvalidArgument(f"{name}.function.name must be a non-empty string")
+    arguments = function.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except (ValueError, RecursionError):
+            arguments = None
+    if not isinstance(arguments, dict):
+        raise InvalidArgument(f"{name}.function.arguments must be a JSON object, or a string holding one")
+    _check_depth(arguments, f"{name}.function.arguments")
+    return {**call, "function": {**function, "arguments": arguments}}

@@ -12,7 +12,7 @@ from specdec.runtime.grammars import prepare
 from specdec.runtime.verifier import LogprobRequest, Verifier
 from specdec.server.admission import Admission, deadline_of
 from specdec.server.model_service import ModelServicer
-from specdec.server.wire import logprobs_to_pb, probs_from_bytes, sampling_from_pb
+from specdec.server.wire import logprobs_to_pb, probs_from_bytes
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
 
 
@@ -29,7 +29,8 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
     @grpc_errors
     async def ScoreTokens(self, request: target_pb2.ScoreTokensRequest, context):
         arrived = time.monotonic()
-        params = None if request.raw else sampling_from_pb(request.sampling, self.info.vocab_size)
+        params = None if request.raw else self.constants.resolve(request.session_id, request.sampling,
+                                                                 self.info.vocab_size)
         if request.top_logprobs > MAX_TOP_LOGPROBS:
             raise InvalidArgument(f"top_logprobs must be 0..{MAX_TOP_LOGPROBS}, got {request.top_logprobs}")
         deadline = deadline_of(context)
@@ -48,7 +49,7 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
     @grpc_errors
     async def Verify(self, request: target_pb2.VerifyRequest, context):
         arrived = time.monotonic()
-        params = sampling_from_pb(request.sampling, self.info.vocab_size)
+        params = self.constants.resolve(request.session_id, request.sampling, self.info.vocab_size)
         if request.top_logprobs > MAX_TOP_LOGPROBS or (request.top_logprobs and not request.logprobs):
             raise InvalidArgument(f"top_logprobs must be 0..{MAX_TOP_LOGPROBS} and needs logprobs set, "
                                   f"got {request.top_logprobs}")

@@ -64,7 +64,7 @@ JSON_OPTIONS: JsonCompileOptions = {
 
 _ANY_OBJECT = '{"type": "object"}'
 
-PARSER_LIMITS = dict(initial_lexer_fuel=200_000, step_lexer_fuel=50_000, max_lexer_states=50_000)
+PARSER_LIMITS: dict[str, int] = dict(initial_lexer_fuel=200_000, step_lexer_fuel=50_000, max_lexer_states=50_000)
 """llguidance's `LLParserLimits` for every compile and mask, tighter than its defaults (1,000,000,
 200,000 and 250,000): building the lexer of `(a{1000}){1000}` took 2.4 s and 195 MB with the
 defaults, 0.3 s and 29 MB (then refused) with these; every schema and regex of the tests (formats,
@@ -158,7 +158,10 @@ def nesting_depth(text: str, json: bool = False) -> int:
 
 
 def _parser_limits() -> llguidance.LLParserLimits:
-    return llguidance.LLParserLimits(**PARSER_LIMITS)
+    limits = PARSER_LIMITS
+    return llguidance.LLParserLimits(initial_lexer_fuel=limits["initial_lexer_fuel"],
+                                     step_lexer_fuel=limits["step_lexer_fuel"],
+                                     max_lexer_states=limits["max_lexer_states"])
 
 
 def _to_llguidance(spec: GrammarSpec, limits: GrammarLimits = DEFAULT_LIMITS) -> str:

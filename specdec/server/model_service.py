@@ -31,6 +31,7 @@ from specdec.runtime.snapshot_codec import SnapshotIdentity
 from specdec.runtime.snapshot_store import CHUNK_BYTES, RedisSnapshotStore, SnapshotPolicy, snapshot_max_bytes
 from specdec.server.admission import Admission
 from specdec.server.config import ModelServiceConfig
+from specdec.server.constants import SessionConstants
 from specdec.server.metrics import ServiceMetrics
 from specdec.server.redis import connect
 from specdec.server.serving import StartupError, serve_servicer, start_metrics
@@ -50,9 +51,12 @@ class ModelServicer:
         self.admission = admission
         self.batcher = batcher
         self.grammars: SessionGrammars | None = None  # each session's grammar state, freed with its caches
+        self.constants = SessionConstants()  # each session's logit_bias and grammar, sent once (resolve a call's)
+        info.caches_sampling_constants = True
 
     @grpc_errors
     async def Release(self, request: common_pb2.ReleaseRequest, context) -> common_pb2.ReleaseResponse:
+        self.constants.release(request.session_id)
         if self.grammars is not None:
             self.grammars.release(request.session_id)
         if self.batcher is None:
