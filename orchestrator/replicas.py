@@ -58,6 +58,8 @@ from specdec.v1 import common_pb2
 log = logging.getLogger("specdec.orchestrator")
 B = TypeVar("B", DraftBackend, TargetBackend)
 MAX_AFFINITY = 100_000  # sessions remembered per pool (oldest forgotten first)
+MAX_UNRELEASED = 10_000  # releases a replica owes, kept until it answers again (oldest dropped first)
+RELEASE_RETRIES_AT_ONCE = 64
 
 
 @dataclass
@@ -75,6 +77,18 @@ class Replica(Generic[B]):
     ready: bool = True  # discovery says it may be given sessions
     node: str = ""  # where discovery says it runs ("" = unknown)
     zone: str = ""
+    # Sessions whose release this replica did not answer (down, restarting, or its channel still
+    # backing off): sent again once it answers a probe, so a session it took on after a restart is
+    # not left holding KV cache. Value: the release's forget_output.
+    unreleased: OrderedDict[str, bool] = field(default_factory=OrderedDict)
+
+    def owe_release(self, session_id: str, forget_output: bool) -> None:
+        self.unreleased[session_id] = forget_output
+        self.unreleased.move_to_end(session_id)
+        if len(self.unreleased) > MAX_UNRELEASED:
+            dropped, _ = self.unreleased.popitem(last=False)
+            log.warning("replica %s: %d releases owed; %s is dropped (its cache goes by eviction)", self.address,
+                        MAX_UNRELEASED, dropped)
 
     @property
     def address(self) -> str:
@@ -254,6 +268,17 @@ class ReplicaPool(Generic[B]):
         if replica.info is None or replica.down_until:
             log.info("%s replica %s is serving %s", self.role, replica.address, info.model)
         replica.info, replica.fingerprint, replica.error, replica.down_until = info, info.tokenizer_fingerprint, "", 0.0
+        if replica.unreleased:
+            await self._release_owed(replica)
+
+    async def _release_owed(self, replica: Replica[B]) -> None:
+        """Send the releases `replica` did not answer, a batch at a time; any still failing stay owed."""
+        owed = list(replica.unreleased.items())[:RELEASE_RETRIES_AT_ONCE]
+        results = await asyncio.gather(*(replica.backend.release(s, forget) for s, forget in owed),
+                                       return_exceptions=True)
+        for (session_id, _), result in zip(owed, results):
+            if not isinstance(result, Exception):
+                replica.unreleased.pop(session_id, None)
 
     # -- placement ----------------------------------------------------------------------
 
@@ -300,7 +325,12 @@ class ReplicaPool(Generic[B]):
                                          for r in self.replicas.values()),
                                        return_exceptions=True)
         for replica, result in zip(self.replicas.values(), results):
-            if isinstance(result, Exception):
+            if isinstance(result, grpc.aio.AioRpcError) and result.code() in (grpc.StatusCode.UNAVAILABLE,
+                                                                                grpc.StatusCode.DEADLINE_EXCEEDED):
+                log.info("release of %s on %s failed (%s); sent again once it answers", session_id,
+                         replica.address, result.code().name)
+                replica.owe_release(session_id, forget_output)
+            elif isinstance(result, Exception):
                 log.warning("release of %s on %s failed: %s", session_id, replica.address, result)
 
     async def save_snapshot(self, session_id: str) -> int:

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 import grpc
-from opentelemetry import propagate, trace
+from opentelemetry import context as otel_context, propagate, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from specdec.channel import REQUEST_ID_KEY
@@ -126,8 +126,7 @@ class _CallScope:
         self.request = request
         self.context = context
         self.access_level = access_level
-        self._span_cm = None
-        self.span = None
+        self.span: Any = None
         self.started = 0.0
 
     def __enter__(self):
@@ -141,10 +140,11 @@ class _CallScope:
         if sid:
             attrs["specdec.session_id"] = sid
         parent = propagate.extract(self.metadata)
-        self._span_cm = tracer().start_as_current_span(self.method, context=parent, kind=SpanKind.SERVER,
-                                                       attributes=attrs, record_exception=False,
-                                                       set_status_on_exception=False)
-        self.span = self._span_cm.__enter__()
+        self.span = tracer().start_span(self.method, context=parent, kind=SpanKind.SERVER, attributes=attrs,
+                                        record_exception=False, set_status_on_exception=False)
+        # Current for the rest of the call's own task, as the log ids are, and never detached: a
+        # stream whose client went away is closed from another context, where a detach fails.
+        otel_context.attach(trace.set_span_in_context(self.span, parent))
         self.started = time.perf_counter()
         return self
 
@@ -169,7 +169,8 @@ class _CallScope:
             self.span.set_status(Status(StatusCode.ERROR, code.name))
         elapsed_ms = (time.perf_counter() - self.started) * 1e3
         access_log.log(self.access_level, "%s %s %.1f ms", self.method, code.name, elapsed_ms)
-        return self._span_cm.__exit__(exc_type, exc, tb)
+        self.span.end()
+        return False
 
 
 class ServerTracing(grpc.aio.ServerInterceptor):
