@@ -10,7 +10,7 @@ PROMPT ?= Write a haiku about speculative decoding.
 # 0 runs the suite in one process.
 TEST_WORKERS ?= 2
 
-.PHONY: install proto run lint test test-fast helm-check bench clean
+.PHONY: install proto run lint test test-fast soak helm-check bench clean
 
 ## install: create the virtualenv, install the package with the services and the tools (.[serve,dev,bench])
 ## and generate the gRPC stubs
@@ -43,12 +43,19 @@ lint: install
 ## test: install and run the whole test suite in TEST_WORKERS processes (pytest's exit 5, "no tests
 ## collected", is a failure)
 test: install
-	@$(PY) -m pytest -q -p no:cacheprovider --durations=15 -n $(TEST_WORKERS) --dist loadfile; rc=$$?; \
+	@$(PY) -m pytest -q -p no:cacheprovider --durations=15 -n $(TEST_WORKERS) --dist loadfile -m "not soak"; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: treating as a failure"; exit 1; fi; exit $$rc
 
 ## test-fast: the tests that do not load the real model
 test-fast: install
 	$(PY) -m pytest -q -m "not slow"
+
+## soak: the long variants of the fault tests, then a 12-minute soak of the default pipeline that
+## records every process's memory (bench/results/soak.{json,png})
+SOAK_ARGS ?= --duration-s 720 --concurrency 8
+soak: install
+	$(PY) -m pytest -q -p no:cacheprovider -m soak
+	$(PY) bench/soak.py $(SOAK_ARGS)
 
 ## helm-check: lint, render and validate the Helm chart and check the Dockerfile (tests/deploy)
 helm-check: install
