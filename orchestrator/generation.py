@@ -146,14 +146,17 @@ class Orchestrator:
             while not gen.finish:
                 remaining = state.remaining(self.max_context)
                 k, k_next = within_budget(lengths.wanted, lengths.upcoming, remaining, first, drafting)
-                round_start, first = time.perf_counter(), False
+                round_start, first = time.perf_counter_ns(), False
                 rnd = await speculator.round(state.tokens, k, k_next)
-                loop_s = round_start - round_end if round_end is not None else 0.0
-                round_end = time.perf_counter()
-                lengths.observe(state, rnd.stats, loop_s, rnd.source)
+                between_ns = round_start - round_end if round_end is not None else 0
+                round_end = time.perf_counter_ns()
+                lengths.observe(state, rnd.stats, between_ns / 1e9, rnd.source)
                 kept, finish = gen.apply_stops(rnd.emitted, remaining, text, self.eos_ids)
+                stopped = time.perf_counter_ns()
                 state.record_round(rnd.stats, kept, finish, self.config.session_lease_s, time.perf_counter() - start)
                 await self.store.save(state, kept)
+                rnd.stats.between_ns, rnd.stats.save_ns = between_ns, time.perf_counter_ns() - stopped
+                rnd.stats.detokenize_ns = stopped - round_end
                 yield await self._round_chunk(state, rnd, kept, sent, text, timer, lengths)
                 sent += len(kept)
         finally:
@@ -213,13 +216,15 @@ class Orchestrator:
                            timer, lengths: DraftLengthController) -> pb.GenerateChunk:
         """A round's chunk; the last one also ends the generation (prior, snapshots, stats)."""
         gen, sent = state.generation, offset + len(kept)
+        released = time.perf_counter_ns()
+        piece = text.release() if not gen.finish else ""
+        rnd.stats.detokenize_ns += time.perf_counter_ns() - released
         chunk = pb.GenerateChunk(session_id=state.session_id, token_ids=kept, round=rnd.stats,
-                                 finish_reason=gen.finish, offset=offset,
+                                 finish_reason=gen.finish, offset=offset, text=piece,
                                  logprobs=[self._named(entry) for entry in rnd.logprobs[:len(kept)]])
         self.observe_round(SpecDecodingStats.of_round(rnd.stats, len(kept), rnd.source))
         timer.observe_chunk(len(kept))
         if not gen.finish:
-            chunk.text = text.release()
             return chunk
         await lengths.finish(self.store)
         if self.config.kv_snapshots:
