@@ -122,8 +122,9 @@ def test_getstatus_asks_each_replica_at_most_once_per_interval_however_many_call
 
 
 def test_a_chunks_round_stats_read_as_json_format_would_without_going_through_it(monkeypatch):
-    import specdec.client as client
     from google.protobuf.json_format import MessageToDict
+
+    import specdec.client as client
 
     values = {f.name: (True if f.type == f.TYPE_BOOL else 2**40 + i if f.type == f.TYPE_UINT64 else 7 + i)
               for i, f in enumerate(pb.RoundStats.DESCRIPTOR.fields)}
