@@ -71,6 +71,11 @@ class OrchestratorConfig(RedisClientOptions, ServiceConfig):
         description="Draft the next block while the target verifies this one (pays when draft and target do "
         "not share compute).",
     )
+    save_behind: bool = Field(
+        True,
+        description="Send a round's calls while the previous round's session save runs (that round is still "
+        "streamed only once saved).",
+    )
     policy_explore_every: int = Field(16, ge=2, description="'auto' tries a neighbouring k every this many rounds.")
     policy_ewma: float = Field(0.2, gt=0, le=1, description="Weight of a new measurement in the controller's averages.")
     default_max_new_tokens: int | None = Field(

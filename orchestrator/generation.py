@@ -142,22 +142,54 @@ class Orchestrator:
                                 self.target, self.fingerprint, overlap=self.config.overlap, deadline=deadline,
                                 top_logprobs=gen.top_logprobs, corpus_group=self.corpus_groups.of(state.principal))
         first, round_end = True, None
+        # With --save-behind, the next round's calls go out as soon as this round's tokens are known,
+        # while its save runs; its chunk is streamed only once the save succeeded, so the client never
+        # holds a token the store lacks. `ahead`: that next round, and when it started.
+        ahead: tuple[asyncio.Future, int] | None = None
         try:
             while not gen.finish:
-                remaining = state.remaining(self.max_context)
-                k, k_next = within_budget(lengths.wanted, lengths.upcoming, remaining, first, drafting)
-                round_start, first = time.perf_counter(), False
-                rnd = await speculator.round(state.tokens, k, k_next)
-                loop_s = round_start - round_end if round_end is not None else 0.0
-                round_end = time.perf_counter()
-                lengths.observe(state, rnd.stats, loop_s, rnd.source)
+                if ahead is None:
+                    remaining = state.remaining(self.max_context)
+                    k, k_next = within_budget(lengths.wanted, lengths.upcoming, remaining, first, drafting)
+                    round_start, first = time.perf_counter_ns(), False
+                    rnd = await speculator.round(state.tokens, k, k_next)
+                else:
+                    (pending, round_start), ahead = ahead, None
+                    rnd = await pending
+                    remaining = state.remaining(self.max_context)
+                between_ns = round_start - round_end if round_end is not None else 0
+                round_end = time.perf_counter_ns()
+                lengths.observe(state, rnd.stats, between_ns / 1e9, rnd.source)
                 kept, finish = gen.apply_stops(rnd.emitted, remaining, text, self.eos_ids)
+                stopped = time.perf_counter_ns()
                 state.record_round(rnd.stats, kept, finish, self.config.session_lease_s, time.perf_counter() - start)
-                await self.store.save(state, kept)
+                if self.config.save_behind and not finish:
+                    saving = asyncio.ensure_future(self.store.save(state, kept))
+                    ahead = self._next_round(speculator, state, lengths, drafting)
+                    try:
+                        await saving  # the next round's calls are in flight meanwhile
+                    except BaseException:
+                        _drop(ahead[0])  # this round was not saved: it is not streamed, and nothing follows it
+                        ahead = None
+                        raise
+                else:
+                    await self.store.save(state, kept)
+                rnd.stats.between_ns, rnd.stats.save_ns = between_ns, time.perf_counter_ns() - stopped
+                rnd.stats.detokenize_ns = stopped - round_end
                 yield await self._round_chunk(state, rnd, kept, sent, text, timer, lengths)
                 sent += len(kept)
         finally:
+            if ahead is not None:
+                _drop(ahead[0])
             speculator.close()
+
+    def _next_round(self, speculator: Speculator, state: SessionState, lengths: DraftLengthController,
+                    drafting: bool) -> tuple[asyncio.Future, int]:
+        """Start the round after the one whose save is running (the history already holds its
+        tokens), with when it started."""
+        remaining = state.remaining(self.max_context)
+        k, k_next = within_budget(lengths.wanted, lengths.upcoming, remaining, False, drafting)
+        return asyncio.ensure_future(speculator.round(state.tokens, k, k_next)), time.perf_counter_ns()
 
     async def _prompt_chunk(self, state: SessionState, top: int, deadline: float | None) -> pb.GenerateChunk:
         """The input's log-probabilities (raw), scored in one target pass that also prefills its cache."""
@@ -213,13 +245,15 @@ class Orchestrator:
                            timer, lengths: DraftLengthController) -> pb.GenerateChunk:
         """A round's chunk; the last one also ends the generation (prior, snapshots, stats)."""
         gen, sent = state.generation, offset + len(kept)
+        released = time.perf_counter_ns()
+        piece = text.release() if not gen.finish else ""
+        rnd.stats.detokenize_ns += time.perf_counter_ns() - released
         chunk = pb.GenerateChunk(session_id=state.session_id, token_ids=kept, round=rnd.stats,
-                                 finish_reason=gen.finish, offset=offset,
+                                 finish_reason=gen.finish, offset=offset, text=piece,
                                  logprobs=[self._named(entry) for entry in rnd.logprobs[:len(kept)]])
         self.observe_round(SpecDecodingStats.of_round(rnd.stats, len(kept), rnd.source))
         timer.observe_chunk(len(kept))
         if not gen.finish:
-            chunk.text = text.release()
             return chunk
         await lengths.finish(self.store)
         if self.config.kv_snapshots:
@@ -296,3 +330,9 @@ class Orchestrator:
         task = asyncio.get_running_loop().create_task(work)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+
+def _drop(task: asyncio.Future) -> None:
+    """Cancel a round started ahead whose result is not wanted (its error, if any, is not one)."""
+    task.cancel()
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())

@@ -33,6 +33,7 @@ failed authentication raises `specdec.errors.Unauthenticated`.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import json
 import re
@@ -109,8 +110,25 @@ _INT64 = {FieldDescriptor.TYPE_INT64, FieldDescriptor.TYPE_UINT64, FieldDescript
           FieldDescriptor.TYPE_FIXED64, FieldDescriptor.TYPE_SFIXED64}
 
 
+_INTEGRAL = _INT64 | {FieldDescriptor.TYPE_INT32, FieldDescriptor.TYPE_UINT32, FieldDescriptor.TYPE_SINT32,
+                      FieldDescriptor.TYPE_FIXED32, FieldDescriptor.TYPE_SFIXED32, FieldDescriptor.TYPE_BOOL}
+
+
+@functools.cache
+def _plain_fields(descriptor) -> tuple[str, ...] | None:
+    """The field names of a message type whose fields are all single integers or booleans (RoundStats,
+    in every streamed chunk), which read as they are; None for any other type."""
+    fields = descriptor.fields
+    if all(f.type in _INTEGRAL and not f.is_repeated and not f.has_presence for f in fields):
+        return tuple(f.name for f in fields)
+    return None
+
+
 def _as_dict(msg) -> dict[str, Any]:
     """A message as a dict of plain values (64-bit integers stay ints, unlike proto3 JSON's strings)."""
+    plain = _plain_fields(msg.DESCRIPTOR)
+    if plain is not None:  # what MessageToDict gives, at a tenth of its cost
+        return {name: getattr(msg, name) for name in plain}
     out = MessageToDict(msg, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
     for f in msg.DESCRIPTOR.fields:
         if f.name not in out:

@@ -38,6 +38,8 @@ through `observe_round`, the same object GetStatus's counters read, and calls a 
 - `specdec_spec_decode_draft_length` (histogram): the k chosen each round.
 - `specdec_round_trip_seconds{backend}`, `specdec_backend_compute_seconds{backend}`
   (histograms): a call's wall time minus the compute the service reports, and that compute.
+- `specdec_round_part_seconds{part}` (histogram): a round's time outside the model, by part
+  (`target_rpc`, `target_queue`, `between`, `save`, `detokenize`; `bench/round_overhead.py`).
 - `specdec_num_requests_running`, `specdec_num_requests_waiting` (gauges),
   `specdec_request_success_total{finish_reason}`, `specdec_prompt_tokens_total`,
   `specdec_generation_tokens_total`, `specdec_draft_fallbacks_total`, and with
@@ -79,6 +81,7 @@ log = logging.getLogger(__name__)
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
                    1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128)
+PART_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)  # a round's parts
 DRAFT_LENGTH_BUCKETS = (0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 64)
 
 
@@ -224,12 +227,17 @@ class SpecDecodingStats:
     draft_compute_ns: int = 0
     verify_ns: int = 0  # the verify call's
     verify_compute_ns: int = 0
+    verify_queue_ns: int = 0  # of verify_ns: waited in the target's queues
+    between_ns: int = 0  # the orchestrator's time between rounds (RoundStats.between_ns)
+    save_ns: int = 0  # the round's session save
+    detokenize_ns: int = 0  # detokenizing its tokens
 
     @classmethod
     def of_round(cls, stats, emitted: int, source: str = "") -> SpecDecodingStats:
         """From a round's `specdec.v1.orchestrator_pb2.RoundStats` and the tokens it emitted."""
         return cls(stats.draft_length, stats.proposed, stats.accepted, emitted, source, stats.draft_fallback,
-                   stats.draft_ns, stats.draft_compute_ns, stats.verify_ns, stats.verify_compute_ns)
+                   stats.draft_ns, stats.draft_compute_ns, stats.verify_ns, stats.verify_compute_ns,
+                   stats.verify_queue_ns, stats.between_ns, stats.save_ns, stats.detokenize_ns)
 
     @property
     def num_drafts(self) -> int:
@@ -286,6 +294,12 @@ class OrchestratorMetrics:
                                      ["service", "backend"], buckets=LATENCY_BUCKETS, registry=r)
         self._compute = Histogram("specdec_backend_compute_seconds", "Compute time a backend reports for a call.",
                                   ["service", "backend"], buckets=LATENCY_BUCKETS, registry=r)
+        self._round_part = Histogram(
+            "specdec_round_part_seconds",
+            "A round's time outside the model, by part: target_rpc (verify wall time minus the target's queue and "
+            "compute), target_queue (waited in the target service before its pass), between (the orchestrator's "
+            "time between one round's verify and the next round's calls), save (the round's session save) and "
+            "detokenize (its text and stop strings).", ["service", "part"], buckets=PART_BUCKETS, registry=r)
         self.fallbacks = counter("specdec_draft_fallbacks", "Rounds run at k = 0 because the draft failed.")
         self.requests = Counter("specdec_request_success", "Finished requests by finish reason.",
                                 ["service", "finish_reason"], registry=r)
@@ -337,6 +351,11 @@ class OrchestratorMetrics:
             self._observe_call("draft", stats.draft_ns, stats.draft_compute_ns)
         if stats.verify_ns > 0:
             self._observe_call("target", stats.verify_ns, stats.verify_compute_ns)
+            rpc_ns = stats.verify_ns - stats.verify_compute_ns - stats.verify_queue_ns
+            for part, ns in (("target_rpc", rpc_ns), ("target_queue", stats.verify_queue_ns),
+                             ("between", stats.between_ns), ("save", stats.save_ns),
+                             ("detokenize", stats.detokenize_ns)):
+                self._round_part.labels(self.service, part).observe(max(0, ns) / 1e9)
 
     def _observe_call(self, backend: str, wall_ns: int, compute_ns: int) -> None:
         self._round_trip.labels(self.service, backend).observe(max(0, wall_ns - compute_ns) / 1e9)

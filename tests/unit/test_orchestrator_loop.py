@@ -298,3 +298,13 @@ def test_corpus_groups_that_do_not_parse_are_refused_at_start(spec, message):
 
     with pytest.raises(ValidationError, match=message):
         OrchestratorConfig(target="fake:1", corpus_groups=spec)
+
+
+async def test_a_rounds_time_outside_the_model_is_in_its_stats_and_in_the_metrics():
+    orch = orchestrator(InMemorySessionStore(), FakeTarget(REFERENCE), None, draft_length=0)
+    rounds = [c.round for c in await run(orch, max_new_tokens=4) if c.token_ids]
+    assert len(rounds) == 4 and all(r.save_ns > 0 and r.detokenize_ns > 0 for r in rounds)
+    assert rounds[0].between_ns == 0 and all(r.between_ns > 0 for r in rounds[1:])
+    for part in ("target_rpc", "target_queue", "between", "save", "detokenize"):
+        labels = {"service": "orchestrator", "part": part}
+        assert orch.metrics.registry.get_sample_value("specdec_round_part_seconds_count", labels) == 4

@@ -222,3 +222,71 @@ async def test_closing_a_session_that_does_not_exist_sends_no_release():
     assert target.released == [] and draft.released == []
     assert await orch.close_session(session) is True
     assert target.released == [session] and draft.released == [session]
+
+
+class HeldStore(InMemorySessionStore):
+    """Holds every save of a round's tokens until `release` is set (`saving` tells one waits);
+    `failing`: the n-th such save is held, then fails as an unreachable store does (writing nothing)
+    while the others go through."""
+
+    def __init__(self, failing: int = 0) -> None:
+        super().__init__()
+        self.release, self.saving = asyncio.Event(), asyncio.Event()
+        self.round_saves, self.failing = 0, failing
+
+    async def save(self, state, new_tokens) -> None:
+        if new_tokens and state.generation.rounds:  # not the write that opens the session
+            self.round_saves += 1
+            if not self.failing or self.round_saves == self.failing:
+                self.saving.set()
+                await self.release.wait()
+            if self.round_saves == self.failing:
+                raise Unavailable("session store unavailable (in memory, failed this write)")
+        await super().save(state, new_tokens)
+
+
+@pytest.mark.parametrize("save_behind", [True, False])
+async def test_the_next_round_is_sent_during_a_save_but_a_round_is_streamed_only_once_saved(save_behind):
+    store, target = HeldStore(), FakeTarget(REFERENCE)
+    orch = orchestrator(store, target, None, draft_length=0, save_behind=save_behind)
+    stream = orch.generate(orch.parse(request(max_new_tokens=6)))
+    await anext(stream)  # the header
+    first = asyncio.ensure_future(anext(stream))
+    await store.saving.wait()
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert not first.done()  # the first round's chunk waits for its save
+    # Behind the save, the second round's verify is already out (its history holds the first
+    # round's token); without --save-behind it waits for the save.
+    assert [n for n, _ in target.calls] == ([START, START + 1] if save_behind else [START])
+    store.release.set()
+    chunks = [await first] + [chunk async for chunk in stream]
+    assert generated(chunks) == REFERENCE[START:START + 6] and "".join(c.text for c in chunks) == TEXT[:6]
+    assert (await store.load(chunks[0].session_id)).tokens == REFERENCE[:START + 6]
+
+
+async def test_a_round_whose_save_failed_is_never_streamed_and_the_round_sent_ahead_is_dropped():
+    store, target = HeldStore(failing=3), FakeTarget(REFERENCE)
+    orch = orchestrator(store, target, None, draft_length=0)
+    stream = orch.generate(orch.parse(request(max_new_tokens=8)))
+    session = (await anext(stream)).session_id
+    held: list[int] = []
+
+    async def consume() -> None:
+        async for chunk in stream:
+            held.extend(chunk.token_ids)
+
+    consumer = asyncio.ensure_future(consume())
+    await store.saving.wait()  # the third round's save
+    for _ in range(100):
+        await asyncio.sleep(0)
+    assert len(target.calls) == 4  # the fourth round went out during it
+    store.release.set()
+    with pytest.raises(Unavailable):
+        await consumer
+    assert held == REFERENCE[START:START + 2]  # the third round's token was verified, never streamed
+    await settle(orch)
+    state = await store.load(session)
+    assert state.tokens == REFERENCE[:START + 2] and state.generation.lease_until == 0  # nothing beyond the client
+    rest = await resume(orch, session, len(held))
+    assert held + generated(rest) == REFERENCE[START:START + 8]

@@ -119,3 +119,22 @@ def test_getstatus_asks_each_replica_at_most_once_per_interval_however_many_call
     asyncio.run(status(Counters(), fresh, "auto"))
     asyncio.run(status(Counters(), fresh, "auto"))
     assert [b.calls for _, b in backends] == [3, 1, 3]
+
+
+def test_a_chunks_round_stats_read_as_json_format_would_without_going_through_it(monkeypatch):
+    from google.protobuf.json_format import MessageToDict
+
+    import specdec.client as client
+
+    values = {f.name: (True if f.type == f.TYPE_BOOL else 2**40 + i if f.type == f.TYPE_UINT64 else 7 + i)
+              for i, f in enumerate(pb.RoundStats.DESCRIPTOR.fields)}
+    stats = pb.RoundStats(**values)
+    expected = {k: int(v) if isinstance(v, str) else v
+                for k, v in MessageToDict(stats, preserving_proto_field_name=True).items()}
+
+    def refused(*args, **kwargs):
+        raise AssertionError("a streamed chunk's RoundStats went through json_format")
+
+    monkeypatch.setattr(client, "MessageToDict", refused)
+    assert client._as_dict(stats) == expected == values
+    assert client._as_dict(pb.RoundStats()) == dict.fromkeys(values, 0) | {"draft_fallback": False, "overlapped": False}
