@@ -40,6 +40,7 @@ from specdec.runtime.cache_sources import CacheSources, Restore, SharedPrefix
 from specdec.runtime.cache_table import CacheTable, Entry, common_prefix_length
 from specdec.runtime.engine_options import EngineOptions
 from specdec.runtime.engine_plan import plan_engine
+from specdec.runtime.weights import output_layer
 from specdec.runtime.kv_buffer import SessionKV
 from specdec.runtime.packed import PackedRow, build_forward, kv_geometry
 from specdec.runtime.prefix_cache import PrefixCache
@@ -104,14 +105,6 @@ class _Row:
     keep: int  # history tokens the cache already covered
 
 
-def _head_weight(model: PreTrainedModel) -> torch.Tensor:
-    """The weight of the model's LM head, whose rows are the logits."""
-    weight = getattr(model.get_output_embeddings(), "weight", None)
-    if not isinstance(weight, torch.Tensor):
-        raise ValueError(f"{type(model).__name__} has no output embeddings to score tokens with")
-    return weight
-
-
 class SessionCaches:
     """A bounded LRU of per-session KV caches for `model` (thread-safe; one pass at a time)."""
 
@@ -124,9 +117,9 @@ class SessionCaches:
         `snapshots`, `prefix_store`: the Redis sources (`cache_sources`; the prefix store needs
         `prefix_cache`); `engine`: how the pass runs (default `EngineOptions()`; ValueError for
         what this model or machine cannot honour)."""
-        head = _head_weight(model)  # [V, hidden]
         self.model, self.max_context = model, max_context
-        self.device, self.dtype, self.vocab_size = head.device, head.dtype, head.shape[0]  # inputs go to the weights
+        # inputs go to the output layer's device, in its activations' dtype (float32 for quantized weights)
+        self.device, self.dtype, self.vocab_size = output_layer(model)
         budget = default_budget_bytes(self.device) if budget_bytes is None else budget_bytes
         self.table = CacheTable(self._new_cache, budget, max_sessions, idle_ttl_s, prefix_cache, self.device)
         self.sources = CacheSources(snapshots, prefix_store, prefix_cache) if snapshots or prefix_store else None

@@ -46,6 +46,7 @@ from specdec.runtime.engine_plan import EnginePlan, supports
 from specdec.runtime.kv_buffer import SessionKV
 from specdec.runtime.native_attention import AttentionPlan
 from specdec.runtime.projection import LINEAR_ROW_CANDIDATES, Projection, measure_linear_rows
+from specdec.runtime.weights import matrix, output_layer
 
 # With the pass's own names, those its callers knew it by before attention and projections moved out.
 __all__ = ["QUERY_CHUNK", "LINEAR_ROW_CANDIDATES", "Forward", "GenericForward", "PackedForward", "PackedRow",
@@ -107,6 +108,7 @@ class PackedForward:
         self.scaling = self.base.layers[0].self_attn.scaling
         self.groups = self.heads // self.kv_heads
         self.native, self.prepacked = plan.native, plan.prepack
+        self.device, self.dtype, _ = output_layer(model)
         self.head: Projection | None = None
         self.layers: list[LayerProjections] = []
         if plan.fused:
@@ -119,7 +121,7 @@ class PackedForward:
     def __call__(self, rows: list[PackedRow]) -> list[torch.Tensor]:
         """Feed every row's tokens into its cache; each row's last `keep` logits `[keep, V]` (views of
         one tensor)."""
-        device = self.model.lm_head.weight.device
+        device = self.device
         for row in rows:
             row.kv.reserve(row.kv.length + len(row.tokens))
         self._pass_plan = (None, None, [])  # the native kernel's plan is built at the first layer (buffers are final)
@@ -252,11 +254,10 @@ class PackedForward:
                      "(measured; --native-linear-rows N fixes it)", self.linear_rows)
         if self.compiled is None:
             return 0.0
-        weight = self.model.lm_head.weight
         start = time.perf_counter()
         with torch.inference_mode():
             for t in (1, 2, 3):
-                kv = SessionKV(len(self.base.layers), self.kv_heads, self.head_dim, 4 * t, weight.dtype, weight.device)
+                kv = SessionKV(len(self.base.layers), self.kv_heads, self.head_dim, 4 * t, self.dtype, self.device)
                 self([PackedRow(kv, [0] * t, 1)])
                 self([PackedRow(kv, [0] * t, t)])
         self.compiled.warm = True
@@ -268,15 +269,15 @@ class PackedForward:
 def _projections(model: PreTrainedModel, plan: EnginePlan) -> tuple[Projection, list[LayerProjections]]:
     """The output layer's projection, and each layer's (qkv, o, gate_up, down), fused as `plan` says."""
     packs, linear = plan.prepack, plan.linear
-    head = Projection([model.lm_head.weight], packs, linear)
+    head = Projection([matrix(model.lm_head)], packs, linear)
     layers = []
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         layers.append((
-            Projection([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight], packs, linear),
-            Projection([attn.o_proj.weight], packs, linear),
-            Projection([mlp.gate_proj.weight, mlp.up_proj.weight], packs, linear),
-            Projection([mlp.down_proj.weight], packs, linear),
+            Projection([matrix(attn.q_proj), matrix(attn.k_proj), matrix(attn.v_proj)], packs, linear),
+            Projection([matrix(attn.o_proj)], packs, linear),
+            Projection([matrix(mlp.gate_proj), matrix(mlp.up_proj)], packs, linear),
+            Projection([matrix(mlp.down_proj)], packs, linear),
         ))
     return head, layers
 
@@ -307,7 +308,7 @@ def forward_generic(model: PreTrainedModel, row: PackedRow) -> torch.Tensor:
 
     kv, n, past = row.kv, len(row.tokens), row.kv.length
     kv.reserve(past + n)
-    device = model.lm_head.weight.device if hasattr(model, "lm_head") else kv.data.device
+    device = output_layer(model)[0] if hasattr(model, "lm_head") else kv.data.device
     cache = DynamicCache(config=model.config)
     if past:
         for index in range(kv.data.shape[1]):

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from specdec.runtime import native
 from specdec.runtime.engine_options import LINEAR_MAX_ROWS
+from specdec.runtime.quantized import QuantizedProjection, QuantizedWeight
 
 log = logging.getLogger(__name__)
 
@@ -40,11 +41,22 @@ class Projection:
     the native linear kernel, which reads the model's own weights where they lie (one call per fused
     weight, each writing its columns of the output): a row's output is then the same bits whatever
     shares the pass. Larger passes keep the path above.
+
+    Quantized weights (`quantized.QuantizedWeight`, a GGUF's blocks or `--quantize`): one
+    `QuantizedProjection` over the run of them, for every row count (no oneDNN path and no float
+    copy: the blocks are all there is), writing its columns of the output; float weights fused with
+    them (blocks de-quantized at load) run as above, minus pre-packing, writing theirs.
     """
 
-    def __init__(self, weights: list[torch.Tensor], prepack: bool, native: bool = False) -> None:
+    def __init__(self, weights: list[torch.Tensor | QuantizedWeight], prepack: bool, native: bool = False) -> None:
         self.sizes = [w.shape[0] for w in weights]
         self.width = sum(self.sizes)
+        self.rows = LINEAR_MAX_ROWS
+        self.pieces: list[tuple[QuantizedProjection | list[torch.Tensor], int, int]] = []
+        if any(isinstance(w, QuantizedWeight) for w in weights):
+            self.parts, self.weight, self.prepacked, self.native = [], None, False, native
+            self.pieces = _pieces(weights)  # type: ignore[arg-type]
+            return
         with torch.inference_mode(False), torch.no_grad():
             self.parts = [w.detach().contiguous() for w in weights] if native else []  # no copy when contiguous
             self.weight: torch.Tensor | None = None  # native and not pre-packed: larger passes use `parts`
@@ -52,10 +64,11 @@ class Projection:
                 weight = weights[0].detach() if len(weights) == 1 else torch.cat([w.detach() for w in weights])
                 self.weight = torch.ops.mkldnn._reorder_linear_weight(weight) if prepack else weight
         self.prepacked = prepack
-        self.rows = LINEAR_MAX_ROWS
 
     def project(self, h: torch.Tensor) -> torch.Tensor:
         """`h` `[T, in]` -> `[T, sum(out_i)]` (the fused weights' outputs side by side)."""
+        if self.pieces:
+            return self._project_pieces(h.contiguous())
         if self.parts and h.shape[0] <= self.rows:
             return native.linear(h.contiguous(), self.parts, h.new_empty((h.shape[0], self.width)))
         if self.prepacked:
@@ -64,10 +77,46 @@ class Projection:
             return torch.cat([F.linear(h, w) for w in self.parts], dim=-1)
         return F.linear(h, self.weight)
 
+    def _project_pieces(self, h: torch.Tensor) -> torch.Tensor:
+        """Each run of quantized weights through its kernel, each run of float ones through the native
+        linear kernel (float32, up to `rows` rows) or torch's `linear`, into its columns of one output."""
+        out = h.new_empty((h.shape[0], self.width))
+        whole = len(self.pieces) == 1
+        for piece, first, width in self.pieces:
+            columns = out if whole else out[:, first:first + width]
+            if isinstance(piece, QuantizedProjection):
+                piece(h, columns)
+            elif self.native and h.dtype == torch.float32 and h.shape[0] <= self.rows:
+                native.linear(h, piece, columns)
+            else:
+                columns.copy_(torch.cat([F.linear(h, w) for w in piece], dim=-1))
+        return out
+
     def __call__(self, h: torch.Tensor) -> list[torch.Tensor]:
         """`h` `[T, in]` -> one `[T, out_i]` per fused weight."""
         y = self.project(h)
         return [y] if len(self.sizes) == 1 else list(y.split(self.sizes, dim=-1))
+
+
+def _pieces(weights: list[torch.Tensor | QuantizedWeight]) -> list[tuple[QuantizedProjection | list[torch.Tensor],
+                                                                         int, int]]:
+    """Runs of consecutive quantized or float weights: (a `QuantizedProjection` or the float
+    weights, first output column, columns)."""
+    runs: list[list[torch.Tensor | QuantizedWeight]] = []
+    for w in weights:
+        if runs and isinstance(runs[-1][0], QuantizedWeight) == isinstance(w, QuantizedWeight):
+            runs[-1].append(w)
+        else:
+            runs.append([w])
+    pieces, first = [], 0
+    for run in runs:
+        width = sum(w.shape[0] for w in run)
+        if isinstance(run[0], QuantizedWeight):
+            pieces.append((QuantizedProjection(run), first, width))  # type: ignore[arg-type]
+        else:
+            pieces.append(([w.detach().contiguous() for w in run], first, width))  # type: ignore[union-attr]
+        first += width
+    return pieces
 
 
 def measure_linear_rows(projections: list[Projection], candidates: tuple[int, ...] = LINEAR_ROW_CANDIDATES,
