@@ -351,6 +351,16 @@ def _model_name(spec: str) -> str:
     return spec
 
 
+def prepare_model(spec: str, dense: bool, progress: bool = True) -> None:
+    """Make what loading `spec` will need from the cache now (a launcher, with a progress bar): a
+    GGUF's description (config, tokenizer), and its float32 conversion when `dense` weights will load."""
+    source = gguf_source(spec)
+    if source is not None:
+        _ensure_described(*source)
+    if dense or source is None:
+        resolve_model_path(spec, progress=progress)
+
+
 def load_tokenizer(spec: str) -> PreTrainedTokenizerBase:
     """The tokenizer of a model spec (for a GGUF, the one described next to the file in the cache:
     nothing is de-quantized for it)."""

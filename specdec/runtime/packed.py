@@ -39,7 +39,7 @@ import torch.nn.functional as F
 if TYPE_CHECKING:  # transformers' model code loads with the model: a model-free draft service starts without it
     from transformers import PreTrainedModel
 
-from specdec.runtime import native_attention
+from specdec.runtime import native, native_attention
 from specdec.runtime.attention import QUERY_CHUNK, attend
 from specdec.runtime.compiled import CompiledLayers
 from specdec.runtime.engine_plan import EnginePlan, supports
@@ -116,6 +116,7 @@ class PackedForward:
         self._measure_rows = plan.measure_rows
         self._set_linear_rows(plan.linear_rows)
         self.compiled = CompiledLayers(self) if plan.torch_compile else None
+        self.ops = self._layer_ops(plan)
         self._pass_plan: tuple[list[PackedRow] | None, AttentionPlan | None, list[bool]] = (None, None, [])
 
     def __call__(self, rows: list[PackedRow]) -> list[torch.Tensor]:
@@ -134,6 +135,8 @@ class PackedForward:
         cos, sin = self.base.rotary_emb(x, positions[None])  # [1, T, D] each
         if self.compiled is not None:
             x = self.compiled(x[0], cos, sin, rows)[None]
+        elif self.ops is not None:
+            x = self._native_layers(x[0], cos[0], sin[0], rows)[None]
         elif self.layers:
             x = self._fused_layers(x[0], cos, sin, rows)[None]
         else:
@@ -171,6 +174,55 @@ class PackedForward:
             x = x + down.project(act(gate).mul_(up))
         return x
 
+    def _layer_ops(self, plan: EnginePlan) -> native.LayerOps | None:
+        """The native elementwise kernels, where the layers run in float32 on a CPU with the native
+        kernels through the fused projections, with SiLU MLPs and RMSNorms of float32 weights."""
+        if not (plan.native and self.layers and self.dtype == torch.float32 and self.device.type == "cpu"):
+            return None
+        if getattr(self.model.config, "hidden_act", None) != "silu":
+            return None
+        norms = [(layer.input_layernorm, layer.post_attention_layernorm) for layer in self.base.layers]
+        if any(n.weight.dtype != torch.float32 or not n.weight.is_contiguous() for pair in norms for n in pair):
+            return None
+        self._norms = [(a.weight, b.weight, float(a.variance_epsilon), float(b.variance_epsilon)) for a, b in norms]
+        return native.LayerOps()
+
+    def _native_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       rows: list[PackedRow]) -> torch.Tensor:
+        """Every layer for `x` `[T, hidden]` (updated in place: the residual stream) with the
+        elementwise work in the native kernels (`native.LayerOps`: RMSNorm with the residual add
+        before it, the rotary embedding of q and k in place, SiLU times up) and every product written
+        into buffers made once per pass: a layer is 9 calls into C and no tensor allocated. The same
+        arithmetic as `_fused_layers` to float32 rounding. `cos`, `sin` `[T, D]`."""
+        ops, t, d, heads, hkv = self.ops, x.shape[0], self.head_dim, self.heads, self.kv_heads
+        assert ops is not None
+        q_width, qk_width = heads * d, (heads + hkv) * d
+        qkv_p, _, gate_up_p, _ = self.layers[0]
+        qkv, attended = x.new_empty((t, qkv_p.width)), x.new_empty((t, q_width))
+        gate_up, act = x.new_empty((t, gate_up_p.width)), x.new_empty((t, gate_up_p.width // 2))
+        h, delta = torch.empty_like(x), torch.empty_like(x)
+        cos, sin = cos.contiguous(), sin.contiguous()
+        q = qkv[:, :q_width].view(t, heads, d)
+        k, v = qkv[:, q_width:qk_width].view(t, hkv, d), qkv[:, qk_width:].view(t, hkv, d)
+        ops.rms_norm(x, self._norms[0][0], self._norms[0][2], h)
+        last = len(self.layers) - 1
+        for index, (qkv_p, o, gate_up_p, down) in enumerate(self.layers):
+            qkv_p.project(h, qkv)
+            ops.rope(qkv, heads + hkv, d, cos, sin)
+            self._attend_rows(index, q, k, v, rows, self.scaling, attended)
+            o.project(attended, delta)
+            _, post, _, post_eps = self._norms[index]
+            ops.rms_norm(x, post, post_eps, h, delta)  # x += attention; h = norm(x)
+            gate_up_p.project(h, gate_up)
+            ops.silu_mul(gate_up, act)
+            down.project(act, delta)
+            if index < last:
+                following = self._norms[index + 1]
+                ops.rms_norm(x, following[0], following[2], h, delta)  # x += mlp; h = the next layer's norm(x)
+            else:
+                x.add_(delta)
+        return x
+
     @staticmethod
     def _norm(norm: Any, x: torch.Tensor) -> torch.Tensor:
         """`norm(x)` for a Llama RMSNorm module; one fused call in float32 (the module's own
@@ -191,13 +243,14 @@ class PackedForward:
         return attn.o_proj(out[None])
 
     def _attend_rows(self, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: list[PackedRow],
-                     scaling: float) -> torch.Tensor:
+                     scaling: float, into: torch.Tensor | None = None) -> torch.Tensor:
         """Write each row's new keys/values (`k`, `v` `[T, Hkv, D]`) into its cache at layer `index`
-        and attend its queries (`q` `[T, H, D]`) to its whole past; `[T, H * D]`. Short rows (decode,
-        verify) go through the native kernel when it runs, all in one call, which also stores their
-        keys/values; the others through `SessionKV.write` and `attend`."""
+        and attend its queries (`q` `[T, H, D]`) to its whole past; `[T, H * D]` (`into`, when given:
+        a contiguous buffer of that shape). Short rows (decode, verify) go through the native kernel
+        when it runs, all in one call, which also stores their keys/values; the others through
+        `SessionKV.write` and `attend`."""
         t, d, hkv, g = q.shape[0], self.head_dim, self.kv_heads, self.groups
-        out = q.new_empty((t, hkv, g, d))  # query head kv * G + g lives at [:, kv, g]
+        out = q.new_empty((t, hkv, g, d)) if into is None else into.view(t, hkv, g, d)  # head kv * G + g: [:, kv, g]
         kernel_plan, short_rows = self._native_plan(rows)
         start = 0
         for row, short in zip(rows, short_rows):

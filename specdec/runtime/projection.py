@@ -65,25 +65,30 @@ class Projection:
                 self.weight = torch.ops.mkldnn._reorder_linear_weight(weight) if prepack else weight
         self.prepacked = prepack
 
-    def project(self, h: torch.Tensor) -> torch.Tensor:
-        """`h` `[T, in]` -> `[T, sum(out_i)]` (the fused weights' outputs side by side)."""
+    def project(self, h: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """`h` `[T, in]` -> `[T, sum(out_i)]` (the fused weights' outputs side by side), into `out`
+        when given (`[T, sum(out_i)]`, features contiguous: a buffer the pass keeps)."""
         if self.pieces:
-            return self._project_pieces(h.contiguous())
+            return self._project_pieces(h if h.is_contiguous() else h.contiguous(), out)
         if self.parts and h.shape[0] <= self.rows:
-            return native.linear(h.contiguous(), self.parts, h.new_empty((h.shape[0], self.width)))
+            out = h.new_empty((h.shape[0], self.width)) if out is None else out
+            return native.linear(h if h.is_contiguous() else h.contiguous(), self.parts, out)
         if self.prepacked:
-            return torch.ops.mkldnn._linear_pointwise(h, self.weight, None, "none", [], "")
-        if self.weight is None:
-            return torch.cat([F.linear(h, w) for w in self.parts], dim=-1)
-        return F.linear(h, self.weight)
+            y = torch.ops.mkldnn._linear_pointwise(h, self.weight, None, "none", [], "")
+        elif self.weight is None:
+            y = torch.cat([F.linear(h, w) for w in self.parts], dim=-1)
+        else:
+            y = F.linear(h, self.weight)
+        return y if out is None else out.copy_(y)
 
-    def _project_pieces(self, h: torch.Tensor) -> torch.Tensor:
+    def _project_pieces(self, h: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
         """Each run of quantized weights through its kernel, each run of float ones through the native
         linear kernel (float32, up to `rows` rows) or torch's `linear`, into its columns of one output."""
-        out = h.new_empty((h.shape[0], self.width))
-        whole = len(self.pieces) == 1
+        out = h.new_empty((h.shape[0], self.width)) if out is None else out
+        if len(self.pieces) == 1 and isinstance(self.pieces[0][0], QuantizedProjection):
+            return self.pieces[0][0].run(h, out)
         for piece, first, width in self.pieces:
-            columns = out if whole else out[:, first:first + width]
+            columns = out[:, first:first + width]
             if isinstance(piece, QuantizedProjection):
                 piece(h, columns)
             elif self.native and h.dtype == torch.float32 and h.shape[0] <= self.rows:

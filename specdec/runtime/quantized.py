@@ -162,7 +162,19 @@ class QuantizedProjection:
                 or x.stride(1) != 1 or out.stride(1) != 1):
             raise ValueError(f"the quantized kernels take x [m, {self.k}] and out [m, {self.width}] of one dtype, "
                              f"features contiguous")
+        return self.run(x, out)
+
+    def run(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """`__call__` without its checks, for a caller that made `x` and `out` right (the pass, ~121
+        calls a decode step): float32 or float64 `[m, k]` and `[m, width]`, features contiguous."""
+        m = x.size(0)
+        fn = self._kernels[x.dtype]
         threads, size, x_t, y_t = torch.get_num_threads(), x.element_size(), x.stride(0), out.stride(0)
+        if m <= CHUNK_ROWS:  # a decode or verify pass: one call
+            code = fn(len(self._specs), self._address, m, self.k, x.data_ptr(), x_t, out.data_ptr(), y_t, threads)
+            if code:
+                raise RuntimeError(f"the quantized linear kernel failed ({native.KernelStatus(code).name})")
+            return out
         for start in range(0, m, CHUNK_ROWS):
             code = fn(len(self._specs), self._address, min(CHUNK_ROWS, m - start), self.k,
                       x.data_ptr() + start * x_t * size, x_t, out.data_ptr() + start * y_t * size, y_t, threads)
