@@ -5,7 +5,9 @@
 # (`python -m deploy.image_test run`), which starts every workload the chart renders (Redis,
 # draft, target, orchestrator, gateway) as containers in one podman pod with the manifests' own
 # commands, args, env, ports, users, read-only roots and probes, runs the chart's `helm test` Pod, an OpenAI-client request through
-# the gateway, kills the target and checks the next request still completes after its restart.
+# the gateway, checks that two API keys (a Secret made for the run, named by auth.existingSecret)
+# cannot reach each other's sessions through the gateway or the orchestrator's gRPC API, kills the
+# target and checks the next request still completes after its restart.
 # Loopback only, bounded by IMAGE_TEST_TIMEOUT_S, and it removes everything it made.
 #
 # Needs root, podman (runc) and the image (`make image`). Images that are neither local nor
@@ -26,4 +28,5 @@ repo="${IMAGE%:*}"
 tag="${IMAGE##*:}"
 exec "$python" -m deploy.image_test run --helm "$helm" --chart helm/specdec \
   --set "image.repository=$repo" --set "image.tag=$tag" \
+  --auth-secret specdec-image-test-keys \
   --fallback-image "$IMAGE" --timeout-s "${IMAGE_TEST_TIMEOUT_S:-900}" ${IMAGE_TEST_ARGS:-}

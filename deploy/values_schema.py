@@ -199,8 +199,8 @@ gateway_props = {
     "healthTimeoutS": {"type": "number", "exclusiveMinimum": 0,
                        "description": "Deadline of the status call behind /health (below the readiness timeout)."},
     "auth": obj({
-        "existingSecret": S("Secret holding the accepted tokens; empty: the gateway checks none."),
-        "tokensKey": S("Key of the tokens file in that Secret.", minLength=1),
+        "existingSecret": S("Deprecated alias of the top-level auth.existingSecret."),
+        "tokensKey": S("Deprecated alias of the top-level auth.tokensKey.", minLength=1),
     }, required=["existingSecret", "tokensKey"]),
     "service": service(),
     "ingress": obj({
@@ -252,13 +252,19 @@ redis = obj({
     }, required=["repository", "tag"]),
     "port": {"$ref": "#/definitions/port"},
     "persistence": obj({"enabled": B(), "storageClass": S(), "size": S(minLength=1)}, required=["enabled"]),
+    "maxmemory": {"type": ["string", "integer"], "pattern": "^[0-9]+([kKmMgG][bB]?)?$", "minimum": 0,
+                  "description": "Redis's --maxmemory (e.g. 768mb, 3gb; 0: no cap)."},
+    "maxmemoryPolicy": {"enum": ["noeviction", "volatile-lru", "allkeys-lru", "volatile-lfu", "allkeys-lfu",
+                                 "volatile-random", "allkeys-random", "volatile-ttl"],
+                        "description": "Redis's --maxmemory-policy; noeviction keeps every session."},
     "extraArgs": {"$ref": "#/definitions/args"},
     "resources": {"$ref": "#/definitions/resources"},
     "podSecurityContext": {"type": "object"},
     "nodeSelector": string_map,
     "tolerations": {"$ref": "#/definitions/tolerations"},
     "affinity": {"$ref": "#/definitions/affinity"},
-}, required=["enabled", "external", "auth", "image", "port", "persistence"], desc="The session store.")
+}, required=["enabled", "external", "auth", "image", "port", "persistence", "maxmemory", "maxmemoryPolicy"],
+    desc="The session store.")
 redis["allOf"] = [
     {"if": {"properties": {"enabled": {"const": False}}},
      "then": {"properties": {"external": {"anyOf": [
@@ -277,13 +283,18 @@ schema = {
     "type": "object",
     "additionalProperties": False,
     "required": ["image", "target", "draft", "orchestrator", "gateway", "redis", "modelCache", "networkPolicy",
-                 "discovery"],
+                 "discovery", "auth"],
     "definitions": defs,
     "properties": {
         "global": {"type": "object", "description": "Helm's global values (unused)."},
         "nameOverride": S("Replaces the chart name in resource names."),
         "fullnameOverride": S("Replaces <release>-<chart> in resource names."),
         "clusterDomain": S("DNS domain of the cluster.", minLength=1),
+        "auth": obj({
+            "existingSecret": S("Secret holding the bearer tokens of the public APIs, mounted into the orchestrator "
+                                "and the gateway; empty: no tokens."),
+            "tokensKey": S("Key of the tokens file in that Secret.", minLength=1),
+        }, required=["existingSecret", "tokensKey"]),
         "discovery": obj({
             "kubernetes": B("The orchestrator finds draft and target replicas through the Kubernetes API "
                             "(EndpointSlices) instead of DNS; renders its ServiceAccount, Role and RoleBinding."),
@@ -325,7 +336,8 @@ schema = {
         "networkPolicy": obj({
             "enabled": B("Create NetworkPolicies."),
             "orchestratorFrom": {"type": "array", "items": {"type": "object"},
-                                 "description": "Peers allowed to reach the orchestrator; empty: anyone."},
+                                 "description": "Peers allowed to reach the orchestrator besides the gateway and the "
+                                                "helm test; empty: only those (anyone without a gateway)."},
             "gatewayFrom": {"type": "array", "items": {"type": "object"},
                             "description": "Peers allowed to reach the gateway; empty: anyone."},
             "metricsFrom": {"type": "array", "items": {"type": "object"},

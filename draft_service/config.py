@@ -80,8 +80,14 @@ class DraftConfig(ModelServiceConfig):
         "empirical probabilities stays at least this (higher: shorter, surer drafts)."
     )
     suffix_max_tokens: int = Field(
-        1_000_000, ge=1, description="Suffix speculation: most tokens of earlier outputs (and of each session's "
-        "history) indexed; the oldest outputs are dropped first."
+        1_000_000, ge=1, description="Suffix speculation: most tokens of earlier outputs indexed, over all corpus "
+        "groups (and of each session's history); a group's oldest outputs are dropped first, and past the "
+        "budget the least recently used group's whole corpus."
+    )
+    suffix_max_groups: int = Field(
+        1024, ge=1, description="Suffix speculation: most corpus groups whose earlier outputs are kept (an output "
+        "drafts only requests of its own group: each caller identity, or a group the orchestrator's "
+        "--corpus-groups names); past it, the least recently used group's corpus goes."
     )
     suffix_redis_url: str = Field(
         "", description="Suffix speculation: Redis whose stream of finished outputs (specdec:v1:suffix:outputs) "

@@ -8,6 +8,8 @@ import threading
 from collections.abc import Sequence
 
 import redis
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 from draft_service.config import DraftConfig
 from draft_service.registry import DraftHost, build_proposer
@@ -38,17 +40,24 @@ class SuffixStreamReader:
     Redis stream of finished outputs.
 
     A daemon thread: first the newest `backlog` entries, then XREAD blocking (1 s at a time) for
-    new ones. Each entry's `tokens` field holds uint32 little-endian ids (`encode_output`); an
-    entry whose optional `tokenizer` field names another tokenizer is skipped. Redis going away
-    is logged and retried; the proposer keeps what it has.
+    new ones. Each entry's `tokens` field holds uint32 little-endian ids (`encode_output`), its
+    optional `group` field the corpus group it joins; an entry that cannot be used (malformed, of
+    another tokenizer, empty, or holding an id outside [0, `vocab_size`)) is skipped and counted in
+    `skipped` by reason (`specdec.core.suffix.decode_entry`), and reading goes on. Redis going away
+    is logged and retried, and so is anything unexpected; the proposer keeps what it has.
     """
 
-    def __init__(self, proposer: Proposer, url: str, fingerprint: str, backlog: int = 1000) -> None:
+    def __init__(self, proposer: Proposer, url: str, fingerprint: str, backlog: int = 1000,
+                 vocab_size: int | None = None) -> None:
+        from specdec.core.suffix import SKIP_REASONS
+
         self.proposer = proposer
         self.url = url
         self.fingerprint = fingerprint
         self.backlog = backlog
+        self.vocab_size = vocab_size
         self.entries = 0  # entries added to the corpus
+        self.skipped: dict[str, int] = dict.fromkeys(SKIP_REASONS, 0)  # entries skipped, by reason
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="suffix-stream", daemon=True)
 
@@ -78,27 +87,50 @@ class SuffixStreamReader:
                              self.entries)
                 for _, entries in new or []:
                     for entry_id, fields in entries:
-                        self._add(fields)
                         last = entry_id
+                        self._add(fields)
             except redis.ResponseError:  # no stream yet: start from its beginning once it exists
                 last = b"0-0"
             except redis.RedisError as exc:
                 log.warning("suffix outputs stream at %s: %s; retrying", where, exc)
                 self._stop.wait(1.0)
+            except Exception:  # never a silent end: the corpus would stop learning for good
+                log.exception("suffix outputs stream at %s: unexpected error; retrying", where)
+                self._stop.wait(1.0)
 
     def _add(self, fields: dict[bytes, bytes]) -> None:
-        from specdec.core.suffix import FINGERPRINT_FIELD, OUTPUT_FIELD, decode_output
+        from specdec.core.suffix import SkippedEntry, decode_entry
 
-        fingerprint = fields.get(FINGERPRINT_FIELD, b"").decode()
-        if fingerprint and fingerprint != self.fingerprint:
-            return
         try:
-            tokens = decode_output(fields.get(OUTPUT_FIELD, b""))
-        except ValueError as exc:
-            log.warning("suffix outputs stream: entry skipped: %s", exc)
+            entry = decode_entry(fields, self.fingerprint, self.vocab_size)
+        except SkippedEntry as exc:
+            if exc.reason != "other_tokenizer":  # another tokenizer's replicas may share the stream
+                level = logging.WARNING if not self.skipped[exc.reason] else logging.DEBUG  # the first of each kind
+                log.log(level, "suffix outputs stream: entry skipped (%s); counted in "
+                        "specdec_suffix_stream_skipped_total", exc)
+            self.skipped[exc.reason] += 1
             return
-        self.proposer.add_output(tokens)
+        self.proposer.add_output(entry.tokens, entry.group)
         self.entries += 1
+
+
+class SuffixStreamCollector(Collector):
+    """The reader's counts for /metrics: entries added to the corpus, and entries skipped by reason."""
+
+    def __init__(self, service: str, reader: SuffixStreamReader) -> None:
+        self.service, self.reader = service, reader
+
+    def collect(self):
+        added = CounterMetricFamily("specdec_suffix_stream_entries", "Outputs stream entries added to the "
+                                    "suffix corpus.", labels=["service"])
+        added.add_metric([self.service], self.reader.entries)
+        skipped = CounterMetricFamily("specdec_suffix_stream_skipped", "Outputs stream entries skipped: malformed, "
+                                      "of another tokenizer, holding an id outside the vocabulary, or empty.",
+                                      labels=["service", "reason"])
+        for reason, count in self.reader.skipped.items():
+            skipped.add_metric([self.service, reason], count)
+        yield added
+        yield skipped
 
 
 def build_servicer(config: DraftConfig) -> tuple[DraftServicer, ServiceMetrics]:
@@ -117,7 +149,8 @@ async def serve(config: DraftConfig) -> None:
     reader = None
     if config.suffix_redis_url and proposer.learns_outputs:  # every finished output joins the corpus
         reader = SuffixStreamReader(proposer, config.suffix_redis_url, info.tokenizer_fingerprint,
-                                    config.suffix_backlog)
+                                    config.suffix_backlog, vocab_size=info.vocab_size or None)
+        metrics.registry.register(SuffixStreamCollector("draft", reader))
         reader.start()
         info.reads_shared_outputs = True  # orchestrators publish finished outputs only for drafts that read them
     try:

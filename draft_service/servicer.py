@@ -9,7 +9,7 @@ from specdec.runtime.batching import Batcher
 from specdec.runtime.drafting import Drafter
 from specdec.server.admission import Admission, deadline_of
 from specdec.server.model_service import ModelServicer
-from specdec.server.wire import probs_to_bytes, sampling_from_pb
+from specdec.server.wire import probs_to_bytes
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
 # `DraftToken.source` on the wire (`Proposal.source`).
@@ -29,13 +29,13 @@ class DraftServicer(ModelServicer, draft_pb2_grpc.DraftServiceServicer):
     @grpc_errors
     async def Propose(self, request: draft_pb2.ProposeRequest, context):
         arrived = time.monotonic()
-        params = sampling_from_pb(request.sampling, self.info.vocab_size)
+        params = self.constants.resolve(request.session_id, request.sampling, self.info.vocab_size)
         history = list(request.history)
         self.drafter.check(history, request.num_tokens, request.tokenizer_fingerprint)
         deadline = deadline_of(context)
         async with self.admission.slot(deadline, context):
             drafts = self.drafter.stream(request.session_id, history, request.num_tokens, params, request.seed,
-                                         deadline, arrived, request.sent_unix_ns)
+                                         deadline, arrived, request.sent_unix_ns, request.corpus_group)
             index = 0
             async for draft, step in drafts:
                 yield draft_pb2.Proposal(
@@ -48,6 +48,7 @@ class DraftServicer(ModelServicer, draft_pb2_grpc.DraftServiceServicer):
 
     @grpc_errors
     async def Release(self, request: common_pb2.ReleaseRequest, context) -> common_pb2.ReleaseResponse:
+        self.constants.release(request.session_id)
         released = await self.drafter.release(request.session_id, learn=not request.forget_output,
                                               sent_unix_ns=request.sent_unix_ns)
         return common_pb2.ReleaseResponse(released=released)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
+import time
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -35,12 +37,13 @@ from http_gateway.openai_api import (
     validation_error,
 )
 from specdec.client import AsyncClient, AsyncStream, Chunk
-from specdec.errors import Internal, SpecdecError
+from specdec.errors import Internal, SpecdecError, Unauthenticated
 from specdec.server import logs
 from specdec.server.auth import UNAUTHENTICATED_MESSAGE, Tokens, bearer_token
 from specdec.server.tracing import tracer
 
 T = TypeVar("T")
+log = logging.getLogger("specdec.http")
 
 
 def _error_response(err: ApiError) -> JSONResponse:
@@ -146,6 +149,8 @@ class Gateway:
         self._model = config.model_name
         self.tokens = Tokens.load(config.auth_tokens_file, config.auth_tokens_env)
         self.own_token = self._own_token(config)
+        self._health: tuple[float, asyncio.Future] | None = None  # when /health last asked, and the answer
+        self._auth_checked = not self.tokens.enabled  # whether the orchestrator was seen refusing tokenless calls
 
     def _own_token(self, config: GatewayConfig) -> str:
         if config.token_file:
@@ -164,6 +169,44 @@ class Gateway:
             return await self.client.status(timeout=self.config.health_timeout_s, token=token or self.own_token or "")
         except SpecdecError as exc:
             raise api_error(exc) from None
+
+    async def health_status(self) -> dict[str, Any]:
+        """The orchestrator's status behind /health, asked at most once per --health-cache-s (concurrent
+        probes share the call; a failure is kept as long); raises ApiError."""
+        now, asked = time.monotonic(), self._health
+        if asked is None or (asked[1].done() and now - asked[0] >= self.config.health_cache_s):
+            asked = self._health = (now, asyncio.ensure_future(self._health_fetch()))
+        return asked[1].result() if asked[1].done() else await asyncio.shield(asked[1])
+
+    async def _health_fetch(self) -> dict[str, Any]:
+        status = await self.status()
+        if not self._auth_checked:
+            await self._check_orchestrator_auth()
+        return status
+
+    async def _check_orchestrator_auth(self) -> None:
+        """A gateway that checks tokens warns (once) when the orchestrator serves a call without one:
+        every key is then the same anonymous identity there, so sessions are not bound to keys and
+        anything that reaches the orchestrator needs no token. Give it the same tokens."""
+        try:
+            await self.client.status(timeout=self.config.health_timeout_s, token="")
+        except Unauthenticated:
+            self._auth_checked = True
+            return
+        except SpecdecError:
+            return  # unreachable for now: asked again with the next status
+        self._auth_checked = True
+        log.warning("this gateway checks bearer tokens but the orchestrator at %s serves calls without one: "
+                    "sessions are not bound to API keys and its gRPC API is open; give the orchestrator the same "
+                    "tokens (--auth-tokens-file)", self.config.orchestrator)
+
+    def shows_details(self, request: Request) -> bool:
+        """Whether /health may show this caller the backends' addresses and errors: one with a token this
+        gateway accepts; without tokens here, anyone, unless the gateway holds a token of its own (the
+        orchestrator then checks tokens, and /health cannot tell who may see what)."""
+        if self.tokens.enabled:
+            return self.tokens.identity(request.headers.get("authorization")) is not None
+        return not self.own_token
 
     async def model(self, token: str | None = None) -> str:
         """The served model id: configured, or the target's model as the orchestrator reports it."""
@@ -325,17 +368,22 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 def _add_health_and_models(app: FastAPI, gateway: Gateway) -> None:
     @app.get("/health", responses=openapi.HEALTH_RESPONSES)
-    async def health():
-        """200 while the orchestrator answers and its target is healthy (a missing draft only slows it)."""
+    async def health(request: Request):
+        """200 while the orchestrator answers and its target is healthy (a missing draft only slows it).
+        The orchestrator's and backends' addresses and errors only for callers `shows_details` admits."""
+        details = gateway.shows_details(request)
         try:
-            status = await gateway.status()
+            status = await gateway.health_status()
         except ApiError as err:
+            if not details:
+                err = ApiError(err.status, "the orchestrator is unavailable", type=err.type, code=err.code)
             return _error_response(err)
         backends = [{k: b[k] for k in ("role", "address", "healthy", "error")} for b in status["backends"]]
         ok = any(b["role"] == "target" and b["healthy"] for b in backends)
         degraded = not all(b["healthy"] for b in backends)
-        body = {"status": ("degraded" if degraded else "ok") if ok else "unavailable",
-                "orchestrator": status["address"], "backends": backends}
+        body: dict[str, Any] = {"status": ("degraded" if degraded else "ok") if ok else "unavailable"}
+        if details:
+            body.update(orchestrator=status["address"], backends=backends)
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/v1/models", responses={200: {"model": openapi.ModelList}, **openapi.MODEL_RESPONSES})

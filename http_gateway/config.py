@@ -18,6 +18,10 @@ class GatewayConfig(ServiceConfig):
     )
     request_timeout_s: float = Field(600.0, gt=0, description="Deadline of one generation, seconds.")
     health_timeout_s: float = Field(5.0, gt=0, description="Deadline of the orchestrator status call behind /health.")
+    health_cache_s: float = Field(
+        2.0, ge=0, description="Seconds /health reuses the orchestrator's last status answer (concurrent probes share "
+        "one call), so probes never make the orchestrator ask every replica more often; 0 asks on every probe."
+    )
     auth_tokens_file: str = Field(
         "", description="Bearer tokens this gateway accepts (TOKEN or NAME:TOKEN per line), checked before a request "
         "goes on; the caller's token is always forwarded to the orchestrator, which checks it too."

@@ -1,9 +1,17 @@
-"""Clients of the draft and target services, with timing, as the loop sees them."""
+"""Clients of the draft and target services, with timing, as the loop sees them.
+
+A generation's logit_bias and grammar go to each replica once per session: a replica that says
+it keeps them (`ModelInfo.caches_sampling_constants`) gets their digest alone on later calls,
+and a replica that answers NOT_FOUND to that (it lost them) gets the call again with them
+(`specdec.server.constants`).
+"""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import grpc
@@ -13,8 +21,10 @@ from specdec.core.sampling import SamplingParams
 from specdec.errors import Cancelled, SpecdecError, Unavailable
 from specdec.rpc_errors import from_backend_error
 from specdec.server.tls import ClientTLS
-from specdec.server.wire import sampling_to_pb
+from specdec.server.wire import constants_digest, sampling_to_pb
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+
+log = logging.getLogger("specdec.orchestrator")
 
 # `Proposal.source` as the orchestrator names it (metrics labels, per-source controller state).
 SOURCE_NAMES = {draft_pb2.DRAFT_SOURCE_MODEL: "model", draft_pb2.DRAFT_SOURCE_NGRAM: "ngram",
@@ -88,8 +98,12 @@ class DraftReleased(Released, DraftUnavailable):
     """`Released` from the draft: like any unusable draft, the round falls back to plain decoding."""
 
 
+MAX_SENT = 100_000  # sessions whose sampling constants a client remembers a replica holds (oldest forgotten)
+
+
 class _ModelBackend:
-    """What draft and target clients share: a channel, GetInfo, Release, SaveSnapshot and close."""
+    """What draft and target clients share: a channel, GetInfo, Release, SaveSnapshot and close, and
+    which sessions' sampling constants the replica holds."""
 
     def __init__(self, address: str, timeout_s: float, stub_class, tls: ClientTLS | None = None) -> None:
         self.address = address
@@ -97,9 +111,39 @@ class _ModelBackend:
         secure = tls is not None and tls.enabled
         self._channel = channel(address, tls.credentials() if secure else None, tls.options() if secure else ())
         self.stub = stub_class(self._channel)
+        self.keeps_constants = False  # from its GetInfo: it keeps each session's logit_bias and grammar
+        self._sent: OrderedDict[str, bytes] = OrderedDict()  # session -> digest of the constants it was sent
 
     async def info(self, timeout: float = 10.0, wait: bool = True) -> common_pb2.ModelInfo:
-        return await self.stub.GetInfo(common_pb2.GetInfoRequest(), timeout=timeout, wait_for_ready=wait)
+        info = await self.stub.GetInfo(common_pb2.GetInfoRequest(), timeout=timeout, wait_for_ready=wait)
+        self.keeps_constants = info.caches_sampling_constants
+        return info
+
+    def _sampling(self, session_id: str, params: SamplingParams, resend: bool = False) -> common_pb2.SamplingParams:
+        """The call's sampling message: with the constants, unless the replica keeps them and was sent
+        these already for the session (`resend`: it said it lost them)."""
+        digest = constants_digest(params)
+        held = digest and self.keeps_constants and not resend and self._sent.get(session_id) == digest
+        return sampling_to_pb(params, constants=not held)
+
+    def _sent_constants(self, session_id: str, msg: common_pb2.SamplingParams) -> None:
+        """The call carrying `msg` succeeded: the replica holds what it carried."""
+        if msg.constants_digest and (msg.logit_bias or msg.grammar_kind or msg.grammar_text):
+            self._sent[session_id] = msg.constants_digest
+            self._sent.move_to_end(session_id)
+            while len(self._sent) > MAX_SENT:
+                self._sent.popitem(last=False)
+
+    def _lost_constants(self, exc: grpc.aio.AioRpcError, session_id: str, msg: common_pb2.SamplingParams) -> bool:
+        """Whether a failed call was refused because the replica no longer holds the constants it was
+        named by digest (NOT_FOUND): the call goes again with them."""
+        lost = exc.code() == grpc.StatusCode.NOT_FOUND and bool(msg.constants_digest) and not msg.grammar_kind \
+            and not msg.logit_bias and not msg.grammar_text
+        if lost:
+            self._sent.pop(session_id, None)
+            log.info("%s holds no logit_bias and grammar for session %s (restarted or evicted): sent them again",
+                     self.address, session_id)
+        return lost
 
     def _timeout(self, remaining: float | None, limit_s: float | None = None) -> float:
         limit = limit_s or self.timeout_s
@@ -123,6 +167,7 @@ class _ModelBackend:
         return from_backend_error(exc, passed_on, request_deadline=doing if cut else "")
 
     async def release(self, session_id: str, forget_output: bool = True) -> None:
+        self._sent.pop(session_id, None)
         request = common_pb2.ReleaseRequest(session_id=session_id, sent_unix_ns=time.time_ns(),
                                             forget_output=forget_output)
         await self.stub.Release(request, timeout=self.timeout_s)
@@ -145,37 +190,53 @@ class DraftBackend(_ModelBackend):
 
     async def propose(self, session_id: str, history: list[int], k: int, params: SamplingParams,
                       seed: int, fingerprint: str, into: DraftReply | None = None,
-                      progress: asyncio.Event | None = None, timeout: float | None = None) -> DraftReply:
+                      progress: asyncio.Event | None = None, timeout: float | None = None,
+                      corpus_group: str = "") -> DraftReply:
         """Collect the streamed proposals (into `into`, as they arrive, if given).
 
-        `timeout` is what is left of the request's deadline (the call's own limit if shorter).
+        `timeout` is what is left of the request's deadline (the call's own limit if shorter);
+        `corpus_group`: whose earlier outputs may draft it (orchestrator.corpus).
         """
         start = time.perf_counter_ns()
         request = draft_pb2.ProposeRequest(
-            session_id=session_id, history=history, num_tokens=k, sampling=sampling_to_pb(params),
-            seed=seed, tokenizer_fingerprint=fingerprint, sent_unix_ns=time.time_ns(),
+            session_id=session_id, history=history, num_tokens=k, sampling=self._sampling(session_id, params),
+            seed=seed, tokenizer_fingerprint=fingerprint, sent_unix_ns=time.time_ns(), corpus_group=corpus_group,
         )
         proposal = into if into is not None else DraftReply()
         try:
-            async for msg in self.stub.Propose(request, timeout=self._timeout(timeout)):
-                proposal.tokens.append(msg.token_id)
-                proposal.source = SOURCE_NAMES.get(msg.source, "")
-                if msg.probs:
-                    proposal.probs.append(msg.probs)
-                proposal.compute_ns += msg.compute_ns
-                proposal.prefill_tokens += msg.prefill_tokens
-                if progress is not None:
-                    progress.set()
+            await self._stream(request, proposal, progress, timeout)
         except grpc.aio.AioRpcError as exc:
-            error = self._failure(exc, (grpc.StatusCode.FAILED_PRECONDITION,), timeout, "the draft proposed")
-            if isinstance(error, Cancelled):
-                raise DraftReleased(str(error)) from exc
-            if isinstance(error, Unavailable):
-                raise DraftUnavailable(str(error)) from exc
-            raise error from exc
+            if proposal.tokens or not self._lost_constants(exc, session_id, request.sampling):
+                raise self._propose_failure(exc, timeout) from exc
+            request.sampling.CopyFrom(self._sampling(session_id, params, resend=True))
+            try:
+                await self._stream(request, proposal, progress, timeout)
+            except grpc.aio.AioRpcError as again:
+                raise self._propose_failure(again, timeout) from again
+        self._sent_constants(session_id, request.sampling)
         proposal.wall_ns = time.perf_counter_ns() - start
         proposal.drafted = len(proposal.tokens)
         return proposal
+
+    async def _stream(self, request: draft_pb2.ProposeRequest, proposal: DraftReply, progress: asyncio.Event | None,
+                      timeout: float | None) -> None:
+        async for msg in self.stub.Propose(request, timeout=self._timeout(timeout)):
+            proposal.tokens.append(msg.token_id)
+            proposal.source = SOURCE_NAMES.get(msg.source, "")
+            if msg.probs:
+                proposal.probs.append(msg.probs)
+            proposal.compute_ns += msg.compute_ns
+            proposal.prefill_tokens += msg.prefill_tokens
+            if progress is not None:
+                progress.set()
+
+    def _propose_failure(self, exc: grpc.aio.AioRpcError, timeout: float | None) -> Exception:
+        error = self._failure(exc, (grpc.StatusCode.FAILED_PRECONDITION,), timeout, "the draft proposed")
+        if isinstance(error, Cancelled):
+            return DraftReleased(str(error))
+        if isinstance(error, Unavailable):
+            return DraftUnavailable(str(error))
+        return error
 
 
 class TargetBackend(_ModelBackend):
@@ -207,13 +268,10 @@ class TargetBackend(_ModelBackend):
         start = time.perf_counter_ns()
         request = target_pb2.VerifyRequest(
             session_id=session_id, history=history, draft_tokens=proposal.tokens,
-            draft_probs=b"".join(proposal.probs), sampling=sampling_to_pb(params), seed=seed,
+            draft_probs=b"".join(proposal.probs), sampling=self._sampling(session_id, params), seed=seed,
             sent_unix_ns=time.time_ns(), logprobs=top_logprobs is not None, top_logprobs=top_logprobs or 0,
         )
-        try:
-            reply = await self.stub.Verify(request, timeout=self._timeout(timeout, limit_s))
-        except grpc.aio.AioRpcError as exc:
-            raise self._call_failure(exc, timeout, limit_s, "the target verified") from exc
+        reply = await self._unary(self.stub.Verify, request, params, timeout, limit_s, "the target verified")
         return VerifyReply(reply.num_accepted, reply.token_id, reply.bonus,
                        time.perf_counter_ns() - start, reply.compute_ns, reply.queue_ns, max(1, reply.batch_size),
                        reply.batch_positions, reply.prefill_tokens, list(reply.logprobs))
@@ -226,9 +284,22 @@ class TargetBackend(_ModelBackend):
         begin = time.perf_counter_ns()
         request = target_pb2.ScoreTokensRequest(
             session_id=session_id, tokens=tokens, start=start, top_logprobs=top, raw=params is None,
-            sampling=sampling_to_pb(params) if params is not None else None, sent_unix_ns=time.time_ns())
-        try:
-            reply = await self.stub.ScoreTokens(request, timeout=self._timeout(timeout, limit_s))
-        except grpc.aio.AioRpcError as exc:
-            raise self._call_failure(exc, timeout, limit_s, "the target scored") from exc
+            sampling=self._sampling(session_id, params) if params is not None else None, sent_unix_ns=time.time_ns())
+        reply = await self._unary(self.stub.ScoreTokens, request, params, timeout, limit_s, "the target scored")
         return ScoreReply(list(reply.logprobs), time.perf_counter_ns() - begin, reply.compute_ns)
+
+    async def _unary(self, method, request, params: SamplingParams | None, timeout: float | None,
+                     limit_s: float | None, doing: str):
+        """One Verify or ScoreTokens, sent again with the sampling constants if the replica lost them."""
+        for resend in (False, True):
+            try:
+                reply = await method(request, timeout=self._timeout(timeout, limit_s))
+            except grpc.aio.AioRpcError as exc:
+                if resend or params is None or not self._lost_constants(exc, request.session_id, request.sampling):
+                    raise self._call_failure(exc, timeout, limit_s, doing) from exc
+                request.sampling.CopyFrom(self._sampling(request.session_id, params, resend=True))
+                continue
+            if params is not None:
+                self._sent_constants(request.session_id, request.sampling)
+            return reply
+        raise AssertionError("unreachable")

@@ -79,6 +79,18 @@ class OrchestratorConfig(RedisClientOptions, ServiceConfig):
     max_new_tokens_limit: int = Field(4096, ge=1, description="Largest max_new_tokens a request may ask for.")
     max_stop_strings: int = Field(16, ge=0, description="Most stop strings per request.")
     max_stop_length: int = Field(256, ge=1, description="Longest stop string, in characters.")
+    max_stop_token_ids: int = Field(256, ge=0, description="Most stop_token_ids per request.")
+    max_logit_bias: int = Field(
+        1024, ge=0, description="Most logit_bias entries per request (it is kept with the session and sent to each "
+        "draft and target replica once)."
+    )
+    max_grammar_bytes: int = Field(
+        64 * 1024, ge=1, le=256 * 1024, description="Largest grammar (JSON schema, regex, Lark or GBNF text) a "
+        "request may send, in bytes (at most 256 KiB: what draft and target accept). Grammars are also bounded in "
+        "nesting (100 levels), in the grammar engine's work, and to 10 s of compiling; past any bound, "
+        "INVALID_ARGUMENT naming it. The grammar is kept with the session and sent to each draft and target "
+        "replica once."
+    )
     max_prompt_tokens: int | None = Field(
         None, ge=1, description="Most tokens a request's input may have (unset: what the model's context holds)."
     )
@@ -88,6 +100,15 @@ class OrchestratorConfig(RedisClientOptions, ServiceConfig):
     max_concurrent_per_token: int = Field(
         16, ge=0, description="Generations one token may run at once on this replica (0 = no limit; not applied "
         "without --auth-tokens-file/env)."
+    )
+    max_closes_per_s: float = Field(
+        10.0, ge=0, description="CloseSession calls one token (without tokens: one client address) may make per "
+        "second on this replica, in bursts of up to twice as many; each sends a Release to every replica "
+        "(RESOURCE_EXHAUSTED with a retry hint beyond; 0 = no limit)."
+    )
+    status_cache_s: float = Field(
+        1.0, ge=0, description="Seconds GetStatus reuses a replica's last GetInfo answer (concurrent callers share "
+        "one call), so GetStatus never fans out to every replica more often; 0 asks on every call."
     )
     auth_tokens_file: str = Field(
         "", description="File of accepted bearer tokens, one per line: TOKEN or NAME:TOKEN. With none (here or in "
@@ -123,8 +144,19 @@ class OrchestratorConfig(RedisClientOptions, ServiceConfig):
         True, description="Append each finished generation's output tokens to a capped Redis stream that draft "
         "replicas running --proposer suffix read, so a pattern one session produced speeds up the next on any "
         "replica; written only while a draft replica reports reading it (nothing is stored behind other drafts; "
-        "named explicitly with a draft that keeps no corpus, or none, it is refused at start). "
-        "Output stays lossless either way; turn it off where tenants must not share even a speed-up."
+        "named explicitly with a draft that keeps no corpus, or none, it is refused at start). An output drafts "
+        "only requests of its own corpus group (--corpus-groups; by default each caller identity is a group of "
+        "its own, and without tokens all callers are one). Within a group sharing reveals outputs: every chunk's "
+        "round statistics show what the draft proposed and what was accepted, so a caller probing with greedy "
+        "decoding and a logit_bias can read the group's earlier outputs token by token, and timing shows whether "
+        "a text was generated recently. Output stays lossless either way; turn it off where callers of one group "
+        "must not learn each other's outputs."
+    )
+    corpus_groups: str = Field(
+        "", description="Identities whose outputs may draft each other's requests (see --share-outputs): "
+        "'GROUP=NAME,NAME;GROUP=NAME', names as --auth-tokens-file gives them (token-<12 hex> for an unnamed "
+        "token), '*' for every identity named nowhere else. Empty: each identity is its own group. Group only "
+        "callers that may read each other's outputs."
     )
     max_concurrent: int = Field(
         256, ge=1, description="Admission: generations running at once; more wait in the queue."
@@ -132,6 +164,14 @@ class OrchestratorConfig(RedisClientOptions, ServiceConfig):
     max_queued: int = Field(
         256, ge=0, description="Admission: generations waiting for a slot; beyond this RESOURCE_EXHAUSTED at once."
     )
+
+    @field_validator("corpus_groups")
+    @classmethod
+    def _corpus_groups(cls, value: str) -> str:
+        from orchestrator.corpus import CorpusGroups
+
+        CorpusGroups.parse(value)  # ValueError names what is wrong
+        return value
 
     @field_validator("redis_cluster_nodes", "redis_sentinels")
     @classmethod

@@ -15,6 +15,7 @@ import time
 from collections.abc import AsyncIterator
 
 from orchestrator.config import OrchestratorConfig
+from orchestrator.corpus import CorpusGroups
 from orchestrator.detokenizer import Detokenizer
 from orchestrator.draft_length import DraftLengthController, within_budget
 from orchestrator.loop import Round, Speculator
@@ -22,11 +23,11 @@ from orchestrator.replicas import Drafts, Pool, Targets
 from orchestrator.requests import GenerationSpec, RequestParser
 from orchestrator.sessions import Sessions
 from orchestrator.sources import controller_for
-from orchestrator.status import Counters
+from orchestrator.status import BackendProbes, Counters
 from orchestrator.store import GenerationRecord, SessionState, SessionStore
 from specdec.core.policy import PolicyConfig
-from specdec.core.sampling import SamplingParams
 from specdec.errors import SpecdecError
+from specdec.runtime.grammars import check_grammar
 from specdec.server.admission import Admission
 from specdec.server.limits import check_session_id
 from specdec.server.metrics import OrchestratorMetrics, SpecDecodingStats
@@ -59,6 +60,8 @@ class Orchestrator:
         self.sessions = Sessions(store, config.session_lease_s, self.max_context, self.eos_ids)
         self.policy_config = PolicyConfig(k_max=config.max_draft_length, ewma=config.policy_ewma,
                                           explore_every=config.policy_explore_every, overlap=config.overlap)
+        self.corpus_groups = CorpusGroups.parse(config.corpus_groups)  # whose outputs may draft whose requests
+        self.probes = BackendProbes(self.backends, config.status_cache_s)  # GetStatus's look at the replicas
 
     def parse(self, request: pb.GenerateRequest, principal: str = "") -> GenerationSpec:
         return self.requests.parse(request, principal)
@@ -85,6 +88,7 @@ class Orchestrator:
 
     async def _generate(self, spec: GenerationSpec, deadline: float | None, timer) -> AsyncIterator[pb.GenerateChunk]:
         start = time.perf_counter()
+        await check_grammar(spec.params, self.requests.grammar_limits)  # compiled off the event loop, time-bounded
         state = await (self.sessions.resume(spec) if spec.resume_from is not None else self.sessions.open(spec))
         owner = state.generation.owner
         finish = pb.FINISH_REASON_UNSPECIFIED
@@ -134,9 +138,9 @@ class Orchestrator:
         gen, drafting = state.generation, self.draft is not None
         lengths = await controller_for(state, self.store, self.policy_config, drafting,
                                        self.draft.sources if self.draft is not None else ())
-        speculator = Speculator(state.session_id, SamplingParams(**state.sampling), state.seed, self.draft,
+        speculator = Speculator(state.session_id, state.sampling_params(), state.seed, self.draft,
                                 self.target, self.fingerprint, overlap=self.config.overlap, deadline=deadline,
-                                top_logprobs=gen.top_logprobs)
+                                top_logprobs=gen.top_logprobs, corpus_group=self.corpus_groups.of(state.principal))
         first, round_end = True, None
         try:
             while not gen.finish:
@@ -165,7 +169,9 @@ class Orchestrator:
         entries = list(reply.logprobs)
         if first == 0:  # nothing precedes a session's first token: rank 0, no log-probability
             entries.insert(0, common_pb2.TokenLogprobs(token_id=state.tokens[0]))
-        return pb.GenerateChunk(session_id=state.session_id, prompt_logprobs=[self._named(e) for e in entries])
+        # A whole prompt's tokens and their alternatives: decoded off the event loop.
+        named = await asyncio.to_thread(lambda: [self._named(e) for e in entries])
+        return pb.GenerateChunk(session_id=state.session_id, prompt_logprobs=named)
 
     async def _score_only_end(self, state: SessionState, timer) -> pb.GenerateChunk:
         """The end of a request that asked for no new tokens (max_new_tokens 0 with prompt_logprobs)."""
@@ -181,21 +187,22 @@ class Orchestrator:
                         deadline: float | None) -> list[pb.GenerateChunk]:
         """A resume: catch the detokenizer up to what the client holds, then send what it lacks
         (nothing when it holds all of a generation still running), with log-probabilities when the
-        generation asked for them (the target scores the tokens again: the rounds' are not kept)."""
+        generation asked for them (the target scores the tokens again: the rounds' are not kept).
+        The whole generation so far is decoded here, off the event loop."""
         gen = state.generation
         produced = state.tokens[gen.start:]
-        text.replay(produced[:sent], self.eos_ids)
+        await asyncio.to_thread(text.replay, produced[:sent], self.eos_ids)
         text.release()
         if sent == len(produced) and not gen.finish:
             return []
-        text.replay(produced[sent:], self.eos_ids)
+        await asyncio.to_thread(text.replay, produced[sent:], self.eos_ids)
         chunk = pb.GenerateChunk(session_id=state.session_id, token_ids=produced[sent:], offset=sent,
                                  finish_reason=gen.finish, text=text.release(final=bool(gen.finish)))
         if gen.top_logprobs is not None:
             reply = await self.target.score(state.session_id, state.tokens, gen.start + sent, gen.top_logprobs,
-                                            SamplingParams(**state.sampling),
+                                            state.sampling_params(),
                                             timeout=None if deadline is None else deadline - time.monotonic())
-            chunk.logprobs.extend(self._named(e) for e in reply.logprobs)
+            chunk.logprobs.extend(await asyncio.to_thread(lambda: [self._named(e) for e in reply.logprobs]))
         if gen.finish:
             chunk.stats.CopyFrom(gen.stats(len(produced), state.seed))
             timer.observe_finish(gen.finish_label, gen.prompt_tokens, len(produced) - sent)
@@ -218,7 +225,7 @@ class Orchestrator:
         if self.config.kv_snapshots:
             self._save_snapshots(state.session_id)
         if self._shareable(gen) and sent and self.draft is not None and self.draft.reads_shared_outputs:
-            self._spawn(self._publish(state.tokens[gen.start:]))
+            self._spawn(self._publish(state.tokens[gen.start:], self.corpus_groups.of(state.principal)))
         chunk.text = text.release(final=True)
         chunk.stats.CopyFrom(gen.stats(sent, state.seed))
         timer.observe_finish(gen.finish_label, chunk.stats.prompt_tokens, sent)
@@ -239,12 +246,14 @@ class Orchestrator:
     # -- sessions and caches ----------------------------------------------------------------
 
     async def close_session(self, session_id: str, principal: str = "") -> bool:
+        """Delete the session and free its caches on every replica; False (and no call to any replica)
+        for a session that does not exist, or is another identity's."""
         check_session_id(session_id)
-        allowed, state = await self.sessions.closable(session_id, principal)
-        if not allowed:
-            return False  # another identity's session: as if it did not exist
+        state = await self.sessions.closable(session_id, principal)
+        if state is None:
+            return False
         closed = await self.store.delete(session_id)
-        await self._release_caches(session_id, forget_output=not self._shareable(state and state.generation))
+        await self._release_caches(session_id, forget_output=not self._shareable(state.generation))
         return closed
 
     def _shareable(self, gen: GenerationRecord | None) -> bool:
@@ -273,12 +282,12 @@ class Orchestrator:
         for pool in self._pools():
             self._spawn(pool.save_snapshot(session_id))
 
-    async def _publish(self, output: list[int]) -> None:
-        """--share-outputs: offer the output to the suffix indexes of the draft replicas that read the
-        outputs stream (best effort; with no such replica nothing is written: no tenant's output sits in
-        Redis for nobody)."""
+    async def _publish(self, output: list[int], group: str) -> None:
+        """--share-outputs: offer the output to the suffix corpus of its corpus group (`group`, from the
+        session's principal: orchestrator.corpus) in the draft replicas that read the outputs stream (best
+        effort; with no such replica nothing is written: no tenant's output sits in Redis for nobody)."""
         try:
-            await self.store.publish_output(output)
+            await self.store.publish_output(output, group)
         except SpecdecError as exc:
             log.info("could not share a finished output: %s", exc)
 

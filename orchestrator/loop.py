@@ -53,8 +53,9 @@ class Speculator:
 
     def __init__(self, session_id: str, params: SamplingParams, seed: int, draft: Drafts | None,
                  target: Targets, fingerprint: str, overlap: bool = False,
-                 deadline: float | None = None, top_logprobs: int | None = None) -> None:
+                 deadline: float | None = None, top_logprobs: int | None = None, corpus_group: str = "") -> None:
         self.session_id = session_id
+        self.corpus_group = corpus_group  # whose earlier outputs may draft it (orchestrator.corpus)
         self.params = params
         self.seed = seed
         self.draft = draft
@@ -87,7 +88,8 @@ class Speculator:
                     if not self.draft.available:
                         raise DraftUnavailable("in back-off after a failure")
                     proposal = await self.draft.propose(self.session_id, history, k, self.params, self.seed,
-                                                        self.fingerprint, timeout=self._remaining())
+                                                        self.fingerprint, timeout=self._remaining(),
+                                                        corpus_group=self.corpus_group)
                 except DraftUnavailable:
                     fallback = True  # the session goes on at k = 0; no client-visible error
         else:
@@ -117,7 +119,7 @@ class Speculator:
         proposal, progress = DraftReply(), asyncio.Event()
         task = asyncio.ensure_future(self.draft.propose(
             self.session_id, history + block, k_next + 1, self.params, self.seed, self.fingerprint,
-            into=proposal, progress=progress, timeout=self._remaining()))
+            into=proposal, progress=progress, timeout=self._remaining(), corpus_group=self.corpus_group))
         ahead = _Ahead(len(history) + len(block), list(block), k_next, task, proposal, progress)
         ahead.task.add_done_callback(lambda t: t.cancelled() or t.exception())  # never "unretrieved"
         self._ahead = ahead

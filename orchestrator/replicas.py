@@ -24,7 +24,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
 import grpc
@@ -52,7 +52,7 @@ from orchestrator.discovery import (
     usable,
 )
 from specdec.core.sampling import SamplingParams
-from specdec.errors import Unavailable
+from specdec.errors import FailedPrecondition, Unavailable
 from specdec.v1 import common_pb2
 
 log = logging.getLogger("specdec.orchestrator")
@@ -142,7 +142,8 @@ class Drafts(Pool, Protocol):
 
     async def propose(self, session_id: str, history: list[int], k: int, params: SamplingParams, seed: int,
                       fingerprint: str, into: DraftReply | None = None,
-                      progress: asyncio.Event | None = None, timeout: float | None = None) -> DraftReply: ...
+                      progress: asyncio.Event | None = None, timeout: float | None = None,
+                      corpus_group: str = "") -> DraftReply: ...
 
 
 class ReplicaPool(Generic[B]):
@@ -335,10 +336,31 @@ class ReplicaPool(Generic[B]):
             await replica.backend.close()
 
 
+@dataclass
+class _Attempts:
+    """One call's way through a target pool: the replicas tried, those that stopped answering during
+    it, and how it is being retried on a busy replica."""
+
+    session_id: str
+    what: str  # "verify" or "score"
+    tried: set[str] = field(default_factory=set)
+    lost: list[str] = field(default_factory=list)  # replicas that failed it and answer nothing since
+    resent: bool = False  # sent again after a release dropped it
+    limit: float | None = None  # the call's own time limit after a timeout (None: the backend's)
+    busy: int = 0  # busy answers so far
+
+
 class TargetPool(ReplicaPool[TargetBackend]):
-    """Verify with failover: a replica that fails is skipped and the call retried on another."""
+    """Verify with failover: a replica that fails is skipped and the call retried on another.
+
+    A call after which its replica answers nothing may be what brought it down (a prompt that runs a
+    target out of memory), so it is replayed once at most: on a replica that answers GetInfo just
+    before, and if that one goes down too the call fails with FAILED_PRECONDITION instead of sweeping
+    the pool (a poison request takes two replicas down, never all of them). A replica that fails a
+    call but still answers, or one that is only busy, does not count."""
 
     role = "target"
+    MAX_LOST = 2  # replicas a call may leave not answering before it is refused
 
     async def verify(self, session_id: str, history: list[int], proposal: DraftReply, params: SamplingParams,
                      seed: int, timeout: float | None = None, top_logprobs: int | None = None) -> VerifyReply:
@@ -358,53 +380,79 @@ class TargetPool(ReplicaPool[TargetBackend]):
         if it still answers GetInfo, the call goes to it again after a pause (its Retry-After, or a
         growing backoff) and, after a timeout, with twice the time limit; only a replica that does
         not answer is marked failed. So load alone never fails a request: its deadline does."""
-        tried: set[str] = set()
-        resent = False
-        limit: float | None = None  # None: the backend's --target-timeout-s
-        busy = 0
+        attempts = _Attempts(session_id, what)
         while True:
-            replica = self.pick(session_id, exclude=tried)
-            if replica is None:
-                errors = "; ".join(f"{r.address}: {r.error}" for r in self.replicas.values())
-                raise Unavailable(f"no healthy target replica ({errors or 'none known'}); the session is kept, "
-                                  "retry the request")
-            tried.add(replica.address)
+            replica = await self._next(attempts)
             replica.in_flight += 1
             try:
-                reply = await call(replica.backend, limit)
+                reply = await call(replica.backend, attempts.limit)
             except Busy as exc:
-                if not await self._answers(replica):
-                    self.failed(replica, str(exc))
-                    log.warning("target replica %s failed; session %s moves on: %s", replica.address, session_id,
-                                exc)
-                    continue
-                busy += 1
-                if exc.timed_out:
-                    limit = 2 * (limit or replica.backend.timeout_s)
-                tried.discard(replica.address)
-                pause = exc.retry_after_s or min(0.05 * 2 ** busy, 2.0)
-                log.info("target replica %s is busy (%s) but alive: %s of %s again in %.2fs%s", replica.address, exc,
-                         what, session_id, pause, f" with a {limit:.0f}s limit" if limit else "")
-                await asyncio.sleep(pause)
+                if await self._answers(replica):
+                    await self._wait_busy(replica, exc, attempts)
+                else:
+                    await self._failed_call(replica, exc, attempts, answers=False)
                 continue
             except Released as exc:
                 # An earlier request's cleanup released the session after this call was sent: sent
                 # again (now after the release) it runs, re-prefilling the history.
-                if resent:
+                if attempts.resent:
                     raise Unavailable(f"target replica {replica.address} dropped the {what} twice: {exc}") from exc
-                resent = True
-                tried.discard(replica.address)
+                attempts.resent = True
+                attempts.tried.discard(replica.address)
                 log.info("%s of %s dropped by a release on %s; sent again", what, session_id, replica.address)
                 continue
             except Unavailable as exc:
-                self.failed(replica, str(exc))
-                log.warning("target replica %s failed; session %s moves on: %s", replica.address, session_id, exc)
+                await self._failed_call(replica, exc, attempts)
                 continue
             finally:
                 replica.in_flight -= 1
             replica.observe(reply.wall_ns / 1e9, reply.compute_ns / 1e9)
             return reply
 
+    async def _next(self, attempts: _Attempts) -> Replica[TargetBackend]:
+        """The replica the call goes to next. After a replica went down with the call, only one that
+        answers GetInfo now (one that does not is marked failed and skipped: it never sees the call)."""
+        while True:
+            replica = self.pick(attempts.session_id, exclude=attempts.tried)
+            if replica is None:
+                errors = "; ".join(f"{r.address}: {r.error}" for r in self.replicas.values())
+                raise Unavailable(f"no healthy target replica ({errors or 'none known'}); the session is kept, "
+                                  "retry the request")
+            attempts.tried.add(replica.address)
+            if not attempts.lost or await self._answers(replica):
+                return replica
+            self.failed(replica, "does not answer GetInfo")
+
+    async def _failed_call(self, replica: Replica[TargetBackend], exc: Exception, attempts: _Attempts,
+                           answers: bool | None = None) -> None:
+        """Mark the replica failed; if it answers nothing since, count it against the call, which is
+        refused once MAX_LOST replicas went down with it."""
+        self.failed(replica, str(exc))
+        log.warning("target replica %s failed; session %s moves on: %s", replica.address, attempts.session_id, exc)
+        if answers is None:
+            answers = await self._answers(replica)
+        if answers:
+            return
+        attempts.lost.append(replica.address)
+        if len(attempts.lost) >= self.MAX_LOST:
+            raise FailedPrecondition(
+                f"target replicas {' and '.join(attempts.lost)} stopped answering during the {attempts.what} of "
+                f"session {attempts.session_id}, each right after it was sent: it is not sent to another replica, "
+                "since a request that brings replicas down would take them all (the session is kept; if they "
+                "failed for another reason, resume the generation once they are back)")
+
+    async def _wait_busy(self, replica: Replica[TargetBackend], exc: Busy, attempts: _Attempts) -> None:
+        """A busy replica that still answers gets the call again after a pause; after a timeout, with
+        twice the time limit."""
+        attempts.busy += 1
+        if exc.timed_out:
+            attempts.limit = 2 * (attempts.limit or replica.backend.timeout_s)
+        attempts.tried.discard(replica.address)
+        pause = exc.retry_after_s or min(0.05 * 2 ** attempts.busy, 2.0)
+        log.info("target replica %s is busy (%s) but alive: %s of %s again in %.2fs%s", replica.address, exc,
+                 attempts.what, attempts.session_id, pause,
+                 f" with a {attempts.limit:.0f}s limit" if attempts.limit else "")
+        await asyncio.sleep(pause)
 
     @staticmethod
     async def _answers(replica: Replica[TargetBackend]) -> bool:
@@ -446,14 +494,16 @@ class DraftPool(ReplicaPool[DraftBackend]):
 
     async def propose(self, session_id: str, history: list[int], k: int, params: SamplingParams, seed: int,
                       fingerprint: str, into: DraftReply | None = None,
-                      progress: asyncio.Event | None = None, timeout: float | None = None) -> DraftReply:
+                      progress: asyncio.Event | None = None, timeout: float | None = None,
+                      corpus_group: str = "") -> DraftReply:
         replica = self.pick(session_id)
         if replica is None:
             raise DraftUnavailable("no healthy draft replica")
         replica.in_flight += 1
         try:
             proposal = await replica.backend.propose(session_id, history, k, params, seed, fingerprint,
-                                                     into=into, progress=progress, timeout=timeout)
+                                                     into=into, progress=progress, timeout=timeout,
+                                                     corpus_group=corpus_group)
         except DraftReleased:
             raise  # the session's caches were released after the call was sent: the replica is fine
         except DraftUnavailable as exc:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 
 from orchestrator.chat import first_turn, next_turn
 from orchestrator.config import OrchestratorConfig
-from specdec.core.grammar import GrammarSpec
+from specdec.core.grammar import DEFAULT_LIMITS, GrammarLimits, GrammarSpec
 from specdec.core.logprobs import MAX_TOP_LOGPROBS
 from specdec.core.sampling import SamplingParams
 from specdec.errors import FailedPrecondition, InvalidArgument
@@ -55,9 +55,11 @@ def parse_resume(request: pb.GenerateRequest) -> GenerationSpec:
 
 
 def parse_sampling(request: pb.GenerateRequest, end_ids: set[int] = frozenset(),
-                   vocab_size: int | None = None) -> SamplingParams:
+                   vocab_size: int | None = None, grammar_limits: GrammarLimits = DEFAULT_LIMITS) -> SamplingParams:
     """The request's sampling parameters and logits processors; `end_ids` are the tokens `min_tokens`
-    holds back (end of sequence and the request's stop token ids)."""
+    holds back (end of sequence and the request's stop token ids). A grammar is checked here against
+    `grammar_limits` only (size, nesting); compiling it is `specdec.runtime.grammars.check_grammar`'s
+    work, off the event loop."""
     temperature = request.temperature if request.HasField("temperature") else 0.0
     top_p = request.top_p if request.HasField("top_p") else 1.0
     top_k = request.top_k if request.HasField("top_k") else 0
@@ -73,7 +75,7 @@ def parse_sampling(request: pb.GenerateRequest, end_ids: set[int] = frozenset(),
     kind, text = request.grammar.kind, request.grammar.text
     if kind or text:
         try:
-            GrammarSpec(kind, text).validate()
+            GrammarSpec(kind, text).check(grammar_limits)
         except ValueError as exc:
             raise InvalidArgument(f"grammar: {exc}") from exc
     params = SamplingParams(
@@ -104,6 +106,7 @@ class RequestParser:
         self.max_context = max_context
         self.eos_ids = eos_ids
         self.vocab_size = vocab_size
+        self.grammar_limits = GrammarLimits(max_bytes=config.max_grammar_bytes)
 
     def parse(self, request: pb.GenerateRequest, principal: str = "") -> GenerationSpec:
         if request.session_id:
@@ -113,7 +116,8 @@ class RequestParser:
         score_only = request.prompt_logprobs and request.HasField("max_new_tokens") and request.max_new_tokens == 0
         max_new = 0 if score_only else self._max_new_tokens(request)
         stop_ids = self._token_ids("stop_token_ids", request.stop_token_ids)
-        params = parse_sampling(request, self.eos_ids | set(stop_ids), self.vocab_size)
+        self._check_sizes(request, stop_ids)
+        params = parse_sampling(request, self.eos_ids | set(stop_ids), self.vocab_size, self.grammar_limits)
         k = self._draft_length(request)
         share = self._share_output(request)
         stop = self._stop(request)
@@ -130,6 +134,21 @@ class RequestParser:
             logprobs=request.logprobs, top_logprobs=top, prompt_logprobs=request.prompt_logprobs,
             share_output=share,
         )
+
+    def _check_sizes(self, request: pb.GenerateRequest, stop_ids: list[int]) -> None:
+        """What a request keeps in its session and sends on with every round is bounded (the record
+        and the calls must not grow with what a client chooses to send)."""
+        cfg = self.config
+        if len(stop_ids) > cfg.max_stop_token_ids:
+            raise InvalidArgument(f"stop_token_ids has {len(stop_ids)} ids; the limit is "
+                                  f"--max-stop-token-ids={cfg.max_stop_token_ids}")
+        if len(request.logit_bias) > cfg.max_logit_bias:
+            raise InvalidArgument(f"logit_bias has {len(request.logit_bias)} entries; the limit is "
+                                  f"--max-logit-bias={cfg.max_logit_bias}")
+        size = len(request.grammar.text.encode())
+        if size > cfg.max_grammar_bytes:
+            raise InvalidArgument(f"grammar text has {size} bytes; the limit is --max-grammar-bytes="
+                                  f"{cfg.max_grammar_bytes}: send a smaller schema or grammar")
 
     def _share_output(self, request: pb.GenerateRequest) -> bool:
         if not request.HasField("share_output"):
@@ -221,6 +240,10 @@ class RequestParser:
         if not getattr(self.tokenizer, "chat_template", None):
             raise FailedPrecondition("the model has no chat template; send a raw prompt instead")
         tools = _json_list(request.messages.tools_json, "tools") if request.messages.tools_json else None
+        for j, tool in enumerate(tools or ()):
+            if not isinstance(tool, dict):
+                raise InvalidArgument(f"tools[{j}] must be a JSON object "
+                                      '({"type": "function", "function": {"name": ..., "parameters": {...}}})')
         return messages, tools
 
     @staticmethod
@@ -232,14 +255,7 @@ class RequestParser:
             if m.role != "assistant":
                 raise InvalidArgument(f"messages[{i}]: only an assistant message has tool calls")
             calls = _json_list(m.tool_calls_json, f"messages[{i}].tool_calls")
-            for call in calls:  # templates take the arguments as an object; OpenAI sends a JSON string
-                function = call.get("function", {}) if isinstance(call, dict) else {}
-                if isinstance(function.get("arguments"), str):
-                    try:
-                        function["arguments"] = json.loads(function["arguments"])
-                    except ValueError:
-                        raise InvalidArgument(f"messages[{i}].tool_calls: arguments must be a JSON object") from None
-            message["tool_calls"] = calls
+            message["tool_calls"] = [_tool_call(call, f"messages[{i}].tool_calls[{j}]") for j, call in enumerate(calls)]
         if m.role == "tool":
             message.update(tool_call_id=m.tool_call_id, name=m.name)
         return message
@@ -255,11 +271,57 @@ class RequestParser:
         return list(ids)
 
 
+MAX_JSON_DEPTH = 64  # nesting of tools and tool calls: deeper than any real schema, far from Python's recursion limit
+
+
 def _json_list(text: str, name: str) -> list:
+    """A JSON list (tools, tool calls) nested at most MAX_JSON_DEPTH levels, or InvalidArgument naming `name`."""
     try:
         value = json.loads(text)
+    except RecursionError:  # nested deeper than the parser's recursion allows
+        raise InvalidArgument(_too_deep(name)) from None
     except ValueError:
         raise InvalidArgument(f"{name} must be a JSON list") from None
     if not isinstance(value, list):
         raise InvalidArgument(f"{name} must be a JSON list")
+    _check_depth(value, name)
     return value
+
+
+def _too_deep(name: str) -> str:
+    return f"{name} is nested deeper than {MAX_JSON_DEPTH} levels; flatten it"
+
+
+def _check_depth(value, name: str) -> None:
+    """InvalidArgument if `value` nests lists and objects deeper than MAX_JSON_DEPTH (measured level by
+    level, without recursion)."""
+    level, depth = [value], 0
+    while level:
+        depth += 1
+        if depth > MAX_JSON_DEPTH:
+            raise InvalidArgument(_too_deep(name))
+        level = [child for item in level if isinstance(item, (list, dict))
+                 for child in (item.values() if isinstance(item, dict) else item)]
+
+
+def _tool_call(call, name: str) -> dict:
+    """An assistant message's tool call as the chat template takes it (OpenAI sends the arguments as a
+    JSON string; templates take an object), or InvalidArgument naming the field."""
+    if not isinstance(call, dict):
+        raise InvalidArgument(f'{name} must be a JSON object: {{"id": ..., "type": "function", "function": '
+                              '{"name": ..., "arguments": "{...}"}}')
+    function = call.get("function")
+    if not isinstance(function, dict):
+        raise InvalidArgument(f'{name}.function must be a JSON object: {{"name": ..., "arguments": "{{...}}"}}')
+    if not isinstance(function.get("name"), str) or not function["name"]:
+        raise InvalidArgument(f"{name}.function.name must be a non-empty string")
+    arguments = function.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except (ValueError, RecursionError):
+            arguments = None
+    if not isinstance(arguments, dict):
+        raise InvalidArgument(f"{name}.function.arguments must be a JSON object, or a string holding one")
+    _check_depth(arguments, f"{name}.function.arguments")
+    return {**call, "function": {**function, "arguments": arguments}}

@@ -11,12 +11,12 @@ from orchestrator.discovery import locality_from_env
 from orchestrator.generation import Orchestrator
 from orchestrator.replicas import DraftPool, TargetPool
 from orchestrator.servicer import OrchestratorServicer
-from orchestrator.store import RedisSessionStore
+from orchestrator.store import RedisSessionStore, SessionStoreMetrics
 from specdec.errors import Unavailable
 from specdec.runtime.models import load_tokenizer, tokenizer_fingerprint
 from specdec.server.auth import AuthInterceptor, Tokens
 from specdec.server.interceptors import DecodeGuard
-from specdec.server.limits import ConcurrencyLimit, PerIdentityLimit
+from specdec.server.limits import ConcurrencyLimit, PerIdentityLimit, PerIdentityRate, RateLimit
 from specdec.server.serving import StartupError, run_main, serve_servicer, start_metrics
 from specdec.server.tls import ClientTLS, server_credentials_of
 from specdec.server.tracing import ServerTracing
@@ -52,6 +52,7 @@ def backend_tls(config: OrchestratorConfig) -> ClientTLS | None:
 async def build_orchestrator(config: OrchestratorConfig) -> Orchestrator:
     store = session_store(config)
     await store.ping()
+    store.watch_memory()  # its memory against its maxmemory, for the metrics
     tls = backend_tls(config)
     try:
         node, zone = locality_from_env()  # where this orchestrator runs: nearer replicas are preferred
@@ -135,13 +136,15 @@ def public_api_security(config: OrchestratorConfig) -> dict:
                     "reaches it", config.auth_tokens_env)
     return dict(credentials=credentials,
                 interceptors=[ServerTracing(logging.INFO), AuthInterceptor(tokens),
-                              ConcurrencyLimit(PerIdentityLimit(config.max_concurrent_per_token)), DecodeGuard()],
+                              ConcurrencyLimit(PerIdentityLimit(config.max_concurrent_per_token)),
+                              RateLimit(PerIdentityRate(config.max_closes_per_s, "--max-closes-per-s")), DecodeGuard()],
                 options=[("grpc.max_receive_message_length", config.max_message_bytes)])
 
 
 async def serve(config: OrchestratorConfig) -> None:
     security = public_api_security(config)
     orchestrator = await build_orchestrator(config)
+    orchestrator.metrics.registry.register(SessionStoreMetrics(orchestrator.store))
     start_metrics(orchestrator.metrics.registry, config.host, config.metrics_port)
     servicer = OrchestratorServicer(orchestrator)
     await serve_servicer(config.address,

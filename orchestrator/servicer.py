@@ -51,4 +51,4 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
     @grpc_errors
     async def GetStatus(self, request: pb.GetStatusRequest, context):
         orchestrator = self.orchestrator
-        return await status(orchestrator.counters, orchestrator.backends(), orchestrator.config.draft_length)
+        return await status(orchestrator.counters, orchestrator.probes, orchestrator.config.draft_length)

@@ -12,7 +12,7 @@ import logging
 import secrets
 import time
 import uuid
-from dataclasses import asdict, replace
+from dataclasses import replace
 
 from orchestrator.requests import GenerationSpec
 from orchestrator.store import GenerationRecord, SessionState, SessionStore
@@ -39,7 +39,7 @@ class Sessions:
             input_ids = spec.input_ids
         state.tokens.extend(input_ids)
         # The penalties count the output from here on (a continued session's earlier turns are context).
-        state.sampling = asdict(replace(spec.params, output_start=len(state.tokens)))
+        state.set_sampling(replace(spec.params, output_start=len(state.tokens)))
         state.draft_length = spec.draft_length
         state.generation = GenerationRecord(
             id=uuid.uuid4().hex, start=len(state.tokens), prompt_tokens=len(state.tokens),
@@ -117,8 +117,8 @@ class Sessions:
             log.info("could not release the lease of %s: %s", session_id, exc)
         return owned
 
-    async def closable(self, session_id: str, principal: str) -> tuple[bool, SessionState | None]:
-        """Whether `principal` may close the session (theirs, or none at all: another identity's
-        session looks as if it did not exist), and its state."""
+    async def closable(self, session_id: str, principal: str) -> SessionState | None:
+        """The session `principal` may close: theirs; None when it does not exist or is another
+        identity's (which looks as if it did not exist)."""
         state = await self.store.load(session_id)
-        return state is None or state.principal == principal, state
+        return state if state is not None and state.principal == principal else None

@@ -1,9 +1,13 @@
-"""What GetStatus reports: this orchestrator's counters and a live look at its backends.
+"""What GetStatus reports: this orchestrator's counters and a recent look at its backends.
 
 The counters are GetStatus's sink of the per-round `SpecDecodingStats` the orchestrator builds
 once and feeds to the Prometheus metrics too (`Orchestrator.observe_round`), so both count the
 same rounds, and stay true for generations that are cancelled or fail half-way. They are per
 process, since start.
+
+The look at the backends is a GetInfo to every replica; `BackendProbes` asks each at most once
+per `--status-cache-s` however many callers ask (concurrent ones share one call), so GetStatus
+cannot be used to fan calls out to the whole pool.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from importlib import metadata
 
@@ -84,9 +88,41 @@ async def backend_status(role: str, backend, timeout_s: float) -> pb.BackendStat
     return out
 
 
-async def status(counters: Counters, backends: list[tuple[str, object]], default_draft_length: int | str,
-                 timeout_s: float = 2.0) -> pb.GetStatusResponse:
+class BackendProbes:
+    """The BackendStatus of every current replica (`members()`: (role, backend) pairs), each answer
+    reused for `ttl_s`; replicas that joined are asked, those that left are dropped at once."""
+
+    def __init__(self, members: Callable[[], list[tuple[str, object]]], ttl_s: float, timeout_s: float = 2.0) -> None:
+        self.members = members
+        self.ttl_s = ttl_s
+        self.timeout_s = timeout_s
+        self._recent: dict[tuple[str, str], tuple[float, asyncio.Future]] = {}  # (role, address) -> (asked at, answer)
+
+    async def statuses(self) -> list[pb.BackendStatus]:
+        now, current = time.monotonic(), self.members()
+        futures = []
+        for role, backend in current:
+            key = (role, backend.address)
+            asked = self._recent.get(key)
+            if asked is None or now - asked[0] >= self.ttl_s:
+                asked = (now, asyncio.ensure_future(backend_status(role, backend, self.timeout_s)))
+                self._recent[key] = asked
+            futures.append(asked[1])
+        keys = {(role, backend.address) for role, backend in current}
+        for key in [k for k in self._recent if k not in keys]:
+            del self._recent[key]
+        # Awaited one by one (they run at once): a caller that leaves cancels none of them.
+        return [_copy(f.result() if f.done() else await asyncio.shield(f)) for f in futures]
+
+
+def _copy(status: pb.BackendStatus) -> pb.BackendStatus:
+    out = pb.BackendStatus()
+    out.CopyFrom(status)
+    return out
+
+
+async def status(counters: Counters, probes: BackendProbes, default_draft_length: int | str) -> pb.GetStatusResponse:
     reply = pb.GetStatusResponse(version=specdec_version(), default_draft_length=str(default_draft_length))
     counters.fill(reply)
-    reply.backends.extend(await asyncio.gather(*(backend_status(r, b, timeout_s) for r, b in backends)))
+    reply.backends.extend(await probes.statuses())
     return reply

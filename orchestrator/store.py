@@ -27,11 +27,13 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Protocol
 
 import redis.asyncio as redis
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.sentinel import Sentinel
 from redis.exceptions import (
     ClusterDownError,
     ConnectionError,
+    OutOfMemoryError,
     ReadOnlyError,
     RedisClusterException,
     RedisError,
@@ -39,22 +41,27 @@ from redis.exceptions import (
     TryAgainError,
 )
 
-from specdec.core.suffix import encode_output
-from specdec.errors import Aborted, Unavailable
+from specdec.core.sampling import SamplingParams
+from specdec.core.suffix import encode_entry
+from specdec.errors import Aborted, FailedPrecondition, ResourceExhausted, Unavailable
 from specdec.keys import PRIOR_KEY, session_meta_key, session_tokens_key, suffix_outputs_key
+from specdec.server.wire import constants_digest
 from specdec.v1 import orchestrator_pb2 as pb
 
 if TYPE_CHECKING:
     from orchestrator.detokenizer import Detokenizer
 
-# KEYS: meta, tokens. ARGV: expected version ("0" = must not exist), new state JSON, ttl, tokens...
+# KEYS: meta, tokens. ARGV: expected version ("0" = must not exist), new state JSON, ttl, the generation's
+# sampling constants ("" = unchanged, "-" = none, else their JSON), tokens...
 _APPEND = """
 local current = redis.call('HGET', KEYS[1], 'version')
 if current == false then current = '0' end
 if current ~= ARGV[1] then return -1 end
 local version = tonumber(current) + 1
 redis.call('HSET', KEYS[1], 'version', version, 'state', ARGV[2])
-if #ARGV > 3 then redis.call('RPUSH', KEYS[2], unpack(ARGV, 4)) end
+if ARGV[4] == '-' then redis.call('HDEL', KEYS[1], 'constants')
+elseif ARGV[4] ~= '' then redis.call('HSET', KEYS[1], 'constants', ARGV[4]) end
+if #ARGV > 4 then redis.call('RPUSH', KEYS[2], unpack(ARGV, 5)) end
 redis.call('EXPIRE', KEYS[1], ARGV[3])
 if redis.call('EXISTS', KEYS[2]) == 1 then redis.call('EXPIRE', KEYS[2], ARGV[3]) end
 return version
@@ -178,7 +185,10 @@ def _field_names(cls) -> frozenset[str]:
     return frozenset(f.name for f in fields(cls))
 
 
-_NOT_IN_RECORD = frozenset({"tokens", "version", "session_id"})
+_NOT_IN_RECORD = frozenset({"tokens", "version", "session_id", "constants", "constants_changed"})
+# The sampling parameters that stay the same for a whole generation and may be large: kept out of the
+# record written every round, in the meta hash's `constants` field written when they change.
+CONSTANT_FIELDS = ("logit_bias", "grammar_kind", "grammar_text")
 
 
 @dataclass
@@ -199,6 +209,35 @@ class SessionState:
     created_at: float = field(default_factory=time.time)
     generation: GenerationRecord | None = None  # the latest generation
     principal: str = ""  # hash of the identity that opened it (specdec.server.auth.principal_of; "" = anonymous)
+    # The latest request's logit_bias and grammar (CONSTANT_FIELDS), when it has any; `sampling` then
+    # names their digest as "constants". Not in the record: stored beside it when they change.
+    constants: dict | None = None
+    constants_changed: bool = field(default=False, compare=False, repr=False)  # to be written with the next save
+
+    def set_sampling(self, params: SamplingParams) -> None:
+        """The sampling parameters of a new generation."""
+        data = asdict(params)
+        constants = {name: data.pop(name) for name in CONSTANT_FIELDS}
+        digest = constants_digest(params)
+        if digest:
+            data["constants"] = digest.hex()
+        else:
+            constants = None
+        self.constants_changed = self.constants_changed or constants != self.constants
+        self.sampling, self.constants = data, constants
+
+    def sampling_params(self) -> SamplingParams:
+        """The latest generation's sampling parameters, the constants filled in (a record written
+        before they were kept apart holds them inline)."""
+        data = dict(self.sampling)
+        digest = data.pop("constants", None)
+        if digest is None:
+            return SamplingParams(**data)
+        params = SamplingParams(**data, **(self.constants or {}))
+        if constants_digest(params).hex() != digest:
+            raise FailedPrecondition(f"session {self.session_id!r}: the store lacks its generation's logit_bias and "
+                                     "grammar (or holds others); start a new generation")
+        return params
 
     def remaining(self, max_context: int) -> int:
         """Tokens its generation may still add: its own limit, or the room left in the context."""
@@ -228,15 +267,27 @@ class SessionState:
         return json.dumps(data, separators=(",", ":"))
 
     @classmethod
-    def from_record(cls, session_id: str, version: int, tokens: list[int], raw: bytes) -> SessionState:
+    def from_record(cls, session_id: str, version: int, tokens: list[int], raw: bytes,
+                    constants: bytes | None = None) -> SessionState:
         data: dict[str, Any] = json.loads(raw)
         generation = data.pop("generation", None)
         # Fields this version does not know (written by a newer replica during a rolling upgrade) are
         # left out; those it knows and the record lacks take their defaults.
-        known, known_gen = _field_names(cls), _field_names(GenerationRecord)
+        known, known_gen = _field_names(cls) - _NOT_IN_RECORD, _field_names(GenerationRecord)
         return cls(session_id=session_id, version=version, tokens=tokens,
                    generation=GenerationRecord(**{k: v for k, v in generation.items() if k in known_gen})
-                   if generation else None, **{k: v for k, v in data.items() if k in known})
+                   if generation else None, constants=json.loads(constants) if constants else None,
+                   **{k: v for k, v in data.items() if k in known})
+
+    def constants_arg(self) -> str:
+        """What `save` writes of the constants: "" (unchanged), "-" (none) or their JSON."""
+        if not self.constants_changed:
+            return ""
+        return "-" if self.constants is None else json.dumps(self.constants, separators=(",", ":"))
+
+
+class SessionStoreFull(ResourceExhausted):
+    """Redis refused a write: it holds its maxmemory and evicts nothing (as it must not evict sessions)."""
 
 
 class SessionStore(Protocol):
@@ -259,8 +310,9 @@ class SessionStore(Protocol):
 
     async def save_prior(self, prior: dict) -> None: ...
 
-    async def publish_output(self, tokens: list[int]) -> None:
-        """Offer a finished generation's output to every draft replica's suffix index (evictable)."""
+    async def publish_output(self, tokens: list[int], group: str = "") -> None:
+        """Offer a finished generation's output to the suffix corpus of corpus group `group` in every
+        draft replica (evictable)."""
 
     async def close(self) -> None: ...
 
@@ -292,6 +344,9 @@ class RedisSessionStore:
         else:
             self.where = "redis at " + re.sub(r"//[^/@]*@", "//", url)  # as named in messages: no credentials
             self.redis = redis.Redis.from_url(url, **connection)
+        self.full_refusals = 0  # writes refused because Redis was full
+        self.used_bytes = self.max_bytes = 0  # its memory and maxmemory (0: none) at the last refresh_memory
+        self._watch: asyncio.Task | None = None
         self._append = self.redis.register_script(_APPEND)
         self._read = self.redis.register_script(_READ)
         self._written = self.redis.register_script(_WRITTEN)
@@ -305,7 +360,8 @@ class RedisSessionStore:
         if not flat:
             return None
         meta = dict(zip(flat[::2], flat[1::2]))
-        return SessionState.from_record(session_id, int(meta[b"version"]), [int(t) for t in tokens], meta[b"state"])
+        return SessionState.from_record(session_id, int(meta[b"version"]), [int(t) for t in tokens], meta[b"state"],
+                                        meta.get(b"constants"))
 
     async def save(self, state: SessionState, new_tokens: list[int]) -> None:
         """Append `new_tokens` and write the record, if nobody else wrote since we read.
@@ -313,12 +369,13 @@ class RedisSessionStore:
         `state.tokens` must already include `new_tokens`; `state.version` is bumped on success.
         """
         keys = [session_meta_key(state.session_id), session_tokens_key(state.session_id)]
-        record = state.record()
-        result = await self._call(lambda: self._append(keys=keys, args=[state.version, record, self.ttl_s,
+        record, constants = state.record(), state.constants_arg()
+        result = await self._call(lambda: self._append(keys=keys, args=[state.version, record, self.ttl_s, constants,
                                                                          *new_tokens]))
         if result == -1 and not await self._landed(keys, state, record, new_tokens):
             raise Aborted(f"session {state.session_id} was changed by another request; retry")
         state.version += 1
+        state.constants_changed = False
 
     async def _landed(self, keys: list[str], state: SessionState, record: str, new_tokens: list[int]) -> bool:
         """Whether this very write is what the store holds: a retried write (by redis-py or by
@@ -341,13 +398,36 @@ class RedisSessionStore:
         removed = await self._call(lambda: self.redis.delete(*keys))
         return removed > 0
 
-    async def publish_output(self, tokens: list[int]) -> None:
-        """Append to the capped stream the suffix-speculation draft replicas read (suffix_outputs_key)."""
-        data = encode_output(tokens)
-        await self._call(lambda: self.redis.xadd(suffix_outputs_key(), {"tokens": data},
+    async def publish_output(self, tokens: list[int], group: str = "") -> None:
+        """Append to the capped stream the suffix-speculation draft replicas read (suffix_outputs_key),
+        with its corpus group (`encode_entry`)."""
+        fields = encode_entry(tokens, group)
+        await self._call(lambda: self.redis.xadd(suffix_outputs_key(), fields,
                                                  maxlen=SHARED_OUTPUTS_MAXLEN, approximate=True))
 
+    async def refresh_memory(self) -> None:
+        """Read Redis's used memory and maxmemory (INFO memory; a cluster: the fullest node)."""
+        info = await self._call(lambda: self.redis.info("memory"))
+        nodes = list(info.values()) if info and all(isinstance(v, dict) for v in info.values()) else [info]
+        fullest = max(nodes, key=lambda n: n.get("used_memory", 0) / (n.get("maxmemory") or float("inf")))
+        self.used_bytes, self.max_bytes = int(fullest.get("used_memory", 0)), int(fullest.get("maxmemory", 0))
+
+    def watch_memory(self, every_s: float = 15.0) -> None:
+        """Refresh the memory figures every `every_s` in the background (for the metrics)."""
+        async def watch() -> None:
+            while True:
+                try:
+                    await self.refresh_memory()
+                except Unavailable as exc:
+                    log.info("could not read the session store's memory: %s", exc)
+                await asyncio.sleep(every_s)
+
+        if self._watch is None:
+            self._watch = asyncio.get_running_loop().create_task(watch())
+
     async def close(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
         await self.redis.aclose()
         if self._sentinel is not None:
             await self._sentinel.aclose()
@@ -358,9 +438,38 @@ class RedisSessionStore:
         while True:
             try:
                 return await call()
+            except OutOfMemoryError as exc:
+                self.full_refusals += 1
+                raise SessionStoreFull(
+                    f"session store ({self.where}) is full: it holds its maxmemory and evicts no session; retry later "
+                    "(sessions already saved are kept; closing sessions frees room)") from exc
             except (RedisError, RedisClusterException) as exc:
                 if not isinstance(exc, _FAILOVER) or time.monotonic() + pause > deadline:
                     raise Unavailable(f"session store unavailable ({self.where}): {exc}") from exc
                 log.info("session store (%s): %s; retrying in %.2f s", self.where, exc, pause)
                 await asyncio.sleep(pause)
                 pause = min(2 * pause, _BACKOFF_S[1])
+
+
+class SessionStoreMetrics:
+    """Prometheus collector of a `RedisSessionStore`'s memory, for alerts before it is full:
+    `specdec_session_store_used_bytes`, `specdec_session_store_max_bytes` (gauges, 0: no cap; as of
+    its last `refresh_memory`) and `specdec_session_store_full_refusals_total` (writes refused because
+    it was full). PromQL: `specdec_session_store_used_bytes / specdec_session_store_max_bytes > 0.8`,
+    `increase(specdec_session_store_full_refusals_total[5m]) > 0`."""
+
+    def __init__(self, store: RedisSessionStore) -> None:
+        self.store = store
+
+    def collect(self):
+        labels, value, store = ["service"], ["orchestrator"], self.store
+        for name, doc, number in (
+                ("specdec_session_store_used_bytes", "Memory the session store's Redis uses.", store.used_bytes),
+                ("specdec_session_store_max_bytes", "The session store's maxmemory (0: no cap).", store.max_bytes)):
+            gauge = GaugeMetricFamily(name, doc, labels=labels)
+            gauge.add_metric(value, number)
+            yield gauge
+        refusals = CounterMetricFamily("specdec_session_store_full_refusals",
+                                       "Session store writes refused because it was full.", labels=labels)
+        refusals.add_metric(value, self.store.full_refusals)
+        yield refusals

@@ -99,7 +99,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     # Prepare packaged models once, here, with a progress bar, before the services load them: a GGUF
     # is described (config, tokenizer), and converted to float32 only where dense weights will load.
     target_dense = plan.target_weights == "dense" or plan.target_dtype != "float32"
-    draft_dense = plan.proposer in ("model", "hybrid") and (plan.draft_quantize != "none" or plan.draft_dtype != "float32")
+    draft_dense = plan.proposer in ("model", "hybrid") and (plan.draft_quantize != "none"
+                                                            or plan.draft_dtype != "float32")
     for spec, dense in ((plan.target_model, target_dense), (plan.draft_model, draft_dense)):
         prepare_model(spec, dense, progress=True)
     pipeline = Pipeline(plan, tied_to_parent=not args.detach)
@@ -141,15 +142,18 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_down(args: argparse.Namespace) -> int:
-    from specdec.launcher import state_file, stop_pids
+    from specdec.launcher import state_file, stop_recorded
 
     path = state_file()
     if not path.exists():
         print("no detached pipeline is running (nothing to stop)")
         return 0
     state = json.loads(path.read_text())
-    stop_pids(state["pids"])
+    left = stop_recorded(state)
     path.unlink()
+    for name in left:
+        print(f"{name}: pid {state['pids'][name]} is no longer the process `specdec up` started (it exited, or "
+              "the id now belongs to another process, e.g. after a reboot): left alone")
     print("pipeline stopped")
     return 0
 

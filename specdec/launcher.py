@@ -309,7 +309,11 @@ class Pipeline:
         echo(f"started {name:<12} pid {self.procs[name].pid:<7} log {log_path}")
 
     def save(self) -> None:
-        state = {"pids": {n: p.pid for n, p in self.procs.items()}, "plan": asdict(self.plan)}
+        """Write the run file `specdec down` reads: each process's PID and what identifies it (see
+        `process_identity`), so that a PID taken over by another process is never signalled."""
+        state = {"pids": {n: p.pid for n, p in self.procs.items()},
+                 "identities": {n: process_identity(p.pid) for n, p in self.procs.items()},
+                 "plan": asdict(self.plan)}
         state_file().write_text(json.dumps(state, indent=2))
 
     def stop(self, grace_s: float = 10.0) -> None:
@@ -336,16 +340,70 @@ def _die_with_parent(parent: int):
     return hook
 
 
-def stop_pids(pids: dict[str, int], grace_s: float = 10.0) -> None:
-    """SIGTERM in reverse start order (orchestrator first), then SIGKILL what is left."""
-    for pid in reversed(list(pids.values())):
-        _signal(pid, signal.SIGTERM)
+def stop_pids(pids: dict[str, int], grace_s: float = 10.0,
+              identities: dict[str, ProcessIdentity] | None = None) -> None:
+    """SIGTERM in reverse start order (orchestrator first), then SIGKILL what is left. With
+    `identities`, a process is signalled only while it still has the identity recorded for it."""
+    def ours(name: str, pid: int) -> bool:
+        return identities is None or process_identity(pid) == identities.get(name)
+
+    for name, pid in reversed(list(pids.items())):
+        if ours(name, pid):
+            _signal(pid, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
-    for pid in pids.values():
-        while _alive(pid) and time.monotonic() < deadline:
+    for name, pid in pids.items():
+        while _alive(pid) and time.monotonic() < deadline and ours(name, pid):
             time.sleep(0.1)
-        if _alive(pid):
+        if _alive(pid) and ours(name, pid):
             _signal(pid, signal.SIGKILL)
+
+
+ProcessIdentity = dict  # {"boot": ..., "started": ..., "cmdline": [...]} (JSON in the run file)
+
+
+def process_identity(pid: int) -> ProcessIdentity | None:
+    """What tells process `pid` apart from any later process given the same id: the boot it runs in,
+    its start time (clock ticks after boot) and its command line, as /proc shows them (`ps` where
+    there is no /proc). None when there is no such process (or it cannot be read)."""
+    proc = Path("/proc")
+    if not (proc / "self" / "stat").exists():
+        return _ps_identity(pid)
+    try:
+        stat = (proc / str(pid) / "stat").read_text()
+        cmdline = (proc / str(pid) / "cmdline").read_bytes()
+        boot = (proc / "sys" / "kernel" / "random" / "boot_id").read_text().strip()
+    except OSError:
+        return None
+    # The command name (field 2) is in parentheses and may hold spaces or ')': fields 3.. follow the last ')'.
+    fields_after_name = stat.rsplit(")", 1)[1].split()
+    return {"boot": boot, "started": int(fields_after_name[19]),  # field 22: starttime
+            "cmdline": cmdline.decode(errors="replace").split("\0")}
+
+
+def _ps_identity(pid: int) -> ProcessIdentity | None:
+    """`process_identity` where there is no /proc (macOS): start time and command line from `ps`."""
+    try:
+        out = subprocess.run(["ps", "-o", "lstart=", "-o", "command=", "-p", str(pid)], capture_output=True,
+                             text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    line = out.stdout.strip()
+    if out.returncode != 0 or not line:
+        return None
+    return {"boot": "", "started": line[:24], "cmdline": line[24:].split()}
+
+
+def stop_recorded(state: dict, grace_s: float = 10.0) -> list[str]:
+    """Stop the processes a run file (`Pipeline.save`) records, each only if it is still the very
+    process that was started (same boot, start time and command line); the names of those left
+    alone: gone already, or their PID now belongs to another process (after a reboot, say). A run
+    file without identities (an older specdec's) names no process this can vouch for: all are left."""
+    pids: dict[str, int] = {name: int(pid) for name, pid in state.get("pids", {}).items()}
+    identities = state.get("identities") or {}
+    ours = {name: pid for name, pid in pids.items()
+            if identities.get(name) is not None and process_identity(pid) == identities[name]}
+    stop_pids(ours, grace_s, {name: identities[name] for name in ours})
+    return [name for name in pids if name not in ours]
 
 
 def _signal(pid: int, sig: int) -> None:

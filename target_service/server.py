@@ -27,8 +27,8 @@ def build_servicer(config: TargetConfig) -> tuple[TargetServicer, ServiceMetrics
     batcher = batcher_for(config, caches, profile, admission, metrics, thread)
     info = model_info(loaded, "model", profile, config.max_batch)
     grammars = SessionGrammars(loaded.tokenizer, loaded.vocab_size, loaded.eos_token_ids, config.max_sessions)
-    servicer = TargetServicer(Verifier(caches, loaded.vocab_size, grammars), info, batcher, admission,
-                              config.logprobs_mode)
+    verifier = Verifier(caches, loaded.vocab_size, grammars, batcher.config.score_positions)
+    servicer = TargetServicer(verifier, info, batcher, admission, config.logprobs_mode)
     servicer.grammars = grammars
     return servicer, metrics
 

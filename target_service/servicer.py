@@ -8,10 +8,11 @@ from specdec.core.logprobs import MAX_TOP_LOGPROBS
 from specdec.errors import InvalidArgument
 from specdec.rpc_errors import grpc_errors
 from specdec.runtime.batching import Batcher
+from specdec.runtime.grammars import prepare
 from specdec.runtime.verifier import LogprobRequest, Verifier
 from specdec.server.admission import Admission, deadline_of
 from specdec.server.model_service import ModelServicer
-from specdec.server.wire import logprobs_to_pb, probs_from_bytes, sampling_from_pb
+from specdec.server.wire import logprobs_to_pb, probs_from_bytes
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
 
 
@@ -28,23 +29,27 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
     @grpc_errors
     async def ScoreTokens(self, request: target_pb2.ScoreTokensRequest, context):
         arrived = time.monotonic()
-        params = None if request.raw else sampling_from_pb(request.sampling, self.info.vocab_size)
+        params = None if request.raw else self.constants.resolve(request.session_id, request.sampling,
+                                                                 self.info.vocab_size)
         if request.top_logprobs > MAX_TOP_LOGPROBS:
             raise InvalidArgument(f"top_logprobs must be 0..{MAX_TOP_LOGPROBS}, got {request.top_logprobs}")
         deadline = deadline_of(context)
         async with self.admission.slot(deadline, context):
+            await prepare(self.verifier.grammars, params)  # compiled off the model thread
             job = self.verifier.score_job(request.session_id, list(request.tokens), request.start,
                                           LogprobRequest(request.top_logprobs, self.logprobs_mode), params, deadline)
             job.enqueued = arrived
             job.sent_unix_ns = request.sent_unix_ns
-            entries, step = await self.batcher.run(job)
-        return target_pb2.ScoreTokensResponse(logprobs=[logprobs_to_pb(e) for e in entries],
-                                              compute_ns=step.compute_ns)
+            entries, compute_ns = [], 0
+            async for step_entries, step in self.batcher.stream(job):  # a step's positions at a time
+                entries.extend(logprobs_to_pb(e) for e in step_entries)
+                compute_ns += step.compute_ns
+        return target_pb2.ScoreTokensResponse(logprobs=entries, compute_ns=compute_ns)
 
     @grpc_errors
     async def Verify(self, request: target_pb2.VerifyRequest, context):
         arrived = time.monotonic()
-        params = sampling_from_pb(request.sampling, self.info.vocab_size)
+        params = self.constants.resolve(request.session_id, request.sampling, self.info.vocab_size)
         if request.top_logprobs > MAX_TOP_LOGPROBS or (request.top_logprobs and not request.logprobs):
             raise InvalidArgument(f"top_logprobs must be 0..{MAX_TOP_LOGPROBS} and needs logprobs set, "
                                   f"got {request.top_logprobs}")
@@ -53,6 +58,7 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
         q = probs_from_bytes(request.draft_probs, len(draft_tokens), self.info.vocab_size)
         deadline = deadline_of(context)
         async with self.admission.slot(deadline, context):
+            await prepare(self.verifier.grammars, params)  # compiled off the model thread
             job = self.verifier.job(request.session_id, list(request.history), draft_tokens, q, params,
                                     request.seed, deadline, logprobs)
             job.enqueued = arrived  # the queue wait includes the admission queue

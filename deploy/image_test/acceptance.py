@@ -2,8 +2,11 @@
 
 Every workload the chart renders starts and becomes ready; a CPU target runs the prebuilt native
 kernels and a suffix draft reads the shared outputs stream; the chart's `helm test` Pods pass; an
-OpenAI-client request through the HTTP gateway completes; and after one workload's container
-(the target by default) is killed, the next request still completes once it has been restarted.
+OpenAI-client request through the HTTP gateway completes; with two API keys (`run --auth-secret`),
+neither key reads, continues or closes the other's session, through the gateway or the
+orchestrator's gRPC API, and a call without a key is refused by both; and after one workload's
+container (the target by default) is killed, the next request still completes once it has been
+restarted.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from deploy.image_test.kubelet import Kubelet, State
 from deploy.image_test.manifests import LOOPBACK, ChartPod, Container, Probe, load, translate
 from deploy.image_test.podman import container_log, log, podman, prepare, run_args
 
+KEYS_ENV = "SPECDEC_IMAGE_TEST_KEYS"  # NAME:TOKEN,NAME:TOKEN of the API keys `run --auth-secret` made
+
 
 def openai_request(port: int, prompt: str, max_tokens: int, timeout_s: float, retries: int = 0) -> str:
     """One chat completion with the `openai` client; `retries`: the client's own retries of
@@ -37,6 +42,86 @@ def openai_request(port: int, prompt: str, max_tokens: int, timeout_s: float, re
     if not reply.choices or usage is None or usage.completion_tokens < 1:
         raise RuntimeError(f"no tokens came back: {reply}")
     return f"model {model}: {reply.choices[0].message.content!r} ({usage.completion_tokens} tokens)"
+
+
+def keys_of_env() -> dict[str, str]:
+    """The API keys `run --auth-secret` made, by name (none without it)."""
+    pairs = [item.split(":", 1) for item in os.environ.get(KEYS_ENV, "").split(",") if item]
+    return {name: token for name, token in pairs}
+
+
+def _http(port: int, method: str, path: str, token: str | None, body: dict | None = None,
+          timeout_s: float = 120) -> tuple[int, dict]:
+    """(status, JSON body) of one request to the gateway."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    headers = {"content-type": "application/json", **({"authorization": f"Bearer {token}"} if token else {})}
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(f"http://{LOOPBACK}:{port}{path}", data=data, method=method, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as reply:
+            return reply.status, json.loads(reply.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def _expect(what: str, got: object, wanted: object) -> None:
+    if got != wanted:
+        raise RuntimeError(f"{what}: got {got!r}, expected {wanted!r}")
+
+
+def keys_apart(gw_port: int, orchestrator: str, keys: dict[str, str], prompt: str, timeout_s: float) -> str:
+    """Key bob can neither read, continue nor close a session of key alice: through the gateway, and
+    through the orchestrator's gRPC API (which a pod reaches only past its NetworkPolicy: the
+    orchestrator refuses it by itself); a call without a key is refused by both."""
+    import grpc
+
+    from specdec import Client, errors
+    from specdec.v1 import orchestrator_pb2 as pb
+
+    alice, bob = keys["alice"], keys["bob"]
+    _expect("GET /v1/models without a key", _http(gw_port, "GET", "/v1/models", None)[0], 401)
+    model = _http(gw_port, "GET", "/v1/models", alice)[1]["data"][0]["id"]
+    completion = {"model": model, "prompt": prompt, "max_tokens": 4, "temperature": 0}
+    status, out = _http(gw_port, "POST", "/v1/completions", alice, completion, timeout_s)
+    _expect("alice's completion", status, 200)
+    session = out["specdec"]["session_id"]
+    status, out = _http(gw_port, "POST", "/v1/completions", bob, {**completion, "session_id": session}, timeout_s)
+    _expect("bob continuing alice's session through the gateway", (status, out["error"]["code"]),
+            (404, "session_not_found"))
+    with Client(orchestrator, timeout=timeout_s, max_attempts=1) as nobody:
+        try:
+            nobody.generate(prompt, max_new_tokens=1)
+            raise RuntimeError("the orchestrator served a call without a key")
+        except errors.Unauthenticated:
+            pass
+    with Client(orchestrator, token=bob, timeout=timeout_s, max_attempts=1) as client:
+        try:
+            list(client._stub(client.address).Generate(pb.GenerateRequest(session_id=session, resume_from=0),
+                                                         metadata=(("authorization", f"Bearer {bob}"),),
+                                                         timeout=timeout_s))
+            raise RuntimeError("bob read alice's session (a resume from token 0)")
+        except grpc.RpcError as exc:
+            _expect("bob resuming alice's session over gRPC", exc.code(), grpc.StatusCode.NOT_FOUND)
+        try:
+            client.generate(" and", session_id=session, max_new_tokens=1)
+            raise RuntimeError("bob continued alice's session over gRPC")
+        except errors.NotFound:
+            pass
+        _expect("bob closing alice's session over gRPC", client.close_session(session), False)
+    with Client(orchestrator, token=alice, timeout=timeout_s, max_attempts=1) as client:
+        more = client.generate(" and", session_id=session, max_new_tokens=2, temperature=0)
+        _expect("alice continuing her session", more.session_id, session)
+        _expect("alice closing her session", client.close_session(session), True)
+    return f"session {session[:8]}…: bob could not read, continue or close it; no key: refused"
+
+
+def orchestrator_port(pod: ChartPod) -> int:
+    """The orchestrator's gRPC port (its --port)."""
+    words = next(c for c in pod.workloads if "orchestrator" in c.words and "http_gateway" not in c.words).words
+    return int(words[words.index("--port") + 1]) if "--port" in words else 50051
 
 
 def gateway_container(pod: ChartPod) -> tuple[Container, int] | None:
@@ -179,6 +264,9 @@ class Run:
 
 def run_acceptance(opts: argparse.Namespace) -> int:
     """Everything after the pod exists, run inside its network namespace."""
+    keys = keys_of_env()
+    if keys:
+        os.environ["SPECDEC_TOKEN"] = keys["alice"]  # the OpenAI requests below send alice's key
     run = Run(opts)
     gw = gateway_container(run.pod)
     if gw is None:
@@ -194,6 +282,11 @@ def run_acceptance(opts: argparse.Namespace) -> int:
     t1 = time.monotonic()
     reply = openai_request(gw[1], opts.prompt, opts.max_tokens, opts.request_timeout_s)
     log(f"OpenAI client -> gateway: {reply} in {time.monotonic() - t1:.1f} s")
+    if keys:
+        t1 = time.monotonic()
+        apart = keys_apart(gw[1], f"{LOOPBACK}:{orchestrator_port(run.pod)}", keys, opts.prompt,
+                           opts.request_timeout_s)
+        log(f"two API keys: {apart} ({time.monotonic() - t1:.1f} s)")
     run.kill_and_request(gw[1])
     run.wait_ready("after the restart")
     kubelet.stop.set()

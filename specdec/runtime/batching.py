@@ -51,6 +51,15 @@ from specdec.runtime.latency import LatencyProfile
 log = logging.getLogger(__name__)
 
 
+MAX_STEP_TOKENS = 64
+"""New tokens a decode or verify step brings at most (the most draft tokens `verifier.Verifier`
+takes): a row with no more, and no more than `PREFILL_ALONE_ABOVE` history tokens to (re-)prefill,
+runs whole in any pass; the prefill budget is for longer feeds."""
+MAX_SCORED_POSITIONS = 512
+"""Most positions whose logits a job asks for in one pass (see `BatchConfig.score_positions`): their
+logits are `[positions, V]` float32, 100 MB at a 49k vocabulary."""
+
+
 @dataclass(frozen=True)
 class BatchConfig:
     max_batch: int = 16
@@ -61,6 +70,12 @@ class BatchConfig:
     """Most prefill tokens one pass feeds, over all its rows (0: no limit). A longer prefill is fed
     in chunks over several passes, each shared with the other sessions' decode and verify rows, so
     a long prompt's arrival delays the running sessions by a bounded amount per pass."""
+
+    @property
+    def score_positions(self) -> int:
+        """Most positions a job scores in one pass when it wants the logits of many (a prompt scored for
+        its log-probabilities): the prefill budget, at most `MAX_SCORED_POSITIONS`."""
+        return min(self.prefill_chunk_tokens or MAX_SCORED_POSITIONS, MAX_SCORED_POSITIONS)
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:
@@ -204,6 +219,16 @@ class Batcher:
     def running(self) -> int:
         """Jobs in the current batch."""
         return len(self._active)
+
+    def stalled_for(self, now: float | None = None) -> float:
+        """Seconds work has waited on the model thread with no pass completing: since the later of the
+        last pass's end and the submission of the oldest job that is running or could run (not one
+        still fetching its cache); 0 when none waits. A health check reads it (on the event loop)."""
+        now = time.monotonic() if now is None else now
+        waiting = [job.enqueued for job in (*self._active, *self._pending) if job.ready and not job.done]
+        if not waiting:
+            return 0.0
+        return max(0.0, now - max(self._last_step_end, min(waiting)))
 
     # -- the API a servicer uses ----------------------------------------------------------------
 
@@ -455,25 +480,34 @@ class Batcher:
     # -- worker thread --------------------------------------------------------------------------
 
     def _chunk(self, requests: list[ScoreRequest]) -> list[ScoreRequest | None]:
-        """What each row runs this pass under the prefill budget: its request as it is; a request
-        for the next chunk of its history only (no logits wanted); or None (no budget left: it
-        waits for the next pass). Rows with little to prefill (decode and verify steps) always
-        run whole; the budget goes to prefilling rows in order, so the first always progresses."""
-        budget = self.config.prefill_chunk_tokens
+        """What each row runs this pass under the prefill budget: its request as it is; a request for
+        the next chunk of its history only (no logits wanted); or None (no budget left: it waits for
+        the next pass). A row feeds its history's missing tokens (at least its last one) and its new
+        ones: decode and verify steps (`MAX_STEP_TOKENS`) always run whole; the others take from the
+        budget in order, whole where they fit, else the part of their history that fits. A row that
+        cannot be cut (its new tokens alone exceed what is left: a prompt scored in steps, which its
+        job bounds to the budget) waits, unless nothing took from the budget yet: the first always
+        progresses."""
+        budget = full = self.config.prefill_chunk_tokens
         if not budget:
             return list(requests)
         plan: list[ScoreRequest | None] = []
         for request in requests:
             covered = self.caches.covered(request.session_id, request.history)
             pending = len(request.history) - covered
-            if pending <= PREFILL_ALONE_ABOVE:
+            fed = max(1, pending) + len(request.new_tokens)
+            if pending <= PREFILL_ALONE_ABOVE and len(request.new_tokens) <= MAX_STEP_TOKENS:
                 plan.append(request)
-            elif pending <= budget:
-                budget -= pending
+            elif fed <= budget:
+                budget -= fed
                 plan.append(request)
-            elif budget > 0:
-                plan.append(ScoreRequest(request.session_id, request.history[: covered + budget], []))
+            elif pending > 1 and budget > 0:
+                take = min(budget, pending - 1)
+                plan.append(ScoreRequest(request.session_id, request.history[: covered + take], []))
+                budget -= take
+            elif budget == full:
                 budget = 0
+                plan.append(request)
             else:
                 plan.append(None)
         return plan

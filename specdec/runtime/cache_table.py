@@ -75,8 +75,9 @@ class CacheTable:
         self.own_bytes = 0  # bytes of the sessions' own buffers
         self.evictions = 0  # sessions evicted to make room under the budget
         self.on_evict: Callable[[str, Entry], None] | None = None  # given each evicted session after it left
-        self.on_publish: Callable[[list[bytes], list[int], torch.Tensor], None] | None = None
-        """Given each segment `publish` adds: its block names, tokens and keys/values (never changed after)."""
+        self.on_publish: Callable[[list[bytes], list[int], torch.Tensor, int, bytes], None] | None = None
+        """Given each segment `publish` adds: its block names, tokens and keys/values (never changed after),
+        its first position and the name of the block before it (b"" at position 0)."""
         self.on_adopt: Callable[[int], None] | None = None  # given the tokens of each fetched run `start` adopts
 
     def __len__(self) -> int:
@@ -259,7 +260,7 @@ class CacheTable:
                 data = cache.own(found.length, aligned).clone()
             match = prefix.publish(tokens, found, data)
             if self.on_publish is not None:
-                self.on_publish(match.runs[-1][0].names, tokens[found.length:], data)
+                self.on_publish(match.runs[-1][0].names, tokens[found.length:], data, found.length, found.name)
         before = cache.nbytes
         prefix.acquire(match)
         prefix.release(entry.prefix)

@@ -56,7 +56,9 @@ ProposeFn = Callable[[str, list[int], int, SamplingParams, int], Iterator[DraftT
 class DraftRequest:
     """One call for up to `k` draft tokens after `history`. `arrived`: when it reached the service
     (`time.monotonic()`), so that the queue wait counts from there; `sent_unix_ns`: when its caller sent
-    it (see `Batcher.cancel_session`); `deadline`: `time.monotonic()` past which it is dropped."""
+    it (see `Batcher.cancel_session`); `deadline`: `time.monotonic()` past which it is dropped;
+    `corpus_group`: whose earlier outputs may draft it (a proposer with a corpus drafts from that
+    group's alone; "" is the anonymous group)."""
 
     session_id: str
     history: list[int]
@@ -66,6 +68,7 @@ class DraftRequest:
     deadline: float | None = None
     arrived: float = 0.0
     sent_unix_ns: int = 0
+    corpus_group: str = ""
 
     @property
     def grammar(self) -> GrammarSpec | None:
@@ -145,8 +148,9 @@ class Proposer(Protocol):
         may join a corpus of earlier outputs; `sent_unix_ns`: when the release was sent (work sent
         before it stops)."""
 
-    def add_output(self, tokens: list[int]) -> None:
-        """A finished generation's output joins its corpus (a proposer without one ignores it)."""
+    def add_output(self, tokens: list[int], group: str = "") -> None:
+        """A finished generation's output joins the corpus of its corpus group `group` (a proposer
+        without a corpus ignores it); it may draft only requests of that group."""
 
 
 class DraftEnv:
@@ -167,10 +171,13 @@ class DraftEnv:
         return self.grammars
 
     async def forced(self, request: DraftRequest) -> list[int]:
-        """The tokens the request's grammar forces (none without one), at most `k`."""
+        """The tokens the request's grammar forces (none without one), at most `k`. The grammar is
+        compiled first, on the grammar worker (`SessionGrammars.prepare`): never on this worker
+        thread, where it would hold up every other session's proposals."""
         spec = request.grammar
         if spec is None:
             return []
+        await self._grammars().prepare(spec)
         return await self.run(self._grammars().forced, request.session_id, spec, request.output, request.k)
 
     async def fork(self, request: DraftRequest) -> GrammarState | None:
@@ -223,10 +230,11 @@ class Drafter:
             )
 
     async def stream(self, session_id: str, history: list[int], k: int, params: SamplingParams, seed: int,
-                     deadline: float | None, arrived: float, sent_unix_ns: int = 0) -> AsyncIterator[Drafted]:
+                     deadline: float | None, arrived: float, sent_unix_ns: int = 0,
+                     corpus_group: str = "") -> AsyncIterator[Drafted]:
         """Up to `k` draft tokens as each is made: those the grammar forces (proposed without the
         proposer), then the proposer's block (see `DraftRequest` for the arguments)."""
-        request = DraftRequest(session_id, history, k, params, seed, deadline, arrived, sent_unix_ns)
+        request = DraftRequest(session_id, history, k, params, seed, deadline, arrived, sent_unix_ns, corpus_group)
         forced = await self.env.forced(request)
         block = await self.proposer.block(request.after(forced), self.env)
         for token in forced:

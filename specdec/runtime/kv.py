@@ -26,13 +26,13 @@ publishes new prefix blocks. It makes no network call. A row refused for room
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import psutil
 import torch
 
 from specdec.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
@@ -40,16 +40,19 @@ from specdec.runtime.cache_sources import CacheSources, Restore, SharedPrefix
 from specdec.runtime.cache_table import CacheTable, Entry, common_prefix_length
 from specdec.runtime.engine_options import EngineOptions
 from specdec.runtime.engine_plan import plan_engine
-from specdec.runtime.weights import output_layer
 from specdec.runtime.kv_buffer import SessionKV
+from specdec.runtime.memory import available_bytes
 from specdec.runtime.packed import PackedRow, build_forward, kv_geometry
 from specdec.runtime.prefix_cache import PrefixCache
 from specdec.runtime.prefix_store import RedisPrefixStore
-from specdec.runtime.snapshot_codec import encode_layers
+from specdec.runtime.snapshot_codec import KVLayout, encode_layers
 from specdec.runtime.snapshot_store import SnapshotPolicy
+from specdec.runtime.weights import output_layer
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
+
+log = logging.getLogger(__name__)
 
 __all__ = ["PREFILL_ALONE_ABOVE", "PUBLISH_ABOVE", "ScoreRequest", "Scored", "SessionCaches", "common_prefix_length",
            "default_budget_bytes"]
@@ -65,19 +68,24 @@ publishes its history's new whole blocks to the prefix cache; decode rounds publ
 session's prefix stays a handful of segments."""
 
 CPU_BUDGET_FRACTION = 0.5
-"""Default KV budget on a CPU: this fraction of the memory available when the service starts."""
+"""Default KV budget on a CPU: this fraction of the memory available when the service starts (the
+machine's, or its container's limit less what it holds, whichever is smaller)."""
 GPU_BUDGET_FRACTION = 0.9
 """Default KV budget on a GPU: this fraction of the device memory free after the weights loaded."""
 
 
 def default_budget_bytes(device: torch.device | str) -> int:
-    """The KV budget a service gets when none is configured, from the machine it runs on."""
+    """The KV budget a service gets when none is configured, from the machine it runs on: on a CPU, a
+    fraction of the memory it can still take, its container's limit included (`memory.available_bytes`)."""
     device = torch.device(device)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free * GPU_BUDGET_FRACTION)
-    available = psutil.virtual_memory().available
-    return int(available * CPU_BUDGET_FRACTION)
+    available, source = available_bytes()
+    budget = int(available * CPU_BUDGET_FRACTION)
+    log.info("KV budget: %d bytes, %.0f%% of %d available (%s); --kv-cache-bytes sets it", budget,
+             100 * CPU_BUDGET_FRACTION, available, source)
+    return budget
 
 
 @dataclass(frozen=True)
@@ -121,8 +129,12 @@ class SessionCaches:
         # inputs go to the output layer's device, in its activations' dtype (float32 for quantized weights)
         self.device, self.dtype, self.vocab_size = output_layer(model)
         budget = default_budget_bytes(self.device) if budget_bytes is None else budget_bytes
+        layers, kv_heads, head_dim = kv_geometry(model)
+        self.layout = KVLayout(layers, kv_heads, head_dim, self.dtype, self.vocab_size, max_context)
         self.table = CacheTable(self._new_cache, budget, max_sessions, idle_ttl_s, prefix_cache, self.device)
-        self.sources = CacheSources(snapshots, prefix_store, prefix_cache) if snapshots or prefix_store else None
+        self.sources = (CacheSources(snapshots, prefix_store, prefix_cache, layout=self.layout,
+                                     max_staged_bytes=budget // 2)
+                        if snapshots or prefix_store else None)
         if self.sources is not None:
             self.table.on_evict = self.sources.save
             if prefix_store is not None:
@@ -158,6 +170,16 @@ class SessionCaches:
     def evictions(self) -> int:
         """Sessions evicted to make room under the budget."""
         return self.table.evictions
+
+    @property
+    def rejected(self) -> dict[str, int]:
+        """Entries read from Redis that were malformed and dropped, by source ("snapshot", "prefix")."""
+        out = {}
+        if self.sources is not None and self.sources.snapshots is not None:
+            out["snapshot"] = self.sources.rejected_snapshots
+        if self.prefix_store is not None:
+            out["prefix"] = self.prefix_store.rejected
+        return out
 
     @property
     def prefix(self) -> PrefixCache | None:
@@ -308,6 +330,8 @@ class SessionCaches:
         """A new session's entry, added to the table: its restored snapshot, or the shared prefix
         blocks of `needed` held here or fetched from other replicas, or nothing."""
         fetched = self.sources.take(session_id, needed) if self.sources is not None else None
+        if fetched is not None and not self._fits(fetched):
+            fetched = None  # checked when decoded; this is the invariant the pass relies on, kept here too
         if isinstance(fetched, Restore):
             entry = self.table.restored(fetched.tokens, fetched.layers)
             assert self.snapshots is not None
@@ -316,6 +340,20 @@ class SessionCaches:
             entry = self.table.start(needed, fetched.runs if isinstance(fetched, SharedPrefix) else ())
         self.table.add(session_id, entry)
         return entry
+
+    def _fits(self, fetched: Restore | SharedPrefix) -> bool:
+        """Whether fetched keys/values are exactly the model's: its layers, dtype, heads and head_dim, as
+        many positions as tokens, head_dim contiguous (a restore's `[1, H, T, D]`, a run's `[H, n, D]`)."""
+        layout = self.layout
+
+        def fits(pairs: list[tuple[torch.Tensor, torch.Tensor]], *shape: int) -> bool:
+            return len(pairs) == layout.layers and all(
+                part.dtype == layout.dtype and tuple(part.shape) == shape and part.stride(-1) == 1
+                for pair in pairs for part in pair)
+
+        if isinstance(fetched, Restore):
+            return fits(fetched.layers, 1, layout.kv_heads, len(fetched.tokens), layout.head_dim)
+        return all(fits(run.layers, layout.kv_heads, len(run.tokens), layout.head_dim) for run in fetched.runs)
 
     def _count_fetched(self, tokens: int) -> None:
         """A segment fetched from other replicas joined the prefix cache (GetInfo counts them)."""

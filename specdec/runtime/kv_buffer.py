@@ -55,6 +55,20 @@ class SessionKV:
         capacity = max(1, min(capacity, max_length - self.offset))
         with torch.inference_mode(False):  # a normal tensor wherever it is made: writable in and out of inference mode
             self.data = torch.empty((2, layers, kv_heads, capacity, head_dim), dtype=dtype, device=device)
+        self._check_views(self.prefix)
+
+    def _check_views(self, views: Sequence[torch.Tensor]) -> None:
+        """Shared prefix views must be keys/values of this session's kind: `[2, layers, kv_heads, n,
+        head_dim]` of its dtype, on its device, with a contiguous head_dim. Attention reads them with
+        the session's geometry (the native kernel through raw pointers), so one of another shape or
+        dtype (a prefix segment that came from Redis) is refused before it joins."""
+        two, layers, heads, _, dim = self.data.shape
+        for view in views:
+            if view.ndim != 5 or view.shape[:3] != (two, layers, heads) or view.shape[4] != dim \
+                    or view.dtype != self.data.dtype or view.device != self.data.device or view.stride(4) != 1:
+                raise ValueError(f"a shared prefix view {view.dtype} {tuple(view.shape)} on {view.device} does not "
+                                 f"hold keys/values [2, {layers}, {heads}, n, {dim}] {self.data.dtype} on "
+                                 f"{self.data.device}")
 
     @property
     def capacity(self) -> int:
@@ -147,6 +161,7 @@ class SessionKV:
         session holds there) as the session's prefix; the own buffer keeps only what follows it,
         in a buffer sized to it (one copy of that tail)."""
         prefix = tuple(prefix)
+        self._check_views(prefix)
         offset = sum(view.shape[3] for view in prefix)
         if not self.offset <= offset <= self.length:
             raise ValueError(f"a prefix of {offset} positions does not fit a session holding "
@@ -175,9 +190,13 @@ class SessionKV:
             raise ValueError("a snapshot loads into a session without a shared prefix")
         if len(layers) != self.data.shape[1]:
             raise ValueError(f"{len(layers)} layers given, the model has {self.data.shape[1]}")
+        _, _, heads, _, dim = self.data.shape
+        for i, (keys, values) in enumerate(layers):  # exactly these: never broadcast or cast
+            for part in (keys, values):
+                if part.shape != (1, heads, length, dim) or part.dtype != self.data.dtype:
+                    raise ValueError(f"layer {i} holds {part.dtype} {tuple(part.shape)}, not keys/values "
+                                     f"{self.data.dtype} (1, {heads}, {length}, {dim})")
         self.reserve(length)
         for i, (keys, values) in enumerate(layers):
-            if keys.shape[-2] != length or values.shape[-2] != length:
-                raise ValueError(f"layer {i} covers {keys.shape[-2]} positions, not {length}")
             self.write(i, 0, keys[0], values[0])
         self.length = length

@@ -410,7 +410,8 @@ def choose_weights(spec: str, weights: str, dtype: torch.dtype, device: torch.de
             raise ValueError(f"--quantize {quantize} quantizes float weights: with --weights gguf the file's own "
                              "blocks run (use --weights dense --quantize ... to re-quantize the de-quantized model)")
         if dtype not in (torch.float32, torch.float64):
-            raise ValueError(f"--weights gguf runs float32 activations, not --dtype {str(dtype).removeprefix('torch.')}")
+            raise ValueError("--weights gguf runs float32 activations, not --dtype "
+                             f"{str(dtype).removeprefix('torch.')}")
         why = native.unavailable(device, torch.float32)
         if why:
             raise ValueError(f"--weights gguf: {why}")

@@ -68,6 +68,21 @@ _ISAS: dict[str, list[tuple[str, set[str]]]] = {
 
 KINDS = {torch.float32: "f32", torch.float64: "f64"}
 
+SANITIZE_ENV = "SPECDEC_KERNELS_SANITIZE"
+"""Set to `address` to build the kernels with AddressSanitizer (tests only: the process must then run
+with the compiler's libasan preloaded, `LD_PRELOAD=$(cc -print-file-name=libasan.so)`; see
+`tests/unit/test_native_asan.py`). Such builds are cached apart from the others."""
+
+
+def sanitize_flags() -> list[str]:
+    """Compiler and linker flags `SANITIZE_ENV` asks for (none by default)."""
+    kind = os.environ.get(SANITIZE_ENV, "")
+    if not kind:
+        return []
+    if kind != "address":
+        raise ValueError(f"${SANITIZE_ENV}={kind!r}: only 'address' is supported")
+    return ["-fsanitize=address", "-fno-omit-frame-pointer", "-g"]
+
 
 class KernelStatus(enum.IntEnum):
     """What the kernels' entry points return (`csrc/status.h`)."""
@@ -76,6 +91,12 @@ class KernelStatus(enum.IntEnum):
     BAD_SHAPE = -1  # a size outside what the kernel takes
     NO_MEMORY = -2  # its scratch memory could not be allocated
     PREFIX_WRITE = -3  # a row's new keys/values would be stored inside its shared prefix
+    OUT_OF_BOUNDS = -4  # the call would read or write past a buffer it was given
+
+
+def storage_bytes(tensor: torch.Tensor) -> int:
+    """Bytes of `tensor`'s storage from its first element on: what a kernel given its pointer may touch."""
+    return int(tensor.untyped_storage().nbytes() - tensor.storage_offset() * tensor.element_size())
 
 
 def cache_dir() -> Path:
@@ -175,8 +196,8 @@ def library() -> tuple[Any, str]:
         if not compiler or not shutil.which(compiler):
             return None, "no C compiler (cc) on the PATH, and no prebuilt kernels ($SPECDEC_PREBUILT_KERNELS)"
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-        key = hashlib.sha256("\0".join([source_hash(), " ".join(_FLAGS + NATIVE + _link_openmp()), version,
-                                        _cpu()]).encode())
+        flags = " ".join(_FLAGS + NATIVE + sanitize_flags() + _link_openmp())
+        key = hashlib.sha256("\0".join([source_hash(), flags, version, _cpu()]).encode())
         target = cache_dir() / f"kernels-{key.hexdigest()[:16]}.so"
         if not target.exists():
             try:
@@ -204,10 +225,9 @@ def load(path: Path) -> Any:
     for kind in KINDS.values():
         fn = getattr(lib, f"specdec_attend_{kind}")
         fn.restype = i32
-        fn.argtypes = [i32, ptr, ptr, i32, i32, i32, i32, ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, i64, i64,
-                       ctypes.c_double, i32]
+        fn.argtypes = [i32, ptr, i32, ptr, i32, i32, i32, i32, i64, ptr, ptr, ptr, ptr, ctypes.c_double, i32]
     lib.specdec_linear_f32.restype = i32
-    lib.specdec_linear_f32.argtypes = [i32, i32, i32, ptr, i64, ptr, ptr, i64, i32]
+    lib.specdec_linear_f32.argtypes = [i32, i32, i32, ptr, i64, i64, ptr, i64, ptr, i64, i64, i32]
     f32 = ctypes.c_float
     lib.specdec_rms_norm_f32.restype = i32
     lib.specdec_rms_norm_f32.argtypes = [i32, i32, ptr, i64, ptr, i64, ptr, f32, ptr, i64, i32]
@@ -225,11 +245,13 @@ def _build(compiler: str, arch: list[str], target: Path) -> None:
         objects = []
         for name, text in _sources().items():
             (Path(tmp) / name).write_bytes(text)
+        sanitize = sanitize_flags()
         for name in SOURCES:
             objects.append(name.removesuffix(".c") + ".o")
-            subprocess.run([compiler, *_FLAGS, *arch, "-c", name, "-o", objects[-1]], cwd=tmp, check=True,
+            subprocess.run([compiler, *_FLAGS, *arch, *sanitize, "-c", name, "-o", objects[-1]], cwd=tmp, check=True,
                            capture_output=True, text=True)
-        subprocess.run([compiler, "-shared", *objects, "-o", "kernels.so", *_link_openmp(), "-lmvec", "-lm"],
+        subprocess.run([compiler, "-shared", *sanitize, *objects, "-o", "kernels.so", *_link_openmp(), "-lmvec",
+                        "-lm"],
                        cwd=tmp, check=True, capture_output=True, text=True)
         os.replace(Path(tmp) / "kernels.so", target)
         log.info("built the native kernels into %s", target)
@@ -267,12 +289,19 @@ def linear(x: torch.Tensor, weights: list[torch.Tensor], out: torch.Tensor) -> t
     m, k = x.shape
     if x.stride(1) != 1 or out.stride(1) != 1 or m > LINEAR_MAX_ROWS:
         raise ValueError(f"the linear kernel takes at most {LINEAR_MAX_ROWS} rows with contiguous features")
+    if x.dtype != torch.float32 or out.dtype != torch.float32 or out.shape[0] != m:
+        raise ValueError(f"the linear kernel takes float32 x [m, k] and out [m, n], got {x.dtype} {tuple(x.shape)} "
+                         f"and {out.dtype} {tuple(out.shape)}")
+    if sum(w.shape[0] for w in weights) != out.shape[1]:
+        raise ValueError(f"weights of {sum(w.shape[0] for w in weights)} rows in all fill {out.shape[1]} columns")
     column, threads = 0, torch.get_num_threads()
+    x_bytes, out_bytes = storage_bytes(x), storage_bytes(out)
     for w in weights:
-        if not w.is_contiguous() or w.shape[1] != k or w.dtype != torch.float32:
+        if not w.is_contiguous() or w.ndim != 2 or w.shape[1] != k or w.dtype != torch.float32:
             raise ValueError("the linear kernel takes contiguous float32 weights [n, k]")
-        status = lib.specdec_linear_f32(m, w.shape[0], k, x.data_ptr(), x.stride(0), w.data_ptr(),
-                                        out.data_ptr() + 4 * column, out.stride(0), threads)
+        status = lib.specdec_linear_f32(m, w.shape[0], k, x.data_ptr(), x.stride(0), x_bytes, w.data_ptr(),
+                                        storage_bytes(w), out.data_ptr() + 4 * column, out.stride(0),
+                                        out_bytes - 4 * column, threads)
         if status != KernelStatus.OK:
             raise ValueError(f"the linear kernel refused a [{m}, {k}] x [{w.shape[0]}, {k}] product "
                              f"({KernelStatus(status).name})")

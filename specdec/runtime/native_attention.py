@@ -31,7 +31,8 @@ longer blocks (prefill chunks) are matmul-shaped and take torch's path."""
 class _Segment(ctypes.Structure):
     _fields_ = [("base", ctypes.c_void_p), ("kv_stride", ctypes.c_int64), ("layer_stride", ctypes.c_int64),
                 ("head_stride", ctypes.c_int64), ("pos_stride", ctypes.c_int64), ("start", ctypes.c_int64),
-                ("width", ctypes.c_int64)]
+                ("width", ctypes.c_int64), ("layers", ctypes.c_int64), ("heads", ctypes.c_int64),
+                ("positions", ctypes.c_int64), ("dim", ctypes.c_int64), ("bytes", ctypes.c_int64)]
 
 
 class _Row(ctypes.Structure):
@@ -39,28 +40,58 @@ class _Row(ctypes.Structure):
                 ("queries", ctypes.c_int32), ("past", ctypes.c_int64)]
 
 
+class _Rows(ctypes.Structure):
+    """q, out, new keys or values `[T, heads, D]` as the kernel reads them: base, strides, storage bytes."""
+
+    _fields_ = [("base", ctypes.c_void_p), ("t_stride", ctypes.c_int64), ("h_stride", ctypes.c_int64),
+                ("bytes", ctypes.c_int64)]
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> _Rows:
+        return cls(t.data_ptr(), t.stride(0), t.stride(1), native.storage_bytes(t))
+
+
+def _segment(view: torch.Tensor, start: int, width: int) -> _Segment:
+    """A segment of the kernel's: `view` `[2, layers, heads, positions, D]` (any strides, D contiguous), of
+    which the row reads `width` positions from absolute position `start` on."""
+    stride = view.stride()
+    if view.ndim != 5 or stride[4] != 1:
+        raise ValueError("the attention kernel reads keys/values [2, layers, heads, positions, head_dim] with a "
+                         "contiguous head_dim")
+    return _Segment(view.data_ptr(), *stride[:4], start, width, *view.shape[1:], native.storage_bytes(view))
+
+
 class AttentionPlan:
     """The kernel's description of a pass's short rows (built once per pass, used at every layer).
 
     `rows`: per row, its `SessionKV`, where its block starts in the packed queries, its length and
-    its past. Every segment must be a view with a contiguous head_dim (`SessionKV`'s buffers are)."""
+    its past. Every segment must be a view with a contiguous head_dim (`SessionKV`'s buffers are), of
+    the session's own buffer's dtype, device and geometry: checked here (a shared prefix a session
+    took from elsewhere is checked when it joins the session, `SessionKV`), and by the kernel once
+    more against each view's sizes and storage, so a plan that got past this refuses to run
+    (`KernelStatus.OUT_OF_BOUNDS`) rather than read past a buffer."""
 
     def __init__(self, rows: Sequence[tuple[Any, int, int, int]]) -> None:
         segments: list[_Segment] = []
         described = []
+        self.dtype: torch.dtype | None = None
         for kv, first_query, n, past in rows:
             first = len(segments)
             start = 0
-            for view in (*kv.prefix, kv.data):
-                width = view.shape[3] if view is not kv.data else past + n - kv.offset
-                stride = view.stride()
-                if stride[4] != 1:
-                    raise ValueError("the attention kernel reads keys/values with a contiguous head_dim")
-                segments.append(_Segment(view.data_ptr(), *stride[:4], start, width))
+            own = kv.data
+            self.dtype = self.dtype or own.dtype
+            for view in (*kv.prefix, own):
+                if view.dtype != self.dtype or view.device != own.device or view.ndim != 5 \
+                        or view.shape[:3] != own.shape[:3] or view.shape[4] != own.shape[4]:
+                    raise ValueError(f"a segment {view.dtype} {tuple(view.shape)} does not match the session's "
+                                     f"keys/values {self.dtype} {tuple(own.shape)} (positions aside)")
+                width = view.shape[3] if view is not own else past + n - kv.offset
+                segments.append(_segment(view, start, width))
                 start += width
             described.append(_Row(first, len(segments) - first, first_query, n, past))
         self.count = len(described)
         self.rows = (_Row * self.count)(*described)
+        self.segment_count = len(segments)
         self.segments = (_Segment * len(segments))(*segments)
 
 
@@ -75,23 +106,29 @@ def attend(plan: AttentionPlan, layer: int, q: torch.Tensor, out: torch.Tensor, 
     lib, why = native.library()
     if lib is None:
         raise RuntimeError(why)
-    _, heads, dim = q.shape
-    if q.stride(2) != 1 or out.stride(2) != 1 or q.dtype != out.dtype:
-        raise ValueError("the attention kernel needs q and out with a contiguous head_dim and one dtype")
-    stored: tuple[Any, ...] = (None, 0, 0, None, 0, 0)  # keys, their strides, values, theirs: none to store
+    t, heads, dim = q.shape
+    if q.stride(2) != 1 or out.stride(2) != 1 or q.dtype != out.dtype or out.shape != q.shape:
+        raise ValueError("the attention kernel needs q and out [T, H, D] with a contiguous head_dim and one dtype")
+    if plan.dtype is not None and plan.dtype != q.dtype:
+        raise ValueError(f"the plan's keys/values are {plan.dtype}, the queries {q.dtype}")
+    stored: tuple[Any, Any] = (None, None)  # new keys and values: none to store
     if new is not None:
         k, v = new
-        if k.stride(2) != 1 or v.stride(2) != 1 or k.dtype != q.dtype or v.dtype != q.dtype:
-            raise ValueError("the attention kernel stores new keys and values with a contiguous D, in q's dtype")
-        stored = (k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0), v.stride(1))
+        if k.stride(2) != 1 or v.stride(2) != 1 or k.dtype != q.dtype or v.dtype != q.dtype \
+                or k.shape != (t, kv_heads, dim) or v.shape != (t, kv_heads, dim):
+            raise ValueError("the attention kernel stores new keys and values [T, kv_heads, D] with a contiguous D, "
+                             "in q's dtype")
+        stored = (ctypes.byref(_Rows.of(k)), ctypes.byref(_Rows.of(v)))
     fn = getattr(lib, f"specdec_attend_{native.KINDS[q.dtype]}")
-    rc = fn(plan.count, ctypes.addressof(plan.rows), ctypes.addressof(plan.segments), layer, kv_heads,
-            heads // kv_heads, dim, q.data_ptr(), q.stride(0), q.stride(1), *stored, out.data_ptr(),
-            out.stride(0), out.stride(1), scale, torch.get_num_threads())
+    rc = fn(plan.count, ctypes.addressof(plan.rows), plan.segment_count, ctypes.addressof(plan.segments), layer,
+            kv_heads, heads // kv_heads, dim, t, ctypes.byref(_Rows.of(q)), *stored, ctypes.byref(_Rows.of(out)),
+            scale, torch.get_num_threads())
     status = native.KernelStatus(rc)
     if status == native.KernelStatus.BAD_SHAPE:
         raise ValueError(f"the attention kernel takes head_dim <= 256 and at most {MAX_QUERIES} queries a row")
     if status == native.KernelStatus.PREFIX_WRITE:
         raise ValueError("a row's new positions lie in its shared prefix (read-only)")
+    if status == native.KernelStatus.OUT_OF_BOUNDS:
+        raise ValueError("the attention kernel refused a plan that would read or write past its buffers")
     if status == native.KernelStatus.NO_MEMORY:
         raise MemoryError("the attention kernel could not allocate its scratch memory")

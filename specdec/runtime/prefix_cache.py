@@ -41,6 +41,20 @@ DEFAULT_BLOCK_TOKENS = 32
 """Tokens per block: the granularity of sharing (a shorter common prefix is not shared)."""
 
 
+def block_name(previous: bytes, block: list[int]) -> bytes:
+    """The name of a block of tokens after the block named `previous` (b"" for the first block)."""
+    return hashlib.blake2b(previous + array("q", block).tobytes(), digest_size=16).digest()
+
+
+def block_names(previous: bytes, tokens: list[int], block_tokens: int) -> list[bytes]:
+    """The names of `tokens`' whole blocks, the first one after the block named `previous`."""
+    names = []
+    for i in range(len(tokens) // block_tokens):
+        previous = block_name(previous, tokens[i * block_tokens : (i + 1) * block_tokens])
+        names.append(previous)
+    return names
+
+
 @dataclass(eq=False)
 class Segment:
     """Consecutive blocks published together: their keys/values, their names, who uses them."""
@@ -100,7 +114,7 @@ class PrefixCache:
     # -- naming ---------------------------------------------------------------------------------
 
     def name(self, previous: bytes, block: list[int]) -> bytes:
-        return hashlib.blake2b(previous + array("q", block).tobytes(), digest_size=16).digest()
+        return block_name(previous, block)
 
     def _names(self, tokens: list[int], start_block: int = 0, previous: bytes = b"") -> Iterator[tuple[int, bytes]]:
         b = self.block_tokens

@@ -53,15 +53,17 @@ class Projection:
         self.width = sum(self.sizes)
         self.rows = LINEAR_MAX_ROWS
         self.pieces: list[tuple[QuantizedProjection | list[torch.Tensor], int, int]] = []
+        self.parts: list[torch.Tensor] = []
+        self.weight: torch.Tensor | None = None  # native and not pre-packed: larger passes use `parts`
         if any(isinstance(w, QuantizedWeight) for w in weights):
-            self.parts, self.weight, self.prepacked, self.native = [], None, False, native
-            self.pieces = _pieces(weights)  # type: ignore[arg-type]
+            self.prepacked, self.native = False, native
+            self.pieces = _pieces(weights)
             return
+        dense = [w for w in weights if isinstance(w, torch.Tensor)]
         with torch.inference_mode(False), torch.no_grad():
-            self.parts = [w.detach().contiguous() for w in weights] if native else []  # no copy when contiguous
-            self.weight: torch.Tensor | None = None  # native and not pre-packed: larger passes use `parts`
+            self.parts = [w.detach().contiguous() for w in dense] if native else []  # no copy when contiguous
             if prepack or not native:
-                weight = weights[0].detach() if len(weights) == 1 else torch.cat([w.detach() for w in weights])
+                weight = dense[0].detach() if len(dense) == 1 else torch.cat([w.detach() for w in dense])
                 self.weight = torch.ops.mkldnn._reorder_linear_weight(weight) if prepack else weight
         self.prepacked = prepack
 
@@ -113,13 +115,15 @@ def _pieces(weights: list[torch.Tensor | QuantizedWeight]) -> list[tuple[Quantiz
             runs[-1].append(w)
         else:
             runs.append([w])
-    pieces, first = [], 0
+    pieces: list[tuple[QuantizedProjection | list[torch.Tensor], int, int]] = []
+    first = 0
     for run in runs:
         width = sum(w.shape[0] for w in run)
-        if isinstance(run[0], QuantizedWeight):
-            pieces.append((QuantizedProjection(run), first, width))  # type: ignore[arg-type]
+        blocks = [w for w in run if isinstance(w, QuantizedWeight)]
+        if blocks:
+            pieces.append((QuantizedProjection(blocks), first, width))
         else:
-            pieces.append(([w.detach().contiguous() for w in run], first, width))  # type: ignore[union-attr]
+            pieces.append(([w.detach().contiguous() for w in run if isinstance(w, torch.Tensor)], first, width))
         first += width
     return pieces
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import threading
 import time
 from collections import OrderedDict
@@ -26,11 +27,11 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from specdec.core.grammar import GrammarState, apply_mask
+from specdec.core.grammar import GrammarState
 from specdec.core.ngram import propose_ngram
 from specdec.core.processors import process_block
 from specdec.core.sampling import DRAFT_STREAM, SamplingParams, derive_generator, logits_to_probs, sample
-from specdec.core.suffix import SuffixIndex, best_speculation
+from specdec.core.suffix import NOTHING, Corpora, SuffixIndex, best_speculation
 from specdec.runtime.batching import Batcher, Job
 from specdec.runtime.drafting import (
     MODEL,
@@ -41,6 +42,7 @@ from specdec.runtime.drafting import (
     DraftEnv,
     DraftRequest,
     DraftToken,
+    ProposeFn,
     Proposer,
 )
 from specdec.runtime.kv import Scored, ScoreRequest, SessionCaches
@@ -72,7 +74,7 @@ class ProposerBase:
     async def release(self, session_id: str, learn: bool = True, sent_unix_ns: int = 0) -> bool:
         return self.forget(session_id, learn)
 
-    def add_output(self, tokens: list[int]) -> None:
+    def add_output(self, tokens: list[int], group: str = "") -> None:
         """A proposer without a corpus of outputs has nothing to add them to."""
 
 
@@ -81,9 +83,8 @@ def draft_token(logits: torch.Tensor, context: list[int], params: SamplingParams
     """The next draft token after `context` from the last row of `logits [n, V]`, and its q row when
     sampling. The logits processors see `context`, and `grammar` (at the end of `context`) masks the
     row, exactly as the target's row for this position will be; `grammar` then takes the token."""
-    last = process_block(logits[-1:], context, [], params)  # [1, V]
-    if grammar is not None:
-        last = apply_mask(last, grammar.allowed()[None, :last.shape[1]])
+    allowed = None if grammar is None else grammar.allowed()[None, :logits.shape[1]]  # [1, V]
+    last = process_block(logits[-1:], context, [], params, allowed)  # [1, V]
     token, q = _pick(last, params, generator)
     if grammar is not None:
         with contextlib.suppress(ValueError):  # after an end of sequence nothing follows: the state stays there
@@ -232,44 +233,61 @@ class NgramProposer(HostProposer):
 
 class SuffixProposer(HostProposer):
     """Suffix speculation: the most frequent continuation of the longest match of the history's end,
-    in the session's own history or in a corpus of earlier outputs (`specdec.core.suffix`).
+    in the session's own history or in its corpus group's earlier outputs (`specdec.core.suffix`).
 
     A session's index follows its history: each request carries the whole history and only what
     is new gets indexed (a history that does not extend the indexed one is indexed afresh). At most
-    `max_sessions` are kept, least recently used dropped first. The corpus is shared by every
-    session; `add_output` feeds it (the draft service's reader of the shared Redis stream, or this
-    proposer itself on `release` when `learn_on_release`). Thread-safe: one lock guards the indexes.
+    `max_sessions` are kept, least recently used dropped first. Earlier outputs are kept per corpus
+    group (`Corpora`: a group is a tenant, or the tenants an operator groups; "" the anonymous one),
+    and a request drafts only from its own group's: another tenant's outputs would show through the
+    round statistics. `add_output` feeds a group's corpus (the draft service's reader of the shared
+    Redis stream, or this proposer itself on `release` when `learn_on_release`, into the group the
+    session's requests named). At most `max_tokens` tokens are indexed over all groups (and in each
+    session), in at most `max_groups` groups. Thread-safe: one lock guards the indexes.
     """
 
     source = SUFFIX
     learns_outputs = True
 
     def __init__(self, max_depth: int = 32, min_match: int = 2, min_prob: float = 0.1,
-                 max_tokens: int = 1_000_000, max_sessions: int = 256, learn_on_release: bool = False) -> None:
+                 max_tokens: int = 1_000_000, max_sessions: int = 256, learn_on_release: bool = False,
+                 max_groups: int = 1024) -> None:
         self._new_index = lambda: SuffixIndex(max_depth, min_match, max_tokens)
         self.min_prob = min_prob
         self.max_sessions = max_sessions
         self.learn_on_release = learn_on_release
-        self.corpus = SuffixIndex(max_depth, min_match, max_tokens)
+        self.corpora = Corpora(max_depth, min_match, max_tokens, max_groups)
         self._sessions: OrderedDict[str, _SuffixSession] = OrderedDict()
         self._lock = threading.Lock()
 
     def propose(self, session_id: str, history: list[int], k: int, params: SamplingParams,
-                seed: int) -> Iterator[DraftToken]:
+                seed: int, group: str = "") -> Iterator[DraftToken]:
+        """Up to `k` tokens after `history`, from the session's own history or `group`'s corpus."""
         start = time.perf_counter_ns()
         with self._lock:
-            session = self._session(session_id, history, params.output_start)
+            session = self._session(session_id, history, params.output_start, group)
             own = session.index.speculate(history, k, self.min_prob, own=True)
-            shared = self.corpus.speculate(history, k, self.min_prob)
+            corpus = self.corpora.get(group)
+            shared = corpus.speculate(history, k, self.min_prob) if corpus is not None else NOTHING
         tokens = best_speculation(own, shared).tokens
         elapsed = time.perf_counter_ns() - start
         for token in tokens:
             yield DraftToken(token, None, elapsed // max(len(tokens), 1), source=SUFFIX)
 
-    def _session(self, session_id: str, history: list[int], output_start: int) -> _SuffixSession:
+    def for_group(self, group: str) -> ProposeFn:
+        """`propose` for the requests of corpus group `group`."""
+        return functools.partial(self.propose, group=group)
+
+    async def block(self, request: DraftRequest, env: DraftEnv) -> Block:
+        if request.k == 0:
+            return Block.empty(self.source)
+        return Block.listed(self.source, await env.proposal(self.for_group(request.corpus_group), request),
+                            request.arrived)
+
+    def _session(self, session_id: str, history: list[int], output_start: int, group: str) -> _SuffixSession:
         session = self._sessions.get(session_id)
-        if session is None or not session.extended_by(history):
-            session = self._sessions[session_id] = _SuffixSession(self._new_index())
+        if session is None or session.group != group or not session.extended_by(history):
+            session = self._sessions[session_id] = _SuffixSession(self._new_index(), group=group)
             while len(self._sessions) > self.max_sessions:
                 self._sessions.popitem(last=False)
         self._sessions.move_to_end(session_id)
@@ -278,18 +296,19 @@ class SuffixProposer(HostProposer):
         session.output = history[output_start:]
         return session
 
-    def add_output(self, tokens: list[int]) -> None:
-        """A finished generation's output joins the corpus."""
+    def add_output(self, tokens: list[int], group: str = "") -> None:
+        """A finished generation's output joins its corpus group's corpus."""
         if tokens:
             with self._lock:
-                self.corpus.add(tokens)
+                self.corpora.add(group, tokens)
 
     def forget(self, session_id: str, learn: bool = True) -> bool:
-        """Drop the session's index (its output joins the corpus first when `learn_on_release` and `learn`)."""
+        """Drop the session's index (its output joins its group's corpus first when `learn_on_release`
+        and `learn`)."""
         with self._lock:
             session = self._sessions.pop(session_id, None)
         if session is not None and self.learn_on_release and learn:
-            self.add_output(session.output or [])
+            self.add_output(session.output or [], session.group)
         return session is not None
 
 
@@ -299,6 +318,7 @@ class _SuffixSession:
     indexed: int = 0  # history tokens indexed
     last: int = -1  # the last of them: a cheap check that a new history extends the indexed one
     output: list[int] | None = None  # the current output (history[output_start:]), for the corpus on release
+    group: str = ""  # the corpus group its requests name: its output joins that group's corpus on release
 
     def extended_by(self, history: list[int]) -> bool:
         return len(history) >= self.indexed and (self.indexed == 0 or history[self.indexed - 1] == self.last)
@@ -335,14 +355,14 @@ class HybridProposer(ProposerBase):
 
     async def block(self, request: DraftRequest, env: DraftEnv) -> Block:
         if request.k > 0:
-            drafts = await env.proposal(self.suffix.propose, request)
+            drafts = await env.proposal(self.suffix.for_group(request.corpus_group), request)
             if drafts:
                 return Block.listed(SUFFIX, drafts, request.arrived)
         return await self.model.block(request, env)
 
-    def add_output(self, tokens: list[int]) -> None:
-        """A finished generation's output joins the suffix corpus."""
-        self.suffix.add_output(tokens)
+    def add_output(self, tokens: list[int], group: str = "") -> None:
+        """A finished generation's output joins its corpus group's suffix corpus."""
+        self.suffix.add_output(tokens, group)
 
     def forget(self, session_id: str, learn: bool = True) -> bool:
         suffix = self.suffix.forget(session_id, learn)

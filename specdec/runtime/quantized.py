@@ -68,7 +68,8 @@ class QuantizedWeight:
 
     def permute_rows(self, index: torch.Tensor | np.ndarray) -> QuantizedWeight:
         """Row i of the result is row `index[i]` of this one (rows are whole blocks: no re-quantizing)."""
-        rows = np.ascontiguousarray(self.raw.numpy()[np.asarray(index, dtype=np.int64)])  # numpy: ~50x torch's uint8 gather
+        # numpy: ~50x torch's uint8 gather
+        rows = np.ascontiguousarray(self.raw.numpy()[np.asarray(index, dtype=np.int64)])
         return QuantizedWeight(torch.from_numpy(rows), self.fmt, self.shape)
 
     @classmethod
@@ -297,10 +298,8 @@ def read_gguf(path: str | Path) -> tuple[dict[str, Any], list[_GGUFTensor]]:
     (two arrays of ~49k strings) took it 10-25 s here, against ~0.1 s skipping them."""
     import struct
 
-    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
-
     mapped = np.memmap(path, dtype=np.uint8, mode="r")
-    buf = memoryview(mapped)
+    buf = memoryview(mapped)  # type: ignore[arg-type]  # numpy's stubs miss the buffer protocol
     magic, version = bytes(buf[:4]), struct.unpack_from("<I", buf, 4)[0]
     if magic != b"GGUF" or version not in (2, 3):
         raise ValueError(f"{path}: not a GGUF file of version 2 or 3")
@@ -349,10 +348,17 @@ def read_gguf(path: str | Path) -> tuple[dict[str, Any], list[_GGUFTensor]]:
         at += 4 + 8 * n_dims + 12
         infos.append((name, kind, [int(d) for d in reversed(dims)], offset))  # GGUF lists innermost first
     alignment = int(fields.get("general.alignment") or 32)
-    start = (at + alignment - 1) // alignment * alignment
+    return fields, _map_tensors(mapped, (at + alignment - 1) // alignment * alignment, infos)
+
+
+def _map_tensors(mapped: np.ndarray, start: int, infos: list[tuple[str, int, list[int], int]]) -> list[_GGUFTensor]:
+    """The tensors (name, GGML type, dims outermost first, offset from `start`) as views of `mapped`."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
     tensors = []
     for name, kind, dims, offset in infos:
         elements = int(np.prod(dims))
+        data: np.ndarray
         if kind in _FLOATS or kind == _BF16:
             dtype = _FLOATS.get(kind, np.uint16)
             size = elements * np.dtype(dtype).itemsize
@@ -363,7 +369,7 @@ def read_gguf(path: str | Path) -> tuple[dict[str, Any], list[_GGUFTensor]]:
             size = elements // block * block_bytes
             data = mapped[start + offset:start + offset + size].reshape(rows, -1)
         tensors.append(_GGUFTensor(name, kind, dims, data))
-    return fields, tensors
+    return tensors
 
 
 def load_gguf(path: str | Path) -> GGUFWeights:
@@ -377,6 +383,8 @@ def load_gguf(path: str | Path) -> GGUFWeights:
     if arch != "llama":
         raise ValueError(f"{path}: a {arch or 'unknown'} model; loading blocks natively covers Llama GGUFs")
     heads, kv_heads = fields.get("llama.attention.head_count"), fields.get("llama.attention.head_count_kv")
+    if heads is None:
+        raise ValueError(f"{path}: no llama.attention.head_count")
     out = GGUFWeights({}, {}, arch, int(heads), int(kv_heads or heads))
     for t in tensors:
         name = hf_name(t.name)

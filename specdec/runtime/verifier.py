@@ -13,12 +13,11 @@ import numpy as np
 import torch
 
 from specdec.core.acceptance import Verdict, verify
-from specdec.core.grammar import apply_mask
-from specdec.core.logprobs import TokenLogprob, log_distribution, token_logprobs
+from specdec.core.logprobs import TokenLogprob, logprobs_of
 from specdec.core.processors import process_block
 from specdec.core.sampling import TARGET_STREAM, SamplingParams, derive_generator
 from specdec.errors import FailedPrecondition, InvalidArgument
-from specdec.runtime.batching import Job
+from specdec.runtime.batching import MAX_SCORED_POSITIONS, MAX_STEP_TOKENS, Job
 from specdec.runtime.grammars import SessionGrammars, grammar_of
 from specdec.runtime.kv import Scored, ScoreRequest, SessionCaches
 
@@ -41,12 +40,11 @@ def target_rows(logits: torch.Tensor, session_id: str, context: list[int], block
     """Rows `[N, V]` of the target's logits as the target alone would sample them: row i after
     `context + block[:i]`, through the processors and, when the request has one, the grammar (over the
     output part: it starts at `params.output_start`, within `context`)."""
-    logits = process_block(logits, context, block, params)
     spec = grammar_of(params)
     if spec is None or grammars is None or len(context) < params.output_start:
-        return logits
+        return process_block(logits, context, block, params)
     masks = grammars.block_masks(session_id, spec, context[params.output_start:], block)  # [len(block) + 1, V]
-    return apply_mask(logits, masks[:logits.shape[0]])
+    return process_block(logits, context, block, params, masks[:logits.shape[0]])
 
 
 @dataclass(frozen=True)
@@ -97,49 +95,65 @@ class VerifyJob(Job):
             return []
         rows = verdict.num_accepted + 1
         if self.logprobs.mode == "raw":
-            table = log_distribution(raw[:rows], None)
-        else:
-            table = log_distribution(processed[:rows], self.params)
-        return token_logprobs(table, verdict.emitted(self.draft_tokens), self.logprobs.top)
+            return logprobs_of(raw[:rows], verdict.emitted(self.draft_tokens), self.logprobs.top)
+        return logprobs_of(processed[:rows], verdict.emitted(self.draft_tokens), self.logprobs.top, self.params)
 
 
 class ScoreJob(Job):
-    """Log-probabilities of `tokens[start:]`, each after the tokens before it, from one pass that
-    leaves them in the session's cache. `params` None: the raw softmax; else `logprobs.mode` under
-    `params` (the processors see each position's own context, as in a verify)."""
+    """Log-probabilities of `tokens[start:]`, each after the tokens before it, leaving them in the
+    session's cache. `params` None: the raw softmax; else `logprobs.mode` under `params` (the
+    processors see each position's own context, as in a verify).
+
+    A prompt costs what its prefill costs: a step scores at most `positions` of them (one pass each,
+    under the batcher's prefill budget, which the history before `start` is fed under too), and its
+    item is that step's log-probabilities, so no more than a step's logits are held at once."""
 
     def __init__(self, session_id: str, tokens: list[int], start: int, logprobs: LogprobRequest,
                  params: SamplingParams | None, deadline: float | None = None,
-                 grammars: SessionGrammars | None = None) -> None:
+                 grammars: SessionGrammars | None = None, positions: int = MAX_SCORED_POSITIONS) -> None:
         super().__init__(session_id, deadline)
+        if positions < 1:
+            raise ValueError(f"a step scores at least one position, got {positions}")
         self.grammars = grammars
         self.tokens = tokens
         self.start = start
         self.logprobs = logprobs
         self.params = params
+        self.positions = positions
+        self.next = start  # the first position the next step scores
+
+    def _span(self) -> tuple[int, int]:
+        return self.next, min(len(self.tokens), self.next + self.positions)
 
     def request(self) -> ScoreRequest:
-        return ScoreRequest(self.session_id, self.tokens[:self.start], self.tokens[self.start:])
+        # Rows of tokens[lo:hi] are the logits after tokens[:lo] and each of tokens[lo:hi - 1]: the
+        # last token of the span is scored, not fed (the next step feeds it).
+        lo, hi = self._span()
+        return ScoreRequest(self.session_id, self.tokens[:lo], self.tokens[lo:hi - 1])
 
     def advance(self, scored: Scored, caches: SessionCaches) -> tuple[list[TokenLogprob], bool]:
-        scored_tokens = self.tokens[self.start:]
-        rows = scored.logits[:len(scored_tokens)]  # row i: after tokens[:start + i]
+        lo, hi = self._span()
+        rows, span = scored.logits, self.tokens[lo:hi]  # [hi - lo, V]: row i after tokens[:lo + i]
         if self.params is None or self.logprobs.mode == "raw":
-            table = log_distribution(rows, None)
+            entries = logprobs_of(rows, span, self.logprobs.top)
         else:
-            processed = target_rows(rows, self.session_id, self.tokens[:self.start], scored_tokens, self.params,
-                                    self.grammars)
-            table = log_distribution(processed, self.params)
-        return token_logprobs(table, scored_tokens, self.logprobs.top), True
+            processed = target_rows(rows, self.session_id, self.tokens[:lo], span[:-1], self.params, self.grammars)
+            entries = logprobs_of(processed, span, self.logprobs.top, self.params)
+        self.next = hi
+        return entries, hi == len(self.tokens)
 
 
 class Verifier:
     """Checks verify requests against the model's vocabulary and makes their jobs."""
 
-    def __init__(self, caches: SessionCaches, vocab_size: int, grammars: SessionGrammars | None = None) -> None:
+    def __init__(self, caches: SessionCaches, vocab_size: int, grammars: SessionGrammars | None = None,
+                 score_positions: int = MAX_SCORED_POSITIONS) -> None:
+        """`score_positions`: what a prompt-scoring job scores a pass at most (the batcher's
+        `BatchConfig.score_positions`)."""
         self.caches = caches
         self.vocab_size = vocab_size
         self.grammars = grammars
+        self.score_positions = score_positions
 
     def job(self, session_id: str, history: list[int], draft_tokens: list[int], draft_probs: np.ndarray | None,
             params: SamplingParams, seed: int, deadline: float | None = None,
@@ -149,6 +163,8 @@ class Verifier:
             raise InvalidArgument(f"sampling.output_start={params.output_start} lies beyond the history "
                                   f"({len(history)} tokens)")
         k = len(draft_tokens)
+        if k > MAX_STEP_TOKENS:
+            raise InvalidArgument(f"{k} draft tokens: a verify takes at most {MAX_STEP_TOKENS}")
         if draft_probs is not None and draft_probs.shape != (k, self.vocab_size):
             raise InvalidArgument(
                 f"draft_probs has shape {tuple(draft_probs.shape)}, expected ({k}, {self.vocab_size})"
@@ -170,4 +186,4 @@ class Verifier:
         if max(tokens) >= self.vocab_size:
             raise InvalidArgument(f"token {max(tokens)} is outside the vocabulary (ids below {self.vocab_size})")
         self._check_grammar(params)
-        return ScoreJob(session_id, tokens, start, logprobs, params, deadline, self.grammars)
+        return ScoreJob(session_id, tokens, start, logprobs, params, deadline, self.grammars, self.score_positions)

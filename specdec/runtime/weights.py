@@ -83,7 +83,11 @@ QUANTIZED = (QuantizedLinear, QuantizedEmbedding)
 
 def matrix(module: torch.nn.Module) -> torch.Tensor | QuantizedWeight:
     """The weight a linear module multiplies by: its quantized blocks, or its float tensor."""
-    return module.qweight if isinstance(module, QUANTIZED) else module.weight
+    if isinstance(module, QUANTIZED):
+        return module.qweight
+    weight = module.weight
+    assert isinstance(weight, torch.Tensor)
+    return weight
 
 
 def is_quantized(model: torch.nn.Module) -> bool:
@@ -164,7 +168,7 @@ def quantize_model(model: PreTrainedModel, bits: str, group: int) -> PreTrainedM
     for name, weight in quantize_linears(model, bits, group).items():
         _set_module(model, name.removesuffix(".weight"), QuantizedLinear(weight, dtype))
     if dtype != next(model.parameters()).dtype:
-        model.to(dtype)  # the float parts that remain (norms, embedding) run in the activations' dtype
+        model.to(dtype)  # type: ignore[arg-type]  # the float parts that remain (norms, embedding) run in the activations' dtype
     model.config.tie_word_embeddings = False
     return model
 
@@ -238,7 +242,7 @@ def served(model: torch.nn.Module, source: str = "", dequantized: dict[str, str]
         raw = t.raw if isinstance(t, QuantizedWeight) else t.detach()
         shape = t.shape if isinstance(t, QuantizedWeight) else tuple(t.shape)
         digest.update(f"{name}\0{_format_of(t)}\0{list(shape)}\0".encode())
-        digest.update(raw.reshape(-1).contiguous().cpu().view(torch.uint8).numpy())  # no copy when contiguous
+        digest.update(raw.reshape(-1).contiguous().cpu().view(torch.uint8).numpy())  # type: ignore[arg-type]
     return ServedWeights(f"{source}:{label}" if source else label, digest.hexdigest()[:16],
                          sum(_nbytes(t) for t in matrices), dict(dequantized or {}))
 

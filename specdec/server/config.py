@@ -182,7 +182,8 @@ class ModelServiceConfig(RedisClientOptions, ServiceConfig, DeviceOption):
     idle_ttl_s: float = Field(900.0, gt=0, description="Seconds an unused session cache is kept.")
     kv_cache_bytes: int = Field(
         0, ge=0, description="Bytes of keys/values held at most, sessions' and shared prefixes' (0: derived from the "
-        "machine: half the memory available at start on a CPU, 0.9 of the GPU memory free after loading). When full, "
+        "machine: on a CPU half the memory available at start, or of the container's memory limit (cgroup v1 or v2) "
+        "less what it holds when that is smaller; 0.9 of the GPU memory free after loading). When full, "
         "unused prefixes and idle sessions are evicted (least recently used first), else RESOURCE_EXHAUSTED."
     )
     prefix_cache: bool = Field(
@@ -239,7 +240,8 @@ class ModelServiceConfig(RedisClientOptions, ServiceConfig, DeviceOption):
     prefill_chunk_tokens: int = Field(
         512, ge=0, description="Most prompt tokens one forward pass prefills, over all its sessions (0: no limit); a "
         "longer prompt is prefilled over several passes, each shared with the running sessions' steps, so its "
-        "arrival delays them by a bounded amount."
+        "arrival delays them by a bounded amount. A prompt scored for its log-probabilities (echo, prompt_logprobs) "
+        "goes the same way, at most 512 positions a pass whatever the limit."
     )
     prefix_redis_url: str = Field(
         "", description="Redis URL through which replicas share prefix blocks (empty: each replica keeps its own): "
@@ -304,6 +306,12 @@ class ModelServiceConfig(RedisClientOptions, ServiceConfig, DeviceOption):
     max_batch: MaxBatch
     batch_window_ms: BatchWindowMs
     max_concurrent: int = Field(64, ge=1, description="Admission: requests served at once; more wait in the queue.")
+    health_stall_s: float = Field(
+        60.0, gt=0, description="Health reports NOT_SERVING while work has waited this many seconds on the model "
+        "thread with no forward pass completing (a stalled model thread then fails Kubernetes' probes instead of "
+        "answering SERVING); SERVING again once a pass completes. Above the longest pass: a prefill chunk of "
+        "--prefill-chunk-tokens at the longest context."
+    )
     max_queued: int = Field(
         256, ge=0, description="Admission: requests that may wait; beyond, RESOURCE_EXHAUSTED with a retry hint."
     )

@@ -5,6 +5,10 @@
 - `PerIdentityLimit`: generations one token (identity) may run at once on this orchestrator
   replica; the next one gets RESOURCE_EXHAUSTED naming the limit. `ConcurrencyLimit` applies it
   to the generation methods as a server interceptor (after `specdec.server.auth.AuthInterceptor`).
+- `PerIdentityRate`: calls one identity (or, without tokens, one client address) may make per
+  second, a token bucket holding twice as many; `RateLimit` applies it to CloseSession, whose
+  Release goes to every replica, and refuses past it with RESOURCE_EXHAUSTED and a
+  `retry-after-ms` hint.
 
 Message size is a server option (`--max-message-bytes`, gRPC answers RESOURCE_EXHAUSTED);
 prompt tokens, new tokens and stop strings are checked with the request
@@ -15,14 +19,17 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import math
 import re
-from collections import Counter
+import time
+from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator, Iterable, Iterator
 
 import grpc
 
 from specdec.errors import InvalidArgument, ResourceExhausted
 from specdec.rpc_errors import status_code
+from specdec.server.admission import RETRY_AFTER_KEY
 from specdec.server.auth import current_identity
 from specdec.server.interceptors import method_handler
 
@@ -114,3 +121,66 @@ class ConcurrencyLimit(grpc.aio.ServerInterceptor):
                     yield item
 
         return method_handler(handler, unary_stream=stream)
+
+
+class PerIdentityRate:
+    """A token bucket per key: `per_s` calls a second, up to twice as many at once; 0 = no limit.
+    Buckets are kept for the `max_keys` keys used last (one forgotten starts full again)."""
+
+    def __init__(self, per_s: float, flag: str = "the rate limit", clock=time.monotonic,
+                 max_keys: int = 10_000) -> None:
+        self.per_s = per_s
+        self.capacity = max(1.0, 2 * per_s)
+        self.flag = flag
+        self.clock = clock
+        self.max_keys = max_keys
+        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()  # key -> (tokens, at)
+
+    def __len__(self) -> int:
+        return len(self._buckets)
+
+    def take(self, key: str) -> float | None:
+        """Take one call for `key`: None when allowed, else the seconds until the next one is."""
+        if not self.per_s:
+            return None
+        now = self.clock()
+        tokens, at = self._buckets.pop(key, (self.capacity, now))
+        tokens = min(self.capacity, tokens + (now - at) * self.per_s)
+        allowed = tokens >= 1.0
+        self._buckets[key] = (tokens - 1.0 if allowed else tokens, now)
+        while len(self._buckets) > self.max_keys:
+            self._buckets.popitem(last=False)
+        return None if allowed else (1.0 - tokens) / self.per_s
+
+
+CLOSE_METHODS = ("/specdec.v1.Orchestrator/CloseSession",)
+
+
+class RateLimit(grpc.aio.ServerInterceptor):
+    """Refuses calls of `methods` past the caller's `PerIdentityRate` (by identity; without tokens,
+    by client address) with RESOURCE_EXHAUSTED and a `retry-after-ms` hint."""
+
+    def __init__(self, rate: PerIdentityRate, methods: Iterable[str] = CLOSE_METHODS) -> None:
+        self.rate = rate
+        self.methods = set(methods)
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if (handler is None or handler_call_details.method not in self.methods or handler.unary_unary is None
+                or not self.rate.per_s):
+            return handler
+        inner, rate = handler.unary_unary, self.rate
+
+        async def unary(request, context):
+            key = current_identity.get() or "peer:" + (context.peer() or "").rsplit(":", 1)[0]
+            wait = rate.take(key)
+            if wait is not None:
+                hint = max(1, math.ceil(wait * 1000))
+                context.set_trailing_metadata(((RETRY_AFTER_KEY, str(hint)),))
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                    f"too many calls of {handler_call_details.method.rsplit('/', 1)[-1]}: the limit is "
+                                    f"{rate.flag}={rate.per_s:g} per token and orchestrator replica; retry in "
+                                    f"about {hint} ms")
+            return await inner(request, context)
+
+        return method_handler(handler, unary_unary=unary)

@@ -383,3 +383,11 @@ class _KVCollector(Collector):
             metric = family(name, help_text, labels=["service"])
             metric.add_metric(labels, value)
             yield metric
+        rejected = getattr(caches, "rejected", {})
+        if rejected:
+            metric = CounterMetricFamily("specdec_kv_rejected", "Entries read from Redis (KV snapshots, prefix "
+                                         "blocks) that were malformed, by source; each was deleted.",
+                                         labels=["service", "source"])
+            for source, count in sorted(rejected.items()):
+                metric.add_metric([self.service, source], count)
+            yield metric

@@ -24,12 +24,14 @@ from specdec.runtime.grammars import SessionGrammars
 from specdec.runtime.kv import SessionCaches
 from specdec.runtime.latency import LatencyProfile
 from specdec.runtime.models import LoadedModel, ModelLoadError, load_model
+from specdec.runtime.packed import kv_geometry
 from specdec.runtime.prefix_cache import PrefixCache
 from specdec.runtime.prefix_store import RedisPrefixStore
 from specdec.runtime.snapshot_codec import SnapshotIdentity
-from specdec.runtime.snapshot_store import RedisSnapshotStore, SnapshotPolicy
+from specdec.runtime.snapshot_store import CHUNK_BYTES, RedisSnapshotStore, SnapshotPolicy, snapshot_max_bytes
 from specdec.server.admission import Admission
 from specdec.server.config import ModelServiceConfig
+from specdec.server.constants import SessionConstants
 from specdec.server.metrics import ServiceMetrics
 from specdec.server.redis import connect
 from specdec.server.serving import StartupError, serve_servicer, start_metrics
@@ -49,9 +51,12 @@ class ModelServicer:
         self.admission = admission
         self.batcher = batcher
         self.grammars: SessionGrammars | None = None  # each session's grammar state, freed with its caches
+        self.constants = SessionConstants()  # each session's logit_bias and grammar, sent once (resolve a call's)
+        info.caches_sampling_constants = True
 
     @grpc_errors
     async def Release(self, request: common_pb2.ReleaseRequest, context) -> common_pb2.ReleaseResponse:
+        self.constants.release(request.session_id)
         if self.grammars is not None:
             self.grammars.release(request.session_id)
         if self.batcher is None:
@@ -121,8 +126,14 @@ def snapshot_policy(config: ModelServiceConfig, loaded: LoadedModel, role: str,
     if not config.snapshot_redis_url:
         return None
     client = client or connect(config.redis_settings(config.snapshot_redis_url))
-    return SnapshotPolicy(RedisSnapshotStore(client, role, config.snapshot_ttl_s), model_identity(loaded),
-                          config.snapshot_min_tokens)
+    store = RedisSnapshotStore(client, role, config.snapshot_ttl_s, CHUNK_BYTES, largest_snapshot(loaded))
+    return SnapshotPolicy(store, model_identity(loaded), config.snapshot_min_tokens)
+
+
+def largest_snapshot(loaded: LoadedModel) -> int:
+    """Bytes of the largest KV blob the loaded model makes: what its stores read at most from Redis."""
+    layers, kv_heads, head_dim = kv_geometry(loaded.model)
+    return snapshot_max_bytes(layers, kv_heads, head_dim, loaded.dtype.itemsize, loaded.max_context)
 
 
 def model_identity(loaded: LoadedModel) -> SnapshotIdentity:
@@ -173,7 +184,7 @@ def session_caches(config: ModelServiceConfig, loaded: LoadedModel, role: str) -
         store = None
         if config.prefix_redis_url:
             store = RedisPrefixStore(clients[config.prefix_redis_url], role, model_identity(loaded),
-                                     config.prefix_ttl_s, config.prefix_min_fetch_tokens)
+                                     config.prefix_ttl_s, config.prefix_min_fetch_tokens, largest_snapshot(loaded))
         caches = SessionCaches(loaded.model, loaded.max_context, config.max_sessions, config.idle_ttl_s,
                                snapshot_policy(config, loaded, role, clients.get(config.snapshot_redis_url)),
                                budget_bytes=config.kv_cache_bytes or None,
@@ -207,10 +218,26 @@ def batcher_for(config: ModelServiceConfig, caches: SessionCaches, profile: Late
     return batcher
 
 
+def model_stall(batcher: Batcher, deadline_s: float) -> Callable[[], str | None]:
+    """A health check: why the service cannot serve (its model thread has completed no pass for
+    `deadline_s` while work waits), or None."""
+
+    def why() -> str | None:
+        stalled = batcher.stalled_for()
+        if stalled <= deadline_s:
+            return None
+        return (f"the model thread has completed no pass for {stalled:.0f} s while work waits "
+                f"(--health-stall-s {deadline_s:g})")
+
+    return why
+
+
 async def serve_model_service(config: ModelServiceConfig, servicer: ModelServicer, metrics: ServiceMetrics,
                               register: Callable[[grpc.aio.Server], None], service_name: str,
                               description: str) -> None:
-    """Start the metrics endpoint (its port goes into GetInfo) and serve `servicer` until signalled."""
+    """Start the metrics endpoint (its port goes into GetInfo) and serve `servicer` until signalled; its
+    health says NOT_SERVING while its model thread is stalled (`model_stall`)."""
     servicer.info.metrics_port = start_metrics(metrics.registry, config.host, config.metrics_port)
+    check = model_stall(servicer.batcher, config.health_stall_s) if servicer.batcher is not None else None
     await serve_servicer(config.address, register, service_name, description,
-                         credentials=server_credentials_of(config))
+                         credentials=server_credentials_of(config), health_check=check)

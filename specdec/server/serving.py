@@ -77,9 +77,28 @@ def create_server(
     return server, port, health_servicer
 
 
-async def mark_serving(health_servicer, service_names: Iterable[str]) -> None:
+async def mark_serving(health_servicer, service_names: Iterable[str],
+                       status: int = health_pb2.HealthCheckResponse.SERVING) -> None:
     for name in ["", *service_names]:
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        await health_servicer.set(name, status)
+
+
+async def watch_health(health_servicer, service_names: Sequence[str], why_not_serving: Callable[[], str | None],
+                       interval_s: float = 1.0) -> None:
+    """Keep `service_names` (and "") NOT_SERVING while `why_not_serving()` gives a reason, SERVING
+    otherwise, checking every `interval_s` (until cancelled): a service whose work is stuck (a model
+    thread that completes no pass) must not keep answering SERVING to Kubernetes' probes."""
+    reason_before: str | None = None
+    while True:
+        reason = why_not_serving()
+        if reason and not reason_before:
+            log.error("health: NOT_SERVING: %s", reason)
+            await mark_serving(health_servicer, service_names, health_pb2.HealthCheckResponse.NOT_SERVING)
+        elif not reason and reason_before:
+            log.warning("health: SERVING again")
+            await mark_serving(health_servicer, service_names)
+        reason_before = reason
+        await asyncio.sleep(interval_s)
 
 
 async def serve_until_signalled(server: grpc.aio.Server, grace: float = 5.0) -> None:
@@ -103,10 +122,12 @@ def configure_logging(level: str = "INFO", fmt: str = "text", service: str = "")
 async def serve_servicer(address: str, register: Callable[[grpc.aio.Server], None], service_name: str,
                          description: str, credentials: grpc.ServerCredentials | None = None,
                          interceptors: Sequence[grpc.aio.ServerInterceptor] | None = None,
-                         options: Sequence[tuple[str, object]] = ()) -> None:
+                         options: Sequence[tuple[str, object]] = (),
+                         health_check: Callable[[], str | None] | None = None) -> None:
     """Start a server for one servicer (plus health and reflection), mark it SERVING, run until signalled.
 
-    `interceptors` default to `default_interceptors()` (tracing and log ids, safe decoding).
+    `interceptors` default to `default_interceptors()` (tracing and log ids, safe decoding);
+    `health_check`: why the service cannot serve now, or None (`watch_health` polls it).
     """
     if interceptors is None:
         interceptors = default_interceptors()
@@ -114,9 +135,15 @@ async def serve_servicer(address: str, register: Callable[[grpc.aio.Server], Non
                                                   options)
     await server.start()
     await mark_serving(health_servicer, [service_name])
+    watch = (asyncio.get_running_loop().create_task(watch_health(health_servicer, [service_name], health_check))
+             if health_check is not None else None)
     log.info("%s listening on %s (%s)", description, f"{address.rsplit(':', 1)[0]}:{port}",
              "TLS" if credentials is not None else "plaintext")
-    await serve_until_signalled(server)
+    try:
+        await serve_until_signalled(server)
+    finally:
+        if watch is not None:
+            watch.cancel()
 
 
 def start_metrics(registry, host: str, port: int | None) -> int:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import struct
+
 import numpy as np
 
 from specdec.core.logprobs import TokenLogprob
@@ -32,14 +36,35 @@ def sampling_from_pb(msg: common_pb2.SamplingParams, vocab_size: int | None = No
     return params
 
 
-def sampling_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
-    return common_pb2.SamplingParams(
+def sampling_to_pb(params: SamplingParams, constants: bool = True) -> common_pb2.SamplingParams:
+    """The message, with `constants_digest` when logit_bias or a grammar is set; `constants` False
+    leaves those out (for a service that holds them for the session already)."""
+    msg = common_pb2.SamplingParams(
         temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, min_p=params.min_p,
         presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
-        repetition_penalty=params.repetition_penalty, logit_bias=dict(params.logit_bias),
-        min_tokens=params.min_tokens, end_token_ids=list(params.end_token_ids), output_start=params.output_start,
-        grammar_kind=params.grammar_kind, grammar_text=params.grammar_text,
+        repetition_penalty=params.repetition_penalty, min_tokens=params.min_tokens,
+        end_token_ids=list(params.end_token_ids), output_start=params.output_start,
+        constants_digest=constants_digest(params),
     )
+    if constants:
+        msg.logit_bias.update(dict(params.logit_bias))
+        msg.grammar_kind, msg.grammar_text = params.grammar_kind, params.grammar_text
+    return msg
+
+
+@functools.lru_cache(maxsize=256)
+def constants_digest(params: SamplingParams) -> bytes:
+    """SHA-256 of the generation's request-constant sampling state (logit_bias, grammar_kind,
+    grammar_text), b"" when there is none. Each part is length-prefixed; biases are packed as the
+    float32 the wire carries, so both ends of a call compute the same digest."""
+    if not (params.logit_bias or params.grammar_kind or params.grammar_text):
+        return b""
+    kind, text = params.grammar_kind.encode(), params.grammar_text.encode()
+    h = hashlib.sha256(b"specdec-sampling-constants-v1")
+    h.update(struct.pack("<I", len(kind)) + kind + struct.pack("<Q", len(text)) + text)
+    h.update(struct.pack("<I", len(params.logit_bias)))
+    h.update(b"".join(struct.pack("<If", t, b) for t, b in params.logit_bias))  # sorted by SamplingParams
+    return h.digest()
 
 
 def probs_to_bytes(rows: np.ndarray) -> bytes:

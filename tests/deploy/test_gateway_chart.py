@@ -124,20 +124,39 @@ def test_autoscaled_gateway_has_an_hpa_and_no_fixed_replicas(render):
     assert "replicas" not in deployment["spec"]
 
 
-def test_gateway_checks_tokens_from_the_existing_secret(render):
-    r = render("gateway-ingress")
-    spec = pod_spec(r, "gateway")
+def tokens_secret(rendered, component: str) -> tuple[str, str] | None:
+    """(Secret, key) that `component` reads its --auth-tokens-file from, through a read-only mount."""
+    spec = pod_spec(rendered, component)
     c = container(spec)
-    assert flag(c["args"], "--model-name") == "smollm2"
+    if "--auth-tokens-file" not in c["args"]:
+        assert not any("secret" in v for v in spec["volumes"])
+        return None
     path = flag(c["args"], "--auth-tokens-file")
     [mount] = [m for m in c["volumeMounts"] if path.startswith(m["mountPath"] + "/")]
     assert mount["readOnly"] is True
     [volume] = [v for v in spec["volumes"] if v["name"] == mount["name"]]
-    assert volume["secret"]["secretName"] == "specdec-gateway-tokens"
-    assert volume["secret"]["items"] == [{"key": "tokens", "path": path.rsplit("/", 1)[1]}]
-    # Without auth there is no tokens flag and no secret volume.
-    default = container(pod_spec(render("default"), "gateway"))
-    assert "--auth-tokens-file" not in default["args"] and "--model-name" not in default["args"]
+    [item] = volume["secret"]["items"]
+    assert item["path"] == path.rsplit("/", 1)[1]
+    return volume["secret"]["secretName"], item["key"]
+
+
+def test_both_public_apis_check_the_tokens_of_one_secret(render, helm):
+    """The gateway checks a caller's token and forwards it; the orchestrator checks the same tokens
+    (so sessions are bound to each key, and a pod that reaches it directly needs one)."""
+    r = render("gateway-ingress")
+    assert flag(gateway_container(r)["args"], "--model-name") == "smollm2"
+    for component in ("gateway", "orchestrator"):
+        assert tokens_secret(r, component) == ("specdec-gateway-tokens", "tokens"), component
+    # gateway.auth, the deprecated alias, guards the orchestrator too.
+    alias = render("default", "--set", "gateway.auth.existingSecret=old-tokens", "--set", "gateway.auth.tokensKey=k")
+    for component in ("gateway", "orchestrator"):
+        assert tokens_secret(alias, component) == ("old-tokens", "k"), component
+    proc = render_chart(helm, "--set", "auth.existingSecret=a", "--set", "gateway.auth.existingSecret=b")
+    assert proc.returncode != 0 and "set auth.existingSecret alone" in proc.stderr
+    # Without auth there is no tokens flag and no secret volume anywhere.
+    default = render("default")
+    assert tokens_secret(default, "gateway") is None and tokens_secret(default, "orchestrator") is None
+    assert "--model-name" not in gateway_container(default)["args"]
 
 
 def test_gateway_network_policy_and_its_way_to_the_orchestrator(render):
@@ -175,9 +194,10 @@ def test_gateway_helm_test_calls_the_gateway_service(render):
     assert env["CHECK_COMPLETION"] == "1"
     assert "/v1/completions" in c["args"][0] and "/health" in c["args"][0]
     compile(c["args"][0], "test-gateway", "exec")  # the inline script is valid Python
-    # With tokens checked the test has none to send: /health only.
+    # With tokens checked the test has none to send: /health, and a request without one refused.
     gated = container(render("gateway-ingress").component("Pod", "test-gateway")["spec"])
     assert {e["name"]: e["value"] for e in gated["env"]}["CHECK_COMPLETION"] == "0"
+    assert "err.code == 401" in gated["args"][0]
 
 
 def test_gateway_can_be_turned_off(render):

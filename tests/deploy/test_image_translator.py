@@ -173,3 +173,43 @@ def test_two_workloads_on_one_port_are_refused(docs):
     b["spec"]["template"]["spec"]["containers"][0]["ports"][0]["containerPort"] = port
     with pytest.raises(manifests.TranslationError, match="share one loopback"):
         manifests.translate(docs)
+
+
+def test_auth_keys_reach_the_orchestrator_and_the_gateway_readable_by_their_user(helm, tmp_path):
+    """`run --auth-secret`: a Secret with two keys beside the chart rendered with auth.existingSecret;
+    both public APIs mount its tokens file, and the pod's user reads it through its fsGroup."""
+    import argparse
+    import os
+
+    from deploy.image_test import cli
+
+    opts = argparse.Namespace(rendered="", helm=helm, release="it", chart=str(cli.ROOT / "helm" / "specdec"),
+                              namespace=NAMESPACE, set=[], values=[], auth_secret="it-keys")
+    rendered = tmp_path / "rendered.yaml"
+    assert cli.render(opts, rendered)
+    keys = cli.add_keys_secret(opts, rendered)
+    assert set(keys) == {"alice", "bob"} and all(len(t) >= 16 for t in keys.values())
+    pod = manifests.translate(manifests.load(rendered.read_text()), image_map={"redis:7.4-alpine": "specdec:test"})
+    mounted = {}
+    for c in pod.workloads:
+        if "--auth-tokens-file" in c.words:
+            path = c.words[c.words.index("--auth-tokens-file") + 1]
+            [mount] = [m for m in c.mounts if path.startswith(m.path + "/")]
+            mounted[c.component] = (pod.volumes[mount.volume], mount.read_only, c.fs_group)
+    assert set(mounted) == {"orchestrator", "gateway"}
+    for volume, read_only, _ in mounted.values():
+        assert read_only and volume.files["tokens"].decode() == "".join(f"{n}:{t}\n" for n, t in keys.items())
+    podman.prepare(pod, tmp_path / "run")
+    for key, (volume, _, fs_group) in mounted.items():
+        info = os.stat(tmp_path / "run" / "volumes" / volume.key / "tokens")
+        assert info.st_mode & 0o777 == 0o440, key
+        if os.geteuid() == 0:
+            assert info.st_gid == fs_group, key  # as the kubelet writes it: the pod's user reads it
+    os.environ.pop(acceptance.KEYS_ENV, None)
+    assert acceptance.keys_of_env() == {}
+    os.environ[acceptance.KEYS_ENV] = ",".join(f"{n}:{t}" for n, t in keys.items())
+    try:
+        assert acceptance.keys_of_env() == keys
+    finally:
+        del os.environ[acceptance.KEYS_ENV]
+    assert acceptance.orchestrator_port(pod) == 50051

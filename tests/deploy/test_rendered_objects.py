@@ -317,11 +317,21 @@ def test_a_redis_cluster_needs_the_shared_corpus_off(helm, render):
     assert proc.returncode != 0 and "draft.suffix.sharedCorpus=false" in proc.stderr, proc.stderr
 
 
-def test_orchestrator_api_is_open_by_default(render):
-    policy = render("default").component("NetworkPolicy", "orchestrator")
-    [rule] = policy["spec"]["ingress"]
-    assert "from" not in rule
+def test_orchestrator_api_admits_only_the_gateway_and_the_helm_test_by_default(render):
+    r = render("default")
+    [rule] = r.component("NetworkPolicy", "orchestrator")["spec"]["ingress"]
     assert rule["ports"] == [{"protocol": "TCP", "port": 50051}]
+    admitted = {p["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for p in rule["from"]}
+    assert admitted == {"gateway", "test"} and all(set(p) == {"podSelector"} for p in rule["from"])
+    for component in ("gateway", "test"):
+        kind = "Pod" if component == "test" else "Deployment"
+        obj = r.component(kind, component)
+        labels = (obj["spec"]["template"]["metadata"] if kind == "Deployment" else obj["metadata"])["labels"]
+        assert any(selector_matches(p["podSelector"]["matchLabels"], labels) for p in rule["from"]), component
+    # Without a gateway the gRPC API is the public one: open, unless orchestratorFrom says otherwise.
+    [open_rule] = render("default", "--set", "gateway.enabled=false").component(
+        "NetworkPolicy", "orchestrator")["spec"]["ingress"]
+    assert "from" not in open_rule
 
 
 def test_restricted_orchestrator_api_still_admits_the_helm_test(render):
@@ -528,7 +538,24 @@ def test_helm_test_generates_through_the_orchestrator_service(render):
     c = container(pod["spec"])
     assert c["command"] == ["specdec", "generate"]
     service = r.component("Service", "orchestrator")["metadata"]["name"]
-    assert flag(c["args"], "--address") == f"{service}.{NAMESPACE}.svc.cluster.local:50051"
+    address = f"{service}.{NAMESPACE}.svc.cluster.local:50051"
+    assert flag(c["args"], "--address") == address
+    # With tokens the test holds none: it checks that the orchestrator refuses a call without one.
+    gated = container(render("gateway-ingress").component("Pod", "test")["spec"])
+    assert gated["command"] == ["python", "-c"] and "errors.Unauthenticated" in gated["args"][0]
+    assert gated["args"][1] == address
+    compile(gated["args"][0], "test-generate", "exec")
+
+
+def test_in_chart_redis_has_a_memory_cap_and_evicts_no_session(render):
+    args = container(render("default").component("StatefulSet", "redis")["spec"]["template"]["spec"])["args"]
+    assert flag(args, "--maxmemory") == "768mb" and flag(args, "--maxmemory-policy") == "noeviction"
+    args = container(render("default", "--set", "redis.maxmemory=3gb", "--set", "redis.resources.limits.memory=4Gi")
+                     .component("StatefulSet", "redis")["spec"]["template"]["spec"])["args"]
+    assert flag(args, "--maxmemory") == "3gb"
+    uncapped = container(render("default", "--set", "redis.maxmemory=0").component(
+        "StatefulSet", "redis")["spec"]["template"]["spec"])["args"]
+    assert "--maxmemory" not in uncapped and flag(uncapped, "--maxmemory-policy") == "noeviction"
 
 
 def test_literal_choices_are_read_from_the_configs():

@@ -137,3 +137,32 @@ async def test_a_failing_redis_means_a_prefill_not_an_error(tiny_model, redis_ca
     caches.flush(timeout=30)
     assert caches.snapshots is not None and caches.snapshots.saves == 0 and caches.snapshots.restores == 0
     await batcher.close()
+
+
+async def test_fetched_caches_waiting_for_their_pass_are_bounded_in_bytes(tiny_model, redis_url):
+    """What a fetch decoded waits outside the KV budget until its session's pass: at most
+    `max_staged_bytes` of it (`SessionCaches` gives half its budget); beyond, the oldest goes, and its
+    session prefills."""
+    redis.Redis.from_url(redis_url).flushdb()
+    rng = random.Random(1)
+    writer = replica(tiny_model, redis_url)
+    batcher = Batcher(writer, BatchConfig(4, 0.0))
+    histories = {sid: [rng.randrange(3, 100) for _ in range(60)] for sid in ("a", "b")}
+    for sid, history in histories.items():
+        await batcher.run(ScoreJob(sid, history, []))
+        await save_snapshot(batcher, sid)
+    await batcher.close()
+    reader = replica(tiny_model, redis_url)
+    sources = reader.sources
+    assert sources is not None
+    assert reader.prefetch(ScoreRequest("a", histories["a"] + [1], []))
+    one = sources.staged_bytes
+    assert one > 0
+    sources.max_staged_bytes = one * 3 // 2
+    assert reader.prefetch(ScoreRequest("b", histories["b"] + [1], []))
+    assert sources.staged_bytes == one and sources.covers("a", histories["a"]) == 0  # "a" went
+    assert sources.covers("b", histories["b"]) == len(histories["b"])
+    sources.max_staged_bytes = one // 2  # one alone is too much: nothing is kept
+    assert not reader.prefetch(ScoreRequest("a", histories["a"] + [1], []))
+    assert sources.staged_bytes == 0
+    reader.release("a")

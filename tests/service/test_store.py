@@ -3,6 +3,7 @@ masters with replicas), and the in-memory one the unit tests use, held to the sa
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -10,6 +11,7 @@ import pytest_asyncio
 import redis
 
 from orchestrator.store import GenerationRecord, RedisSessionStore, SessionState
+from specdec.core.sampling import SamplingParams
 from specdec.errors import Aborted, Unavailable
 from specdec.keys import session_meta_key, session_tokens_key
 from tests.redis_ha import LocalCluster
@@ -119,4 +121,111 @@ async def test_redis_down_is_unavailable_with_the_url():
     store = RedisSessionStore("redis://127.0.0.1:1/0", ttl_s=60)
     with pytest.raises(Unavailable, match="redis at redis://127.0.0.1:1/0"):
         await store.load("x")
+    await store.close()
+
+
+# -- request-constant sampling state: stored once per generation ----------------------------------------
+
+
+BIG = SamplingParams(temperature=0.7, logit_bias=tuple((t, -5.0) for t in range(1000)), grammar_kind="regex",
+                     grammar_text="(" + "|".join(f"word{i}" for i in range(4000)) + ")")
+
+
+async def test_a_rounds_record_holds_no_logit_bias_or_grammar_however_large(store):
+    """The record rewritten every round keeps the generation's logit_bias and grammar out: they are
+    written once when the generation opens, so a round costs the same with or without them."""
+    plain = SessionState(session_id="small", seed=1, tokens=[1])
+    big = SessionState(session_id="big", seed=1, tokens=[1])
+    plain.set_sampling(SamplingParams(temperature=0.7))
+    big.set_sampling(BIG)
+    for state in (plain, big):
+        await store.save(state, [1])
+    assert len(big.record()) < len(plain.record()) + 100  # the digest, not the constants
+    loaded = await store.load("big")
+    assert loaded.sampling_params() == BIG  # and they come back whole, on any replica
+    loaded.tokens.append(2)
+    loaded.rounds += 1
+    await store.save(loaded, [2])  # a round: the constants are not written again, and stay
+    assert (await store.load("big")).sampling_params() == BIG
+    again = await store.load("big")
+    again.set_sampling(SamplingParams(temperature=0.2))  # a new generation without them
+    await store.save(again, [])
+    reloaded = await store.load("big")
+    assert reloaded.sampling_params() == SamplingParams(temperature=0.2) and reloaded.constants is None
+    for sid in ("small", "big"):
+        assert await store.delete(sid)
+
+
+async def test_a_record_an_earlier_version_wrote_keeps_its_sampling_inline(store):
+    """Rolling upgrade: a record whose sampling holds logit_bias and the grammar inline (as written
+    before they moved out) loads with them."""
+    old = SessionState(session_id="old", seed=1, tokens=[1], sampling=dataclasses.asdict(BIG))
+    await store.save(old, [1])
+    loaded = await store.load("old")
+    assert loaded.sampling_params() == BIG
+    assert await store.delete("old")
+
+
+@pytest.mark.parametrize("kind", ["redis"])
+async def test_the_constants_live_in_the_sessions_meta_hash_with_its_ttl(request, kind):
+    store, raw = redis_store(request, kind, 120)
+    state = SessionState(session_id="meta", seed=1, tokens=[1])
+    state.set_sampling(BIG)
+    await store.save(state, [1])
+    meta = raw.hgetall(session_meta_key("meta"))
+    assert set(meta) == {b"version", b"state", b"constants"} and len(meta[b"state"]) < 1000
+    assert json.loads(meta[b"constants"])["grammar_text"] == BIG.grammar_text
+    assert 0 < raw.ttl(session_meta_key("meta")) <= 120
+    assert await store.delete("meta") and not raw.exists(session_meta_key("meta"))
+    await store.close()
+    raw.close()
+
+
+# -- a Redis with a memory cap --------------------------------------------------------------------------
+
+
+@pytest.fixture
+def capped_redis(tmp_path):
+    """A redis-server capped at 3 MB that evicts nothing when full (as the chart's)."""
+    import subprocess
+
+    from specdec.launcher import _wait_redis, free_port, redis_server_binary
+
+    port = free_port()
+    with open(tmp_path / "redis.log", "wb") as log:
+        proc = subprocess.Popen([redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                                 "--appendonly", "no", "--maxmemory", "3mb", "--maxmemory-policy", "noeviction"],
+                                stdout=log, stderr=subprocess.STDOUT)
+    _wait_redis("127.0.0.1", port, proc, timeout_s=20)
+    yield f"redis://127.0.0.1:{port}/0"
+    proc.terminate()
+    proc.wait(10)
+
+
+async def test_a_full_store_refuses_new_writes_clearly_and_loses_no_session(capped_redis):
+    from prometheus_client import CollectorRegistry
+
+    from orchestrator.store import SessionStoreMetrics
+    from specdec.errors import ResourceExhausted
+
+    store = RedisSessionStore(capped_redis, 60)
+    registry = CollectorRegistry()
+    registry.register(SessionStoreMetrics(store))
+    saved = []
+    with pytest.raises(ResourceExhausted, match=r"session store \(redis at .*\) is full: .*maxmemory"):
+        for i in range(10_000):
+            state = SessionState(session_id=f"s{i}", seed=1, tokens=list(range(4000)))
+            await store.save(state, state.tokens)
+            saved.append(state)
+    assert len(saved) > 10
+    for state in saved:  # every session written before is still whole: nothing was evicted to make room
+        assert (await store.load(state.session_id)).tokens == state.tokens
+    await store.refresh_memory()
+    def value(name):
+        return registry.get_sample_value(name, {"service": "orchestrator"})
+
+    assert value("specdec_session_store_full_refusals_total") == 1
+    assert value("specdec_session_store_max_bytes") == 3 * 1024 * 1024
+    assert value("specdec_session_store_used_bytes") > 0.9 * 3 * 1024 * 1024
+    assert await store.delete(saved[0].session_id)  # closing a session frees room, also when full
     await store.close()

@@ -9,8 +9,10 @@ import time
 
 import pytest
 import redis
+from prometheus_client import CollectorRegistry, generate_latest
 
-from draft_service.server import SuffixStreamReader
+from draft_service.server import SuffixStreamCollector, SuffixStreamReader
+from specdec.core.sampling import SamplingParams
 from specdec.core.suffix import FINGERPRINT_FIELD, OUTPUT_FIELD, encode_output
 from specdec.keys import suffix_outputs_key
 from specdec.launcher import free_port, redis_server_binary
@@ -71,3 +73,47 @@ def test_a_password_in_the_url_wins_and_is_never_logged(locked_redis, monkeypatc
     reader = _read(f"redis://:wrong-in-url@127.0.0.1:{port}/0", client, caplog)
     assert reader.entries == 0
     assert "suffix outputs stream at 127.0.0.1" in caplog.text and "wrong-in-url" not in caplog.text
+
+
+def _wait_for(condition, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return condition()
+
+
+def test_bad_entries_are_skipped_and_counted_and_the_reader_keeps_reading(locked_redis, monkeypatch):
+    """An entry the reader cannot use (not UTF-8 where text is expected, a length that is no multiple of
+    4, a token id past the vocabulary or past int32) is skipped and counted; the entries after it
+    still join the corpus, and no id the target would refuse is ever proposed."""
+    port, client = locked_redis
+    monkeypatch.setenv("REDIS_PASSWORD", PASSWORD)
+    key = suffix_outputs_key()
+    vocab = 100
+    bad = [
+        {OUTPUT_FIELD: encode_output([5, 6, 7, 8]), FINGERPRINT_FIELD: b"\xff\xfe"},  # not UTF-8
+        {OUTPUT_FIELD: encode_output([5, 6, 7]) + b"\x01"},  # 13 bytes
+        {OUTPUT_FIELD: encode_output([1, 2, 3, 2**31 + 5])},  # past int32
+        {OUTPUT_FIELD: encode_output([1, 2, 3, vocab + 1, 4])},  # past the vocabulary
+    ]
+    for fields in bad[:2]:
+        client.xadd(key, fields)  # in the backlog
+    proposer = SuffixProposer(min_match=2)
+    reader = SuffixStreamReader(proposer, f"redis://127.0.0.1:{port}/0", "fp", vocab_size=vocab)
+    reader.start()
+    try:
+        for fields in bad[2:]:
+            client.xadd(key, fields)  # read live
+        client.xadd(key, {OUTPUT_FIELD: encode_output([1, 2, 3, 9, 10, 11])})
+        assert _wait_for(lambda: reader.entries == 1), (reader.entries, reader.skipped)
+        assert reader._thread.is_alive()
+        assert reader.skipped == {"malformed": 2, "other_tokenizer": 0, "out_of_vocabulary": 2, "empty": 0}
+        registry = CollectorRegistry()
+        registry.register(SuffixStreamCollector("draft", reader))
+        exported = generate_latest(registry).decode()
+        assert 'specdec_suffix_stream_skipped_total{reason="out_of_vocabulary",service="draft"} 2.0' in exported
+        assert 'specdec_suffix_stream_entries_total{service="draft"} 1.0' in exported
+        assert list(proposer.propose("s", [1, 2, 3], 4, SamplingParams(), 0))  # the good entry serves
+        assert all(d.token_id < vocab for d in proposer.propose("t", [7, 1, 2, 3], 4, SamplingParams(), 0))
+    finally:
+        reader.stop()

@@ -167,3 +167,78 @@ def test_draft_kv_snapshot_moves_a_session_to_another_draft_replica_without_a_pr
     tokenizer = load_tokenizer(str(tiny_models["target"]))
     turn = list(tokenizer(" and so", add_special_tokens=False)["input_ids"])
     assert list(second.token_ids) == Reference(str(tiny_models["target"])).greedy_ids(history + turn, 16)
+
+
+def _biased_greedy(reference: Reference, ids: list[int], bias: dict[int, float], n: int) -> list[int]:
+    """Greedy decoding of the target alone with `bias` added to its logits (the pipeline's logit_bias)."""
+    from tests.reference import full_logits
+
+    out = []
+    for _ in range(n):
+        logits = full_logits(reference.loaded.model, ids + out)[-1].clone()
+        for token, value in bias.items():
+            logits[token] += value
+        out.append(int(logits.argmax()))
+        if out[-1] in reference.loaded.eos_token_ids:
+            break
+    return out
+
+
+def test_a_sessions_logit_bias_survives_a_target_restart_and_a_move_to_another_orchestrator(cluster, tiny_models):
+    """The logit_bias goes to each replica once per session; a restarted target has lost it, says so
+    (NOT_FOUND) and is sent it again; another orchestrator replica reads it from Redis."""
+    reference = Reference(str(tiny_models["target"]))
+    prompt_ids = reference.encode(PROMPT)
+    plain = reference.greedy_ids(prompt_ids, 6)
+    bias = {plain[0]: -100.0, plain[1]: -100.0, plain[2]: 5.0}  # a path the unbiased model does not take
+    expected = _biased_greedy(reference, prompt_ids, bias, 24)
+    assert expected[:6] != plain
+    redis_port = cluster.redis()
+    target, draft = cluster.target("target", *SLOW), cluster.draft("draft")
+    first = cluster.orchestrator("orchestrator-1", [target], [draft], redis_port, "--target-retry-s", "0.5")
+    second = cluster.orchestrator("orchestrator-2", [target], [draft], redis_port)
+    ch1, stub1 = orchestrator_stub(first)
+    ch2, stub2 = orchestrator_stub(second)
+    with ch1, ch2:
+        session, tokens = "", []
+        with pytest.raises(grpc.RpcError) as info:
+            for chunk in stub1.Generate(request(PROMPT, max_new_tokens=24, logit_bias=bias, draft_length=2),
+                                        timeout=120):
+                session = session or chunk.session_id
+                tokens.extend(chunk.token_ids)
+                if len(tokens) >= 4 and cluster.procs["target"].poll() is None:
+                    cluster.kill("target")
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        cluster.restart("target")
+        for attempt in range(40):  # as the SDK does: until the orchestrator's probe sees the target back
+            try:
+                rest = list(stub2.Generate(pb.GenerateRequest(session_id=session, resume_from=len(tokens)),
+                                           timeout=120))
+                break
+            except grpc.RpcError as exc:
+                assert exc.code() == grpc.StatusCode.UNAVAILABLE and attempt < 39, exc
+                time.sleep(0.5)
+        tokens += [t for c in rest for t in c.token_ids]
+        assert tokens == expected  # the other orchestrator had the bias from Redis
+        # The first orchestrator sent the bias to this address before: it names it by digest, a target
+        # restarted since answers NOT_FOUND, and gets it again (the output shows it was applied).
+        cluster.kill("target")
+        cluster.restart("target")
+        more = None
+        for attempt in range(40):
+            try:
+                more = stub1.GenerateUnary(pb.GenerateRequest(session_id=session, prompt=" and", max_new_tokens=8,
+                                                              logit_bias=bias, draft_length=2), timeout=120)
+                break
+            except grpc.RpcError as exc:
+                assert exc.code() == grpc.StatusCode.UNAVAILABLE and attempt < 39, exc
+                time.sleep(0.5)
+    # (A try the orchestrator refused while it still saw the target down added " and" already: the
+    # reference is the history as stored.)
+    stored = [int(t) for t in redis.Redis(port=redis_port).lrange(session_tokens_key(session), 0, -1)]
+    history = stored[:len(stored) - len(more.token_ids)]
+    and_ids = reference.tokenizer(" and", add_special_tokens=False)["input_ids"]
+    assert history[:len(prompt_ids) + len(expected)] == prompt_ids + expected and history[-len(and_ids):] == and_ids
+    assert list(more.token_ids) == _biased_greedy(reference, history, bias, 8)
+    log = (cluster.log_dir / "orchestrator-1.log").read_text()
+    assert f"{target} holds no logit_bias and grammar for session {session}" in log

@@ -44,7 +44,9 @@ def pipeline(tiny_models, tmp_path_factory):
     p = start_tiny_pipeline(tmp_path_factory.mktemp("logs-fuzz"), tiny_models, "poor_draft", draft_length="auto",
                             http_port=free_port(),
                             extra_orchestrator_args=["--max-new-tokens-limit", "8", "--default-max-new-tokens", "4",
-                                                     "--max-stop-strings", "4"])
+                                                     "--max-stop-strings", "4",
+                                                     # every fuzzed close reaches the checks, not the rate limit
+                                                     "--max-closes-per-s", "0"])
     yield p
     p.stop()
 

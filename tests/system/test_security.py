@@ -311,7 +311,10 @@ def test_the_http_api_needs_a_token_and_forwards_it(secure):
     assert status == 401
     status, _, body = _https(secure, "POST", "/v1/completions", token=ALICE, body=b"x" * 70_000)
     assert status == 413 and "--max-body-bytes=65536" in body["error"]["message"]
-    assert _https(secure, "GET", "/health")[0] == 200  # open; the gateway uses its own token behind it
+    status, _, health = _https(secure, "GET", "/health")  # open for probes; the gateway asks with its own token
+    assert status == 200 and health == {"status": "ok"}  # no addresses or errors without a token
+    status, _, health = _https(secure, "GET", "/health", token=BOB)
+    assert status == 200 and {b["role"] for b in health["backends"]} == {"target", "draft"}
 
 
 # -- limits -------------------------------------------------------------------------------------

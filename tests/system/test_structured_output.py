@@ -246,3 +246,38 @@ def test_processors_with_prompt_lookup_equal_the_target_alone(ngram_pipeline, re
         got = client.generate(prompt_ids, max_new_tokens=24, temperature=0, draft_length=3, repetition_penalty=1.3,
                               logit_bias={biased: -3.5})
     assert got.token_ids == expected and got.stats["draft_tokens"] > 0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_a_grammar_that_ends_before_min_tokens_wins(http_pipeline, reference, temperature):
+    """min_tokens holds back the end of sequence while the output is shorter, but where the grammar
+    allows nothing else (it is complete) the grammar wins: the output ends there, with EOS, shorter
+    than min_tokens, instead of drawing from a row where nothing is allowed."""
+    with Client(orchestrator_address(http_pipeline)) as client:
+        for seed in range(3):
+            out = client.generate("Answer: ", max_new_tokens=20, min_tokens=10, temperature=temperature, seed=seed,
+                                  draft_length=4, grammar=("choice", json.dumps(["yes", "no"])))
+            assert out.text in ("yes", "no") and out.finish_reason == "eos", (out.text, out.finish_reason)
+            assert out.token_ids[-1] in reference.loaded.eos_token_ids
+
+
+def test_grammar_bombs_are_refused_naming_the_grammar_and_the_pipeline_keeps_serving(http_pipeline, api, model):
+    """A 64 KiB chain of $refs overflowed the orchestrator's stack in the grammar engine and killed it;
+    a deeply nested schema raised RecursionError (an internal error); an oversized one was compiled.
+    Now: the chain compiles on the grammar worker's large stack, the others are 400 naming the bound."""
+    from specdec.errors import InvalidArgument
+    from tests.unit.test_grammar_limits import ref_chain
+
+    with Client(orchestrator_address(http_pipeline), timeout=120) as client:
+        out = client.generate("Answer: ", max_new_tokens=4, grammar=("json_schema", ref_chain(64 * 1024)))
+        assert set(out.text) <= {"[", "]", " ", ",", *"0123456789-"}, out.text  # arrays of arrays ... of integers
+        for grammar, bound in [(("json_schema", "[" * 300 + "]" * 300), "nests 300 levels deep"),
+                               (("regex", "a" * 70_000), "text is 70000 bytes, over the limit of 65536")]:
+            with pytest.raises(InvalidArgument, match=f"grammar: .*{bound}"):
+                client.generate("Answer: ", max_new_tokens=4, grammar=grammar)
+    deep = json.loads('{"type": "array", "items": ' * 300 + '{"type": "integer"}' + "}" * 300)
+    with pytest.raises(BadRequestError) as info:
+        api.completions.create(model=model, prompt="x", max_tokens=4, extra_body={"guided_json": deep})
+    assert "nests 301 levels deep" in info.value.body["message"]
+    reply = api.completions.create(model=model, prompt="x", max_tokens=3)  # still serving
+    assert reply.choices[0].text is not None

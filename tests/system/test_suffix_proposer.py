@@ -124,3 +124,40 @@ def test_a_request_with_share_output_false_does_not_serve_a_later_session(suffix
         client.generate(prompt, max_new_tokens=n, draft_length=4)
         after = generate_fresh_until_drafted(client, prompt, n, expected)
     assert after.stats["accepted_tokens"] >= n // 2, after.stats
+
+
+ALICE, MALLORY = "alice-token-0123456789abcdef", "mallory-token-fedcba98765432"
+
+
+@pytest.fixture(scope="module")
+def tenants_pipeline(tiny_models, tmp_path_factory):
+    """A suffix draft fed by the outputs stream, behind an orchestrator with two tokens (two tenants)."""
+    root = tmp_path_factory.mktemp("logs-tenants")
+    tokens = root / "tokens"
+    tokens.write_text(f"alice:{ALICE}\nmallory:{MALLORY}\n")
+    pipeline = start_tiny_pipeline(root, tiny_models, "target", proposer="suffix", auth_tokens_file=str(tokens))
+    yield pipeline
+    pipeline.stop()
+
+
+def test_a_tenants_output_never_drafts_another_tenants_request(tenants_pipeline, reference):
+    """Every chunk reports how many tokens the draft proposed and how many were accepted: if one
+    tenant's output drafted another's requests, a greedy probe (with a logit_bias on a candidate,
+    `accepted >= 1` says the candidate is the corpus's next token) would read it token by token. The
+    corpus is per tenant: mallory's probe is drafted from nothing, alice's own next session is."""
+    n = 8
+    candidates = ["Top secret:", "Confidential memo", "My password is", "Private notes"]
+    prompt = next(p for p in candidates if own_history_proposes_nothing(reference.encode(p), reference.greedy(p, n), 4))
+    expected = reference.greedy(prompt, n)
+    address = orchestrator_address(tenants_pipeline)
+    with Client(address, token=ALICE) as alice:
+        first = alice.generate(prompt, max_new_tokens=n, draft_length=4)
+        assert first.token_ids == expected and first.stats["draft_tokens"] == 0
+        again = generate_fresh_until_drafted(alice, prompt, n, expected)  # alice's output reached her corpus
+    assert again.stats["accepted_tokens"] >= n // 2, again.stats
+    with Client(address, token=MALLORY) as mallory:
+        for _ in range(3):  # her own probes stay out of her corpus: only alice's output could draft them
+            probe = mallory.generate(prompt, max_new_tokens=n, draft_length=4, share_output=False)
+            assert probe.token_ids == expected  # lossless, whatever the draft
+            assert probe.stats["draft_tokens"] == 0 and probe.stats["accepted_tokens"] == 0, probe.stats
+            time.sleep(0.3)

@@ -23,9 +23,10 @@ class InMemorySessionStore:
     call fail as an unreachable store does."""
 
     def __init__(self) -> None:
-        self._sessions: dict[str, tuple[int, str, list[int]]] = {}  # id -> (version, record, tokens)
+        self._sessions: dict[str, tuple[int, str, list[int], str]] = {}  # id -> (version, record, tokens, constants)
         self._prior: str | None = None
         self.published: list[list[int]] = []
+        self.published_groups: list[str] = []  # the corpus group of each published output
         self.down = False
 
     def _check(self) -> None:
@@ -39,16 +40,19 @@ class InMemorySessionStore:
         self._check()
         if session_id not in self._sessions:
             return None
-        version, record, tokens = self._sessions[session_id]
-        return SessionState.from_record(session_id, version, list(tokens), record.encode())
+        version, record, tokens, constants = self._sessions[session_id]
+        return SessionState.from_record(session_id, version, list(tokens), record.encode(),
+                                        constants.encode() if constants else None)
 
     async def save(self, state: SessionState, new_tokens: list[int]) -> None:
         self._check()
-        version, _, tokens = self._sessions.get(state.session_id, (0, "", []))
+        version, _, tokens, constants = self._sessions.get(state.session_id, (0, "", [], ""))
         if version != state.version:
             raise Aborted(f"session {state.session_id} was changed by another request; retry")
-        self._sessions[state.session_id] = (version + 1, state.record(), tokens + list(new_tokens))
-        state.version = version + 1
+        written = state.constants_arg()  # as the Redis store's script: "" unchanged, "-" none
+        constants = constants if written == "" else "" if written == "-" else written
+        self._sessions[state.session_id] = (version + 1, state.record(), tokens + list(new_tokens), constants)
+        state.version, state.constants_changed = version + 1, False
 
     async def delete(self, session_id: str) -> bool:
         self._check()
@@ -62,9 +66,10 @@ class InMemorySessionStore:
         self._check()
         self._prior = json.dumps(prior)
 
-    async def publish_output(self, tokens: list[int]) -> None:
+    async def publish_output(self, tokens: list[int], group: str = "") -> None:
         self._check()
         self.published.append(list(tokens))
+        self.published_groups.append(group)
 
     async def close(self) -> None:
         pass
@@ -144,10 +149,12 @@ class FakeDraft(_FakePool):
         self.fail = fail
         self.available = available
         self.calls: list[tuple[int, int]] = []  # (len(history), k)
+        self.corpus_groups: list[str] = []  # the corpus group of each call
 
     async def propose(self, session_id, history, k, params, seed, fingerprint, into=None, progress=None,
-                      timeout=None) -> DraftReply:
+                      timeout=None, corpus_group="") -> DraftReply:
         self.calls.append((len(history), k))
+        self.corpus_groups.append(corpus_group)
         if self.fail == "released":
             raise DraftReleased("the session's caches were released")
         if self.fail:

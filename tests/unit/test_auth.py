@@ -206,3 +206,54 @@ def test_specdec_up_passes_tokens_and_log_format_to_the_services():
         assert cmds[name][cmds[name].index("--log-format") + 1] == "json"
     plain = PipelineSpec().commands()
     assert all("--auth-tokens-file" not in cmd and "--log-format" not in cmd for cmd in plain.values())
+
+
+def test_a_rate_per_identity_refuses_past_its_burst_and_refills():
+    from specdec.server.limits import PerIdentityRate
+
+    now = [100.0]
+    rate = PerIdentityRate(per_s=2.0, flag="--max-closes-per-s", clock=lambda: now[0])
+    assert all(rate.take("alice") is None for _ in range(4))  # a burst of twice the rate
+    wait = rate.take("alice")
+    assert wait is not None and 0 < wait <= 0.5  # refused, with how long until the next one
+    assert rate.take("bob") is None  # another identity has its own bucket
+    now[0] += 0.5
+    assert rate.take("alice") is None and rate.take("alice") is not None
+    assert PerIdentityRate(per_s=0.0).take("alice") is None  # 0: no limit
+    many = PerIdentityRate(per_s=1.0, clock=lambda: now[0], max_keys=100)
+    for i in range(1000):
+        many.take(f"id-{i}")
+    assert len(many) <= 100  # full buckets are forgotten: memory stays bounded
+
+
+async def test_closes_are_rate_limited_per_identity_with_a_retry_hint(tokens_file):
+    from specdec.server.limits import PerIdentityRate, RateLimit
+
+    tokens = Tokens.load(str(tokens_file))
+    server, port, _ = create_server(
+        "127.0.0.1:0", [lambda s: orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(_Echo(), s)],
+        ["specdec.v1.Orchestrator"],
+        interceptors=[AuthInterceptor(tokens), RateLimit(PerIdentityRate(1.0, "--max-closes-per-s")), DecodeGuard()])
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = orchestrator_pb2_grpc.OrchestratorStub(ch)
+
+            async def close(token: str):
+                return await stub.CloseSession(pb.CloseSessionRequest(session_id="s"),
+                                               metadata=(("authorization", f"Bearer {token}"),))
+
+            assert (await close(ALICE)).closed and (await close(ALICE)).closed  # the burst: twice the rate
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await close(ALICE)
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "--max-closes-per-s=1" in err.value.details()
+            hint = dict(err.value.trailing_metadata())["retry-after-ms"]
+            assert 0 < int(hint) <= 1000
+            assert not (await close(BOB)).closed  # bob's own bucket: served (his Echo answer is False)
+            # Generations are not rate-limited by it.
+            chunks = [c async for c in stub.Generate(pb.GenerateRequest(prompt="x"),
+                                                     metadata=(("authorization", f"Bearer {ALICE}"),))]
+            assert chunks[0].session_id == "alice"
+    finally:
+        await server.stop(0)

@@ -67,6 +67,22 @@ async def test_otherwise_the_model_drafts_as_a_model_proposer_alone_would(loaded
     assert all((d.probs is None) == params.greedy for d in got)  # q rows when sampling
 
 
+async def test_the_corpus_drafts_only_requests_of_the_outputs_own_group(loaded):
+    """A corpus output is proposed to requests of its corpus group (ProposeRequest.corpus_group);
+    another group's request is drafted by the model, as if the corpus were empty."""
+    drafter, _ = hybrid(loaded)
+    drafter.proposer.add_output([9, 1, 2, 3, 4, 5, 6], group="alice")
+    history = [7, 1, 2, 3]
+
+    async def stream(group: str) -> list:
+        return [d async for d, _ in drafter.stream(group + "-session", history, 3, SamplingParams(), 0, None,
+                                                   time.monotonic(), corpus_group=group)]
+
+    own = await stream("alice")
+    assert [d.token_id for d in own] == [4, 5, 6] and {d.source for d in own} == {"suffix"}
+    assert {d.source for d in await stream("mallory")} == {"model"}
+
+
 async def test_the_models_cache_catches_up_after_rounds_the_suffix_drafted(loaded):
     """Skipping the model for a round leaves its cache behind: the next model round re-prefills what
     it missed and proposes exactly what a fresh model proposes on that history."""

@@ -99,3 +99,83 @@ def test_a_wait_on_running_processes_ends_on_a_stop_or_when_one_exits(tmp_path):
         for proc in (long, short):
             proc.kill()
             proc.wait()
+
+
+
+def _down(monkeypatch, tmp_path) -> int:
+    """`specdec down` with its run directory under `tmp_path`; its exit status."""
+    from specdec.cli import main
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    with pytest.raises(SystemExit) as exited:
+        main(["down"])
+    return exited.value.code
+
+
+def _stale(identity: dict | None) -> dict | None:
+    """`identity` as recorded for a process that held the same PID before (another start time)."""
+    return None if identity is None else {**identity, "started": identity["started"] - 1}
+
+
+@pytest.mark.parametrize("recorded", ["none (an older run file)", "another start time", "another boot"])
+def test_down_leaves_alone_an_unrelated_process_that_took_a_recorded_pid(monkeypatch, tmp_path, capsys, recorded):
+    """After a reboot the run file's PIDs may belong to anything: `specdec down` signals only a process
+    that is still the one it started (same boot, start time and command line)."""
+    import json
+
+    from specdec.launcher import process_identity, state_file
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    stranger = subprocess.Popen(["sleep", "600"])
+    try:
+        now = process_identity(stranger.pid)
+        identity = {"none (an older run file)": None, "another start time": _stale(now),
+                    "another boot": {**now, "boot": "an-earlier-boot"}}[recorded]
+        # A run file as an earlier `specdec up --detach` wrote it, whose PID is now the stranger's.
+        state = {"pids": {"orchestrator": stranger.pid}, "plan": {}}
+        if identity is not None:
+            state["identities"] = {"orchestrator": identity}
+        state_file().write_text(json.dumps(state))
+        assert _down(monkeypatch, tmp_path) == 0
+        time.sleep(0.3)
+        assert stranger.poll() is None, "specdec down killed a process it did not start"
+        assert f"orchestrator: pid {stranger.pid} is no longer the process" in capsys.readouterr().out
+        assert not state_file().exists()  # the stale file is gone: the next `specdec up --detach` may start
+    finally:
+        stranger.kill()
+        stranger.wait()
+
+
+def test_down_stops_the_processes_it_recorded(monkeypatch, tmp_path):
+    from specdec.launcher import Pipeline, PipelineSpec, state_file
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    pipeline = Pipeline(PipelineSpec(log_dir=str(tmp_path)))
+    pipeline.procs = {"redis": subprocess.Popen(["sleep", "600"]),
+                      "target": subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])}
+    try:
+        pipeline.save()
+        assert _down(monkeypatch, tmp_path) == 0
+        for proc in pipeline.procs.values():
+            assert proc.wait(timeout=15) is not None
+        assert not state_file().exists()
+    finally:
+        for proc in pipeline.procs.values():
+            proc.kill()
+            proc.wait()
+
+
+def test_a_process_identity_reads_names_with_spaces_and_parentheses(tmp_path):
+    from specdec.launcher import process_identity
+
+    odd = tmp_path / "a b) (c"
+    odd.symlink_to("/bin/sleep")
+    proc = subprocess.Popen([str(odd), "600"])
+    try:
+        identity = process_identity(proc.pid)
+        assert identity is not None and identity["cmdline"][:2] == [str(odd), "600"]
+        assert identity == process_identity(proc.pid)  # stable while the process lives
+    finally:
+        proc.kill()
+        proc.wait()
+    assert process_identity(proc.pid) is None

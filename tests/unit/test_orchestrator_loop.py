@@ -254,3 +254,47 @@ async def test_closing_a_session_tells_the_draft_whether_it_may_learn_the_output
         await store.save(state, [])
     assert await orch.close_session(session) is True
     assert draft.released[-1] == session and draft.forget_output[-1] is forget
+
+
+async def _shared_groups(orch, principal: str) -> tuple[str, str]:
+    """The corpus group a request of `principal` drafted with, and the one its output was published to."""
+    published = len(orch.store.published_groups)
+    chunks = [c async for c in orch.generate(orch.parse(request(max_new_tokens=6), principal=principal))]
+    assert generated(chunks) == REFERENCE[START:START + 6]
+    for _ in range(50):  # published in the background, after the last chunk
+        if len(orch.store.published_groups) > published:
+            break
+        await asyncio.sleep(0.01)
+    return orch.draft.corpus_groups[-1], orch.store.published_groups[-1]
+
+
+@pytest.mark.parametrize("corpus_groups", ["", "team=alice,bob", "everyone=*"])
+async def test_outputs_draft_and_join_only_their_own_corpus_group(corpus_groups):
+    """Each principal is its own corpus group unless the operator groups identities; the anonymous
+    principal (no authentication) is one group, "". What travels is an opaque id, never the identity."""
+    from specdec.server.auth import principal_of
+
+    draft = FakeDraft(REFERENCE, reads_shared_outputs=True)
+    orch = orchestrator(InMemorySessionStore(), FakeTarget(REFERENCE), draft, draft_length=2,
+                        corpus_groups=corpus_groups)
+    groups = {identity: await _shared_groups(orch, principal_of(identity))
+              for identity in ("alice", "bob", "carol", "")}
+    for identity, (drafted, published) in groups.items():
+        assert drafted == published and (identity == "" or identity not in drafted), identity
+    alice, bob, carol, anonymous = (groups[i][0] for i in ("alice", "bob", "carol", ""))
+    assert anonymous == ""
+    assert len({alice, bob, carol, anonymous}) == {"": 4, "team=alice,bob": 3, "everyone=*": 2}[corpus_groups]
+    assert (alice == bob) == bool(corpus_groups)
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("team", "expected GROUP=IDENTITY"), ("team=", "names no identity"), ("a=x;b=x", "'x' is in two groups"),
+    ("a=*;b=*", "'\\*' is in two groups"), ("bad name=x", "expected GROUP=IDENTITY"),
+])
+def test_corpus_groups_that_do_not_parse_are_refused_at_start(spec, message):
+    from pydantic import ValidationError
+
+    from orchestrator.config import OrchestratorConfig
+
+    with pytest.raises(ValidationError, match=message):
+        OrchestratorConfig(target="fake:1", corpus_groups=spec)

@@ -64,3 +64,84 @@ def test_messages_need_a_chat_template_and_known_roles():
     bad = pb.ChatMessages(messages=[pb.ChatMessage(role="robot", content="hi")])
     with pytest.raises(InvalidArgument, match=r"messages\[0\].role"):
         parser().parse(pb.GenerateRequest(messages=bad))
+
+
+def chat_parser(**config) -> RequestParser:
+    """A parser whose tokenizer has a chat template (one character a token)."""
+    from specdec.testing.tiny import make_char_tokenizer
+
+    tokenizer = make_char_tokenizer()
+    return RequestParser(OrchestratorConfig(target="fake:1", **config), tokenizer, max_context=100_000,
+                         eos_ids={tokenizer.eos_token_id})
+
+
+@pytest.mark.parametrize("calls, field", [
+    ('[{"function": "f"}]', r"messages\[1\].tool_calls\[0\].function"),
+    ('[{"function": null}]', r"messages\[1\].tool_calls\[0\].function"),
+    ('[{"function": ["f"]}]', r"messages\[1\].tool_calls\[0\].function"),
+    ('[{"function": {"name": 3, "arguments": "{}"}}]', r"messages\[1\].tool_calls\[0\].function.name"),
+    ('[{"function": {"name": "f", "arguments": 3}}]', r"messages\[1\].tool_calls\[0\].function.arguments"),
+    ('[{"function": {"name": "f", "arguments": "[1]"}}]', r"messages\[1\].tool_calls\[0\].function.arguments"),
+    ('["f"]', r"messages\[1\].tool_calls\[0\]"),
+    ('[null]', r"messages\[1\].tool_calls\[0\]"),
+    ('{"function": {}}', r"messages\[1\].tool_calls must be a JSON list"),
+])
+def test_malformed_tool_calls_are_invalid_arguments_naming_the_field(calls, field):
+    messages = pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="hi"),
+                                         pb.ChatMessage(role="assistant", tool_calls_json=calls)])
+    with pytest.raises(InvalidArgument, match=field):
+        chat_parser().parse(pb.GenerateRequest(messages=messages))
+
+
+def test_a_well_formed_tool_call_reaches_the_template_with_its_arguments_as_an_object():
+    calls = '[{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{\\"a\\": 1}"}}]'
+    messages = pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="hi"),
+                                         pb.ChatMessage(role="assistant", tool_calls_json=calls)])
+    assert chat_parser().parse(pb.GenerateRequest(messages=messages)).input_ids
+
+
+@pytest.mark.parametrize("depth", [70, 5_000, 200_000])
+def test_deeply_nested_tools_are_an_invalid_argument_not_a_recursion_error(depth):
+    nested = "[" * depth + "]" * depth
+    tools = f'[{{"type": "function", "function": {{"name": "f", "parameters": {{"x": {nested}}}}}}}]'
+    messages = pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="hi")], tools_json=tools)
+    with pytest.raises(InvalidArgument, match=r"tools is nested deeper than 64 levels"):
+        chat_parser().parse(pb.GenerateRequest(messages=messages))
+    calls = f'[{{"function": {{"name": "f", "arguments": {{"x": {nested}}}}}}}]'
+    messages = pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="hi"),
+                                         pb.ChatMessage(role="assistant", tool_calls_json=calls)])
+    with pytest.raises(InvalidArgument, match=r"messages\[1\].tool_calls is nested deeper than 64 levels"):
+        chat_parser().parse(pb.GenerateRequest(messages=messages))
+
+
+@pytest.mark.parametrize("tools, field", [
+    ('["f"]', r"tools\[0\] must be a JSON object"),
+    ('[null]', r"tools\[0\] must be a JSON object"),
+])
+def test_tools_that_are_not_objects_are_named(tools, field):
+    messages = pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="hi")], tools_json=tools)
+    with pytest.raises(InvalidArgument, match=field):
+        chat_parser().parse(pb.GenerateRequest(messages=messages))
+
+
+# -- request-constant state: capped, named ------------------------------------------------------------
+
+
+def test_a_logit_bias_over_its_limit_is_refused_naming_the_field_and_flag():
+    bias = {t: 1.0 for t in range(33, 33 + 9)}
+    with pytest.raises(InvalidArgument, match=r"^logit_bias has 9 entries; the limit is --max-logit-bias=8"):
+        parser(max_logit_bias=8).parse(pb.GenerateRequest(prompt="hi", logit_bias=bias))
+    assert parser(max_logit_bias=9).parse(pb.GenerateRequest(prompt="hi", logit_bias=bias)).params.logit_bias
+
+
+def test_a_grammar_over_its_limit_is_refused_naming_the_field_and_flag():
+    text = '{"type": "string", "description": "' + "x" * 2000 + '"}'
+    request = pb.GenerateRequest(prompt="hi", grammar=pb.Grammar(kind="json_schema", text=text))
+    with pytest.raises(InvalidArgument, match=r"^grammar text has 20\d\d bytes; the limit is --max-grammar-bytes=1024"):
+        parser(max_grammar_bytes=1024).parse(request)
+    assert parser(max_grammar_bytes=4096).parse(request).params.grammar_text == text
+
+
+def test_stop_token_ids_over_their_limit_are_refused_naming_the_flag():
+    with pytest.raises(InvalidArgument, match=r"^stop_token_ids has 5 ids; the limit is --max-stop-token-ids=4"):
+        parser(max_stop_token_ids=4).parse(pb.GenerateRequest(prompt="hi", stop_token_ids=[40, 41, 42, 43, 44]))

@@ -188,3 +188,37 @@ def test_a_record_from_another_version_loads_with_known_fields_only():
     loaded = SessionState.from_record("s", 7, [1, 2, 3], json.dumps(record).encode())
     assert loaded.seed == 3 and loaded.version == 7 and loaded.generation.finish == 1
     assert loaded.generation.share_output is True
+
+
+async def test_a_resume_decodes_the_generation_so_far_off_the_event_loop():
+    """A resume replays every token the client holds through the detokenizer (and names every
+    log-probability it resends): work that grows with the generation runs in a worker thread."""
+    import threading
+
+    store, target, draft, orch = setup()
+    chunks = [c async for c in orch.generate(orch.parse(request(max_new_tokens=20)))]
+    session = chunks[0].session_id
+    threads: list[str] = []
+    decode = orch.tokenizer.decode
+
+    def recording(ids, **kwargs):
+        threads.append(threading.current_thread().name)
+        return decode(ids, **kwargs)
+
+    orch.tokenizer.decode = recording
+    rest = await resume(orch, session, 12)
+    assert generated(rest) == REFERENCE[START + 12:START + 20] and rest[-1].text == TEXT[12:20]
+    assert threads and threading.main_thread().name not in threads
+
+
+async def test_closing_a_session_that_does_not_exist_sends_no_release():
+    """CloseSession fans a Release out to every replica of both pools: only for a session that exists."""
+    store, target, draft, orch = setup()
+    assert await orch.close_session("f" * 32) is False
+    assert target.released == [] and draft.released == []
+    chunks = [c async for c in orch.generate(orch.parse(request(max_new_tokens=4)))]
+    session = chunks[0].session_id
+    assert await orch.close_session(session, principal="mallory") is False  # another's: as if missing
+    assert target.released == [] and draft.released == []
+    assert await orch.close_session(session) is True
+    assert target.released == [session] and draft.released == [session]

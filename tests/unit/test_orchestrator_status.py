@@ -7,7 +7,7 @@ import asyncio
 import grpc
 import pytest
 
-from orchestrator.status import Counters, backend_status, status
+from orchestrator.status import BackendProbes, Counters, backend_status, status
 from specdec.client import _as_dict
 from specdec.server.metrics import SpecDecodingStats
 from specdec.v1 import common_pb2, orchestrator_pb2 as pb
@@ -57,7 +57,7 @@ def test_status_probes_every_backend():
         ("draft", FakeBackend("d:1", error=FakeRpcError())),
         ("draft", FakeBackend("d:2", error=asyncio.TimeoutError())),
     ]
-    reply = asyncio.run(status(Counters(), backends, "auto"))
+    reply = asyncio.run(status(Counters(), BackendProbes(lambda: backends, 0.0), "auto"))
     assert reply.default_draft_length == "auto" and reply.version
     target, dead, slow = reply.backends
     assert (target.role, target.address, target.healthy, target.model, target.kind, target.dtype) == \
@@ -84,6 +84,43 @@ def test_status_dict_keeps_64_bit_numbers_as_ints():
     assert d["generations_total"] == 5 and d["generated_tokens"] == 2**40
     assert d["backends"] == [{**d["backends"][0], "role": "target", "rtt_ms": 1.5, "healthy": False}]
     assert _as_dict(pb.GenerationStats(seed=2**63))["seed"] == 2**63
+
+
+class CountingBackend(FakeBackend):
+    """Counts its GetInfo calls; each takes a moment, so concurrent callers overlap."""
+
+    def __init__(self, address):
+        super().__init__(address, common_pb2.ModelInfo(model="m"))
+        self.calls = 0
+
+    async def info(self, timeout):
+        self.calls += 1
+        await asyncio.sleep(0.01)
+        return self._info
+
+
+def test_getstatus_asks_each_replica_at_most_once_per_interval_however_many_callers():
+    backends = [("target", CountingBackend("t:1")), ("target", CountingBackend("t:2")),
+                ("draft", CountingBackend("d:1"))]
+    members = list(backends)
+    probes = BackendProbes(lambda: members, ttl_s=60.0)
+
+    async def burst():
+        replies = await asyncio.gather(*(status(Counters(), probes, "auto") for _ in range(50)))
+        for _ in range(50):
+            replies.append(await status(Counters(), probes, "auto"))
+        return replies
+
+    replies = asyncio.run(burst())
+    assert all([b.address for b in r.backends] == ["t:1", "t:2", "d:1"] for r in replies)
+    assert [b.calls for _, b in backends] == [1, 1, 1]  # 100 GetStatus calls, one GetInfo per replica
+    members.pop(1)  # a replica that left is gone at once; the others keep their recent answers
+    assert [b.address for b in asyncio.run(status(Counters(), probes, "auto")).backends] == ["t:1", "d:1"]
+    assert [b.calls for _, b in backends] == [1, 1, 1]
+    fresh = BackendProbes(lambda: members, ttl_s=0.0)  # 0: every call asks
+    asyncio.run(status(Counters(), fresh, "auto"))
+    asyncio.run(status(Counters(), fresh, "auto"))
+    assert [b.calls for _, b in backends] == [3, 1, 3]
 
 
 def test_a_draft_is_reconciled_with_its_target_by_token_ids_not_weights():

@@ -161,3 +161,18 @@ def test_processed_logprobs_describe_the_distribution_drawn_from():
     assert math.isclose(float(table.exp().sum()), 1.0, abs_tol=1e-12)
     with pytest.raises(ValueError, match="top_logprobs"):
         token_logprobs(table, [0], top=21)
+
+
+def test_the_grammar_wins_over_min_tokens_where_it_allows_only_the_end():
+    """Row 0: the grammar allows only EOS (it is complete): min_tokens would leave nothing, so EOS
+    stays. Row 1: the grammar allows EOS and token 2: min_tokens holds EOS back as usual."""
+    eos, v = 0, 5
+    params = SamplingParams(min_tokens=5, end_token_ids=(eos,))
+    logits = torch.zeros(2, v, dtype=torch.float64)
+    allowed = torch.tensor([[True, False, False, False, False], [True, False, True, False, False]])
+    out = process_block(logits, [1, 2, 3], [4], params, allowed)
+    assert torch.isfinite(out[0]).tolist() == [True, False, False, False, False]
+    assert torch.isfinite(out[1]).tolist() == [False, False, True, False, False]
+    assert torch.isinf(process_block(logits, [1, 2, 3], [4], params)[:, eos]).all()  # no grammar: held back
+    plain = SamplingParams()  # no processor on: only the grammar's mask
+    assert torch.isfinite(process_block(logits, [1], [4], plain, allowed)).tolist() == allowed.tolist()

@@ -11,7 +11,7 @@ import pytest
 from orchestrator.backends import Busy, DraftReply, VerifyReply
 from orchestrator.replicas import DraftPool, Replica, TargetPool, parse_addresses, resolve
 from specdec.core.sampling import SamplingParams
-from specdec.errors import Unavailable
+from specdec.errors import FailedPrecondition, Unavailable
 from specdec.v1 import common_pb2
 
 
@@ -215,3 +215,50 @@ def test_a_busy_replica_that_does_not_answer_is_dead_and_the_call_moves_on():
     verify(pool, "s")
     assert a.calls == ["s"] and pool.replicas["b:1"].backend.calls == ["s"]
     assert pool.replicas["a:1"].failures == 1
+
+
+class DyingTarget(FakeTarget):
+    """A replica the call itself brings down (as a prompt that runs a target out of memory): it
+    fails the call and answers nothing after it."""
+
+    async def verify(self, session_id, history, proposal, params, seed, timeout=None, top_logprobs=None,
+                     limit_s=None):
+        self.calls.append(session_id)
+        self.answers = False
+        raise Unavailable(f"{self.address}: UNAVAILABLE: Socket closed")
+
+
+def dying_pool(*names: str, dying: set[str]) -> TargetPool:
+    pool = TargetPool(",".join(names), lambda a: (DyingTarget if a in dying else FakeTarget)(a), retry_s=60.0)
+    for name in names:
+        pool.replicas[name] = Replica(pool.make(name), fingerprint="fp")
+    return pool
+
+
+def test_a_call_that_brings_replicas_down_is_retried_once_never_swept_across_the_pool():
+    names = ("a:1", "b:1", "c:1", "d:1")
+    pool = dying_pool(*names, dying=set(names))
+    pool._affinity["s"] = "a:1"
+    with pytest.raises(FailedPrecondition, match="stopped answering") as info:
+        verify(pool, "s")
+    reached = [n for n in names if pool.replicas[n].backend.calls]
+    assert len(reached) == 2, reached  # the first replica and one retry; the other two never see it
+    assert all(n in str(info.value) for n in reached) and "session is kept" in str(info.value)
+
+
+def test_the_one_retry_goes_to_a_replica_that_answers_health_first():
+    pool = dying_pool("a:1", "b:1", "c:1", dying={"a:1"})
+    pool._affinity["s"] = "a:1"
+    pool.replicas["b:1"].rtt_s, pool.replicas["c:1"].rtt_s = 0.001, 0.010  # b is picked first
+    pool.replicas["b:1"].backend.answers = False  # down since its last probe: it must not get the call
+    assert verify(pool, "s").token_id == 3
+    assert pool.replicas["b:1"].backend.calls == [] and pool.replicas["c:1"].backend.calls == ["s"]
+    assert pool.replicas["b:1"].down_until > time.monotonic()
+
+
+def test_a_replica_that_fails_a_call_but_still_answers_is_not_counted_against_the_call():
+    pool = pool_of("a:1", "b:1", "c:1", failing={"a:1", "b:1"})  # errors, but alive
+    pool._affinity["s"] = "a:1"
+    pool.replicas["b:1"].rtt_s, pool.replicas["c:1"].rtt_s = 0.001, 0.010
+    assert verify(pool, "s").token_id == 3
+    assert [len(pool.replicas[n].backend.calls) for n in ("a:1", "b:1", "c:1")] == [1, 1, 1]

@@ -7,7 +7,20 @@ import random
 import pytest
 
 from specdec.core.sampling import SamplingParams
-from specdec.core.suffix import Speculation, SuffixIndex, best_speculation, decode_output, encode_output
+from specdec.core.suffix import (
+    FINGERPRINT_FIELD,
+    GROUP_FIELD,
+    OUTPUT_FIELD,
+    OutputEntry,
+    SkippedEntry,
+    Speculation,
+    SuffixIndex,
+    best_speculation,
+    decode_entry,
+    decode_output,
+    encode_entry,
+    encode_output,
+)
 from specdec.runtime.proposers import SuffixProposer
 
 
@@ -164,3 +177,62 @@ async def test_a_release_the_orchestrator_marks_forget_output_does_not_join_the_
     propose(proposer, "e", [1, 2, 3, 4, 5, 6], 1, output_start=3)
     assert await proposer.release("e") is True
     assert propose(proposer, "d", [0, 4, 5], 1) == [6]  # the same output, learned when allowed
+
+
+# -- one corpus per group ---------------------------------------------------------------------------
+
+
+def propose_as(proposer: SuffixProposer, group: str, session: str, history: list[int], k: int) -> list[int]:
+    return [d.token_id for d in proposer.propose(session, history, k, SamplingParams(), seed=0, group=group)]
+
+
+def test_an_output_drafts_only_for_its_own_group():
+    """A tenant's finished output must not draft another tenant's requests: with greedy decoding and a
+    logit_bias on a candidate, `accepted >= 1` would reveal the corpus's next token, one by one."""
+    proposer = SuffixProposer(min_prob=0.3)
+    proposer.add_output([7, 1, 2, 8, 8, 8], group="alice")
+    assert propose_as(proposer, "mallory", "m", [9, 1, 2], 3) == []
+    assert propose_as(proposer, "", "anon", [9, 1, 2], 3) == []  # nor the anonymous group
+    assert propose_as(proposer, "alice", "a", [9, 1, 2], 3) == [8, 8, 8]
+
+
+async def test_a_released_session_teaches_only_its_own_group():
+    proposer = SuffixProposer(learn_on_release=True)
+    propose_as(proposer, "alice", "c", [1, 2, 3, 4, 5, 6], 1)
+    assert await proposer.release("c") is True
+    assert propose_as(proposer, "mallory", "d", [0, 4, 5], 1) == []
+    assert propose_as(proposer, "alice", "e", [0, 4, 5], 1) == [6]
+
+
+def test_the_corpora_share_one_token_budget_and_the_least_recently_used_group_goes_first():
+    proposer = SuffixProposer(max_tokens=20)
+    proposer.add_output([1, 2, 3, 4, 5, 6], group="a")
+    proposer.add_output([1, 2, 3, 4, 5, 7], group="b")
+    assert propose_as(proposer, "a", "s", [1, 2, 3], 1) == [4]  # "a" is now the more recently used
+    proposer.add_output([1, 2, 3, 4, 5, 8, 9, 10, 11, 12], group="c")  # 6 + 6 + 10 (+ sentinels) > 20
+    assert propose_as(proposer, "b", "t", [1, 2, 3, 4, 5], 1) == []  # b's corpus went
+    assert propose_as(proposer, "a", "u", [1, 2, 3, 4, 5], 1) == [6]
+    assert propose_as(proposer, "c", "v", [1, 2, 3, 4, 5], 1) == [8]
+    assert proposer.corpora.tokens_held <= 20
+
+
+@pytest.mark.parametrize("fields, reason", [
+    ({OUTPUT_FIELD: encode_output([1, 2]), FINGERPRINT_FIELD: b"\xff"}, "malformed"),
+    ({OUTPUT_FIELD: encode_output([1, 2]), GROUP_FIELD: b"\xc3("}, "malformed"),
+    ({OUTPUT_FIELD: b"\x01\x00\x00"}, "malformed"),
+    ({OUTPUT_FIELD: encode_output([1, 2]), FINGERPRINT_FIELD: b"other"}, "other_tokenizer"),
+    ({OUTPUT_FIELD: b""}, "empty"),
+    ({}, "empty"),
+    ({OUTPUT_FIELD: encode_output([1, 100])}, "out_of_vocabulary"),
+    ({OUTPUT_FIELD: encode_output([1, 2**32 - 1])}, "out_of_vocabulary"),
+])
+def test_a_stream_entry_that_cannot_join_a_corpus_says_why(fields, reason):
+    with pytest.raises(SkippedEntry) as skipped:
+        decode_entry(fields, "fp", vocab_size=100)
+    assert skipped.value.reason == reason
+
+
+def test_a_stream_entry_round_trips_with_its_group():
+    assert decode_entry(encode_entry([1, 2, 99], "g1"), "fp", 100) == OutputEntry([1, 2, 99], "g1")
+    assert decode_entry(encode_entry([2**31 - 1]), "fp") == OutputEntry([2**31 - 1], "")  # no vocabulary: int32
+    assert decode_entry({**encode_entry([3]), FINGERPRINT_FIELD: b"fp"}, "fp", 100).tokens == [3]

@@ -165,6 +165,40 @@ The orchestrator's Redis flags, as a JSON list: the in-chart Redis or an externa
 {{- end }}
 {{- end }}
 
+{{/* ------------------------------------------------------------------ bearer tokens */}}
+
+{{/*
+The Secret holding the public APIs' bearer tokens ("" when none): auth.existingSecret, or its
+deprecated alias gateway.auth.existingSecret.
+*/}}
+{{- define "specdec.authSecret" -}}
+{{- $secret := .Values.auth.existingSecret }}
+{{- $alias := .Values.gateway.auth.existingSecret }}
+{{- if and $secret $alias (ne $secret $alias) }}
+{{- fail "auth.existingSecret and gateway.auth.existingSecret name different Secrets: set auth.existingSecret alone (gateway.auth is its deprecated alias)" }}
+{{- end }}
+{{- default $alias $secret }}
+{{- end }}
+
+{{/*
+The tokens file of the public APIs, for the orchestrator and the gateway alike: as JSON, the flags
+(`--auth-tokens-file`), the pod's volume and the container's read-only mount; empty lists when no
+Secret is set.
+*/}}
+{{- define "specdec.authTokens" -}}
+{{- $secret := include "specdec.authSecret" . }}
+{{- $out := dict "args" list "volumes" list "mounts" list }}
+{{- if $secret }}
+{{- $key := ternary .Values.auth.tokensKey .Values.gateway.auth.tokensKey (not (empty .Values.auth.existingSecret)) }}
+{{- $dir := "/etc/specdec/auth" }}
+{{- $out = dict "args" (list "--auth-tokens-file" (printf "%s/tokens" $dir))
+      "volumes" (list (dict "name" "auth-tokens" "secret" (dict "secretName" $secret "defaultMode" 288
+        "items" (list (dict "key" $key "path" "tokens")))))
+      "mounts" (list (dict "name" "auth-tokens" "mountPath" $dir "readOnly" true)) }}
+{{- end }}
+{{- toJson $out }}
+{{- end }}
+
 {{/* ------------------------------------------------------------------ pods */}}
 
 {{/* image reference of a component: (dict "root" $ "image" .Values.target.image) */}}

@@ -23,7 +23,13 @@
  *
  * This file holds what does not depend on the element type and the float32 vector loops; the work
  * items, the merge and the entry points specdec_attend_f32 and specdec_attend_f64 are in
- * attend_impl.h, included at the end once per type. They return a `specdec_status` (status.h). */
+ * attend_impl.h, included at the end once per type. They return a `specdec_status` (status.h).
+ *
+ * Every buffer comes with its sizes and the bytes of storage behind its pointer, and `check_call`
+ * refuses (SPECDEC_OUT_OF_BOUNDS) a call whose plan would read or write past any of them, before
+ * anything is stored: keys and values can come from another replica through Redis, and the Python
+ * side's checks (`native_attention`, `kv_buffer`) are the first line, this the last.
+ * `tests/unit/test_native_asan.py` runs the kernels' tests under AddressSanitizer. */
 
 #include <math.h>
 #include <stdint.h>
@@ -39,6 +45,7 @@
 #define CHUNK 1024
 #define MAXQ 64    /* most queries (G * n) per row and head; longer blocks take the matmul path */
 #define MAXDIM 256 /* largest head_dim */
+#define MAXHEADS 4096 /* most key/value heads */
 #define SUB 32     /* keys per pass of the value loops: their rows stay in L1 across the passes */
 /* The vector loops' first pass over the keys (values) of an item asks for the row AHEAD_KEYS
  * (AHEAD_VALUES) positions on. The hardware prefetcher follows these streams, but not far enough
@@ -65,8 +72,17 @@ static inline void fetch_row(const void *row, int bytes) {
 typedef struct {
     const void *base; /* element [0, 0, 0, 0, 0] of the segment: keys at base, values at base + kv_stride */
     int64_t kv_stride, layer_stride, head_stride, pos_stride; /* in elements */
-    int64_t start, width; /* absolute position of its first key; positions it holds */
+    int64_t start, width; /* absolute position of its first key; positions the row reads from it */
+    int64_t layers, heads, positions, dim; /* its sizes, [2, layers, heads, positions, dim] */
+    int64_t bytes; /* of storage from base on: every element its sizes and strides reach lies within */
 } segment_t;
+
+/* Queries, outputs, new keys or values: `[tokens, heads, dim]` from base, with strides (dim contiguous). */
+typedef struct {
+    void *base;
+    int64_t t_stride, h_stride; /* in elements */
+    int64_t bytes;              /* of storage from base on */
+} rows_t;
 
 typedef struct {
     int32_t first_segment, segments; /* into the segment array, in position order */
@@ -321,13 +337,67 @@ static void values_f32(const float *w, int nq, int dim, const float *const *valu
 /* A row's own buffer: the last of its segments (shared prefix views come first). */
 #define OWN(segs, row) ((segs) + (row)->first_segment + (row)->segments - 1)
 
-/* Whether the rows fit the kernel, checked before anything is stored: SPECDEC_OK, or what does not
- * (`storing`: new keys/values are to be stored, which must not land in a shared prefix). */
-static int check_rows(int rows, const row_t *row, const segment_t *segs, int groups, int dim, int storing) {
-    if (dim < 1 || dim > MAXDIM || rows < 1) return SPECDEC_BAD_SHAPE;
+/* Whether the element offsets `sizes[i] - 1` times `strides[i]`, summed, plus `dim` elements of `elem`
+ * bytes stay within `bytes` (no size 0; strides not negative; no overflow on the way). */
+static int fits(int n, const int64_t *sizes, const int64_t *strides, int64_t dim, int64_t elem, int64_t bytes) {
+    int64_t last = dim - 1, term;
+    for (int i = 0; i < n; i++) {
+        if (sizes[i] < 1 || strides[i] < 0) return 0;
+        if (__builtin_mul_overflow(sizes[i] - 1, strides[i], &term) || __builtin_add_overflow(last, term, &last))
+            return 0;
+    }
+    return !__builtin_mul_overflow(last + 1, elem, &term) && term <= bytes;
+}
+
+/* Whether a segment's sizes hold what the call reads (`layer`, `heads_kv` heads of `dim`, `width`
+ * positions) and its sizes and strides stay within its storage. */
+static int segment_fits(const segment_t *s, int layer, int heads_kv, int dim, int64_t elem) {
+    if (!s->base || layer < 0 || layer >= s->layers || s->heads < heads_kv || s->dim != dim) return 0;
+    if (s->width < 0 || s->width > s->positions) return 0;
+    if (s->positions == 0) return 1; /* nothing to read */
+    int64_t sizes[4] = {2, s->layers, s->heads, s->positions};
+    int64_t strides[4] = {s->kv_stride, s->layer_stride, s->head_stride, s->pos_stride};
+    return fits(4, sizes, strides, dim, elem, s->bytes);
+}
+
+/* Whether rows `[tokens, heads, dim]` fit their storage (a null base: none given, fine). */
+static int rows_fit(const rows_t *t, int64_t tokens, int heads, int dim, int64_t elem) {
+    if (!t || !t->base) return 1;
+    int64_t sizes[2] = {tokens, heads}, strides[2] = {t->t_stride, t->h_stride};
+    return fits(2, sizes, strides, dim, elem, t->bytes);
+}
+
+/* Whether the call fits the kernel and reads and writes only within what it was given, checked before
+ * anything is stored: SPECDEC_OK, or what does not. Each row's queries lie among the `tokens` rows of
+ * q, out (and new keys and values, when `storing`: these must not land in a shared prefix); its
+ * segments lie in the array, follow each other without a gap from position 0 to its last query's
+ * key, and each fits its storage (`segment_fits`). The Python side checks the same before it calls
+ * (`native_attention`); this is the last line, for a plan that got past it. */
+static int check_call(int rows, const row_t *row, int nsegs, const segment_t *segs, int layer, int heads_kv,
+                      int groups, int dim, int64_t tokens, const rows_t *q, const rows_t *k, const rows_t *v,
+                      const rows_t *out, int64_t elem) {
+    int storing = k && k->base;
+    if (dim < 1 || dim > MAXDIM || rows < 1 || heads_kv < 1 || heads_kv > MAXHEADS || groups < 1 || groups > MAXQ)
+        return SPECDEC_BAD_SHAPE;
+    if (tokens < 1 || !q || !q->base || !out || !out->base || (storing && (!v || !v->base)))
+        return SPECDEC_OUT_OF_BOUNDS;
+    if (!rows_fit(q, tokens, heads_kv * groups, dim, elem) || !rows_fit(out, tokens, heads_kv * groups, dim, elem) ||
+        !rows_fit(k, tokens, heads_kv, dim, elem) || !rows_fit(v, tokens, heads_kv, dim, elem))
+        return SPECDEC_OUT_OF_BOUNDS;
     for (int r = 0; r < rows; r++) {
-        if (row[r].queries < 1 || row[r].queries * groups > MAXQ) return SPECDEC_BAD_SHAPE;
-        if (storing && row[r].past < OWN(segs, row + r)->start) return SPECDEC_PREFIX_WRITE;
+        const row_t *w = row + r;
+        if (w->queries < 1 || w->queries > MAXQ || w->queries * groups > MAXQ) return SPECDEC_BAD_SHAPE;
+        if (w->first_query < 0 || w->first_query + (int64_t)w->queries > tokens || w->past < 0) return SPECDEC_OUT_OF_BOUNDS;
+        if (w->segments < 1 || w->first_segment < 0 || (int64_t)w->first_segment + w->segments > nsegs)
+            return SPECDEC_OUT_OF_BOUNDS;
+        int64_t next = 0;
+        for (int i = 0; i < w->segments; i++) {
+            const segment_t *s = segs + w->first_segment + i;
+            if (s->start != next || !segment_fits(s, layer, heads_kv, dim, elem)) return SPECDEC_OUT_OF_BOUNDS;
+            next += s->width;
+        }
+        if (next != w->past + w->queries) return SPECDEC_OUT_OF_BOUNDS;
+        if (storing && w->past < OWN(segs, w)->start) return SPECDEC_PREFIX_WRITE;
     }
     return SPECDEC_OK;
 }

@@ -150,24 +150,29 @@ static void FN(merge_items)(int rows, const row_t *row, const int64_t *first, in
         }
 }
 
-/* The entry point (see the top of attend.c): a `specdec_status`. */
-int FN(specdec_attend)(int rows, const row_t *row, const segment_t *segs, int layer, int heads_kv, int groups,
-                       int dim, const T *q, int64_t q_t, int64_t q_h, const T *k, int64_t k_t, int64_t k_h,
-                       const T *v, int64_t v_t, int64_t v_h, T *out, int64_t o_t, int64_t o_h, double scale,
-                       int threads) {
-    int status = check_rows(rows, row, segs, groups, dim, k != NULL);
+/* The entry point (see the top of attend.c): a `specdec_status`. `segs`: `nsegs` segments; q, out (and
+ * k, v: the new keys and values to store, or null) hold `tokens` rows. */
+int FN(specdec_attend)(int rows, const row_t *row, int nsegs, const segment_t *segs, int layer, int heads_kv,
+                       int groups, int dim, int64_t tokens, const rows_t *q, const rows_t *k, const rows_t *v,
+                       const rows_t *out, double scale, int threads) {
+    int status = check_call(rows, row, nsegs, segs, layer, heads_kv, groups, dim, tokens, q, k, v, out, sizeof(T));
     if (status != SPECDEC_OK) return status;
+    int storing = k && k->base;
     int64_t *first = malloc(sizeof(int64_t) * (rows + 1)); /* first item of each row */
     if (!first) return SPECDEC_NO_MEMORY;
     int64_t stride = (int64_t)(2 + dim) * plan_items(rows, row, heads_kv, groups, first);
     T *state = malloc(sizeof(T) * stride * first[rows]);
-    if (k && state) FN(store_new)(rows, row, segs, layer, heads_kv, dim, k, k_t, k_h, v, v_t, v_h);
+    if (storing && state)
+        FN(store_new)(rows, row, segs, layer, heads_kv, dim, (const T *)k->base, k->t_stride, k->h_stride,
+                      (const T *)v->base, v->t_stride, v->h_stride);
     int failed = !state;
+    const T *qs = (const T *)q->base;
 #pragma omp parallel if (!failed) num_threads(threads)
     {
-        FN(run_items)(rows, row, segs, first, layer, heads_kv, groups, dim, q, q_t, q_h, (T)scale, state, stride,
-                      &failed);
-        FN(merge_items)(rows, row, first, heads_kv, groups, dim, state, stride, out, o_t, o_h, &failed);
+        FN(run_items)(rows, row, segs, first, layer, heads_kv, groups, dim, qs, q->t_stride, q->h_stride, (T)scale,
+                      state, stride, &failed);
+        FN(merge_items)(rows, row, first, heads_kv, groups, dim, state, stride, (T *)out->base, out->t_stride,
+                        out->h_stride, &failed);
     }
     free(state);
     free(first);

@@ -19,6 +19,8 @@
 
 #include <stdint.h>
 
+#include "status.h"
+
 #define ROWS 4 /* weight rows per block */
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -156,9 +158,22 @@ static void rows_one(int m, const float *x, int64_t x_t, const float *w, int k, 
     }
 }
 
-int specdec_linear_f32(int m, int n, int k, const float *x, int64_t x_t, const float *w, float *y, int64_t y_t,
-                       int threads) {
-    if (m < 1 || n < 1 || k < 1) return -1;
+/* Whether rows `[rows, width]` with a row stride of `stride` floats stay within `bytes` (no overflow). */
+static int rows_fit(int64_t rows, int64_t width, int64_t stride, int64_t bytes) {
+    int64_t last;
+    if (stride < 0 || __builtin_mul_overflow(rows - 1, stride, &last) || __builtin_add_overflow(last, width, &last))
+        return 0;
+    return !__builtin_mul_overflow(last, (int64_t)sizeof(float), &last) && last <= bytes;
+}
+
+/* y `[m, n]` (row stride y_t) = x `[m, k]` (row stride x_t) times w `[n, k]` (contiguous) transposed; each
+ * pointer comes with the bytes of storage from it on, and a product that would read or write past them is
+ * refused (SPECDEC_OUT_OF_BOUNDS; a size below 1: SPECDEC_BAD_SHAPE). */
+int specdec_linear_f32(int m, int n, int k, const float *x, int64_t x_t, int64_t x_bytes, const float *w,
+                       int64_t w_bytes, float *y, int64_t y_t, int64_t y_bytes, int threads) {
+    if (m < 1 || n < 1 || k < 1) return SPECDEC_BAD_SHAPE;
+    if (!x || !w || !y || !rows_fit(m, k, x_t, x_bytes) || !rows_fit(n, k, k, w_bytes) || !rows_fit(m, n, y_t, y_bytes))
+        return SPECDEC_OUT_OF_BOUNDS;
     int64_t blocks = VECTOR(k) ? n / ROWS : 0;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t b = 0; b < blocks; b++) { /* a thread's blocks are contiguous: it reads b + 1 next */
