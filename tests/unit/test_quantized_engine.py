@@ -50,7 +50,9 @@ def test_gguf_blocks_decode_greedily_as_their_float32_dequantization():
     engines = {name: SessionCaches(loaded.model, 1024) for name, loaded in (("gguf", blocks), ("dense", dense))}
     steps, same, ties, report = 32, 0, 0, []
     for i, text in enumerate(PROMPTS):
-        prompt = blocks.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        chat = blocks.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                    tokenize=False)
+        prompt = list(blocks.tokenizer(chat, add_special_tokens=False)["input_ids"])
         (ours, our_gaps), (theirs, their_gaps) = (_greedy(engines[name], f"p{i}", prompt, steps)
                                                   for name in ("gguf", "dense"))
         ties += sum(min(a, b) < NEAR_TIE for a, b in zip(our_gaps, their_gaps))
