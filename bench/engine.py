@@ -30,6 +30,14 @@ passes interleaved so that load from elsewhere on a shared machine hits them ali
   x86-64-v3 (their AVX2 loops), where `new` runs the build for this CPU (its AVX-512 loops where
   it has them).
 
+Weight formats (`--formats gguf,float32,int8,int4`, beside or instead of the engines: `--engines ""`):
+the `new` engine on the same model loaded each way, timed interleaved in one run into the JSON's
+`formats` section, each cell against the floor of the bytes *that format* reads a step
+(`ServedWeights.nbytes`: the projections and the output layer as stored, plus the K/V):
+`gguf` (a GGUF's blocks as stored, `--weights gguf`), `float32` (the same weights de-quantized,
+`--weights dense`), `int8`, `int4` (the float32 model quantized at load, `--quantize`, groups of
+`--quantize-group`).
+
 Each figure also appears as a multiple of its floor: (weight bytes + every row's K/V bytes read)
 / the read bandwidth this script measures (sum of a ~500 MB float32 tensor, median of several).
 Beside it, the compute floor: the pass's multiply-adds (every projection, the output layer
@@ -258,6 +266,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--max-seconds", type=float, default=15.0, help="skip a cell (and larger ones) past this")
     ap.add_argument("--max-gb", type=float, default=6.0, help="skip a cell whose caches need more memory")
+    ap.add_argument("--formats", default="", help="weight formats to time side by side: gguf,float32,int8,int4")
+    ap.add_argument("--quantize-group", type=int, default=32, help="group size of the int8 / int4 formats")
     ap.add_argument("--out", default="bench/results/engine.json")
     args = ap.parse_args()
 
@@ -273,7 +283,7 @@ def main() -> None:
     print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s, weights {weights / 1e6:.0f} MB, "
           f"K/V {kv_token_bytes / 1e3:.1f} KB a token"
           + (f", float32 FMA {peak / 1e9:.0f} GFLOP/s on {args.threads} threads" if peak else ""), flush=True)
-    engines = args.engines.split(",")
+    engines = [e for e in args.engines.split(",") if e]
     probe = current.SessionCaches(model, 64, engine=EngineOptions(linear_rows="auto"))  # as a service measures it
     probe.warm_up()
     linear_rows = getattr(probe.forward, "linear_rows", 0)
@@ -285,7 +295,7 @@ def main() -> None:
         print(f"compiled in {compile_s:.1f} s", flush=True)
     too_big: dict[str, list[tuple[int, int, int]]] = {e: [] for e in engines}
     rows = []
-    for positions, context, sessions in cells(args):
+    for positions, context, sessions in (cells(args) if engines else []):
         floor_s = (weights + sessions * (context + positions) * kv_token_bytes) / bandwidth
         row = {"positions": positions, "context": context, "sessions": sessions, "floor_s": floor_s,
                "flops": pass_flops(positions, context, sessions, params, layers, heads, dim)}
@@ -326,13 +336,59 @@ def main() -> None:
               "machine": platform.processor() or platform.machine(), "torch": torch.__version__, "compile_s": compile_s,
               "native_linear_rows": linear_rows,
               "summary": summary(rows), "cells": rows}
+    if args.formats:
+        result["formats"] = weight_formats(args, bandwidth, linear_rows)
     for line in result["summary"]:
         print(line)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {out}")
-    plot(rows, out.with_suffix(".png"))
+    if rows:
+        plot(rows, out.with_suffix(".png"))
+
+
+FORMATS = {"gguf": {"weights": "gguf"}, "float32": {"weights": "dense"},
+           "int8": {"weights": "dense", "quantize": "int8"}, "int4": {"weights": "dense", "quantize": "int4"}}
+
+
+def weight_formats(args, bandwidth: float, linear_rows: int) -> dict:
+    """The `new` engine on `args.model` in each of `args.formats` (`FORMATS`), every cell timed with
+    the formats interleaved, each against the floor of the bytes its own format reads."""
+    loaded = {}
+    for name in args.formats.split(","):
+        loaded[name] = load_model(args.model, progress=False, quantize_group=args.quantize_group, **FORMATS[name])
+        print(f"format {name}: {loaded[name].weights.format}, {loaded[name].weights.nbytes / 1e6:.1f} MB a step",
+              flush=True)
+    again = read_bandwidth()  # the floor takes the better of two reads: load from elsewhere only lowers it
+    print(f"read bandwidth again {again / 1e9:.1f} GB/s", flush=True)
+    bandwidth = max(bandwidth, again)
+    any_model = next(iter(loaded.values()))
+    layers, heads, dim = kv_geometry(any_model.model)
+    kv_token_bytes = layers * heads * dim * 2 * 4  # float32 K/V whatever the weights
+    rows = []
+    for positions, context, sessions in cells(args):
+        kv = sessions * (context + positions) * kv_token_bytes
+        runs = {name: Cell("new", m.model, context, sessions, positions, m.vocab_size, linear_rows=linear_rows).batched
+                for name, m in loaded.items()}
+        row = {"positions": positions, "context": context, "sessions": sessions,
+               **measure(runs, args.repeats, args.max_seconds)}
+        for name, m in loaded.items():
+            floor = (m.weights.nbytes + kv) / bandwidth
+            row[name].update(format=m.weights.format, weight_bytes=m.weights.nbytes, floor_s=floor)
+            if "median_s" in row[name]:
+                row[name]["over_floor"] = row[name]["median_s"] / floor
+        del runs
+        rows.append(row)
+        print(f"pos {positions} ctx {context:5d} sessions {sessions:2d}: " + "  ".join(
+            f"{name} {row[name]['median_s'] * 1e3:6.1f} ms (min {row[name]['min_s'] * 1e3:.1f}, floor "
+            f"{row[name]['floor_s'] * 1e3:.1f}, {row[name]['over_floor']:.1f}x)" if "median_s" in row[name]
+            else f"{name} skipped" for name in loaded), flush=True)
+    return {"quantize_group": args.quantize_group, "kv_bytes_per_token": kv_token_bytes,
+            "read_bandwidth_gb_s": bandwidth / 1e9,
+            "weights": {name: {"format": m.weights.format, "bytes": m.weights.nbytes,
+                               "fingerprint": m.weights.fingerprint} for name, m in loaded.items()},
+            "cells": rows}
 
 
 def summary(rows: list[dict]) -> list[str]:

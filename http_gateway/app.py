@@ -219,6 +219,19 @@ class Gateway:
             self._model = target["model"]
         return self._model
 
+    async def weights(self, token: str | None = None) -> dict[str, str]:
+        """What each healthy backend serves ("target", "draft": ModelInfo.weights, with "_fingerprint"
+        keys beside them), as the orchestrator reports it now; empty where it cannot say."""
+        try:
+            status = await self.status(token)
+        except ApiError:
+            return {}
+        out: dict[str, str] = {}
+        for b in status["backends"]:
+            if b["healthy"] and b.get("weights") and b["role"] not in out:
+                out[b["role"]], out[b["role"] + "_fingerprint"] = b["weights"], b.get("weights_fingerprint", "")
+        return out
+
     async def check_model(self, requested: str, token: str | None = None) -> str:
         served = await self.model(token)
         if requested != served:
@@ -375,13 +388,17 @@ def _add_health_and_models(app: FastAPI, gateway: Gateway) -> None:
 
     @app.get("/v1/models", responses={200: {"model": openapi.ModelList}, **openapi.MODEL_RESPONSES})
     async def models(request: Request):
-        model = await gateway.model(gateway.authorize(request))
-        return {"object": "list", "data": [{"id": model, "object": "model", "created": 0, "owned_by": "specdec"}]}
+        token = gateway.authorize(request)
+        model = await gateway.model(token)
+        return {"object": "list", "data": [{"id": model, "object": "model", "created": 0, "owned_by": "specdec",
+                                            "weights": await gateway.weights(token)}]}
 
     @app.get("/v1/models/{model_id:path}", responses={200: {"model": openapi.Model}, **openapi.MODEL_RESPONSES})
     async def model(model_id: str, request: Request):
-        served = await gateway.check_model(model_id, gateway.authorize(request))
-        return {"id": served, "object": "model", "created": 0, "owned_by": "specdec"}
+        token = gateway.authorize(request)
+        served = await gateway.check_model(model_id, token)
+        return {"id": served, "object": "model", "created": 0, "owned_by": "specdec",
+                "weights": await gateway.weights(token)}
 
 
 def _add_generation_routes(app: FastAPI, gateway: Gateway) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 
 class ErrorDetail(BaseModel):
@@ -126,6 +126,10 @@ class Model(BaseModel):
     object: Literal["model"]
     created: int
     owned_by: str
+    weights: dict[str, str] = Field(
+        default_factory=dict, description="specdec: the weights each backend serves (\"target\", \"draft\": e.g. "
+        "\"gguf:q4_1+q8_0\", \"int4g64\", \"float32\"; \"target_fingerprint\", \"draft_fingerprint\": their "
+        "fingerprints); empty when the orchestrator cannot say.")
 
 
 class ModelList(BaseModel):

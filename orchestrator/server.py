@@ -79,7 +79,8 @@ async def build_orchestrator(config: OrchestratorConfig) -> Orchestrator:
     elif "share_outputs" in config.model_fields_set and config.share_outputs:
         raise StartupError("--share-outputs: there is no draft (--draft is unset), so no corpus of outputs to share; "
                            "drop the flag")
-    log.info("target %s: %s (%s)", config.target, target_info.model, target_info.dtype)
+    log.info("target %s: %s (weights %s %s)", config.target, target_info.model,
+             target_info.weights or target_info.dtype, target_info.weights_fingerprint or "-")
     for pool in (target, draft):
         if pool is not None:
             pool.watch()
@@ -92,19 +93,33 @@ async def start_draft(draft: DraftPool, config: OrchestratorConfig, target_info:
         draft_info = await draft.start(timeout_s=60.0)
     except Unavailable as exc:
         raise StartupError(f"draft service at {config.draft} is not reachable: {exc}") from exc
-    if draft_info.tokenizer_fingerprint != target_info.tokenizer_fingerprint:
-        raise StartupError(
-            f"draft model {draft_info.model!r} and target model {target_info.model!r} have different "
-            f"tokenizers ({draft_info.tokenizer_fingerprint} vs {target_info.tokenizer_fingerprint}); "
-            "speculative decoding needs a draft that shares the target's tokenizer"
-        )
+    mismatch = irreconcilable(draft_info, target_info)
+    if mismatch:
+        raise StartupError(mismatch)
     if "share_outputs" in config.model_fields_set and config.share_outputs and not draft_info.learns_outputs:
         raise StartupError(f"--share-outputs: the draft at {config.draft} is a {draft_info.kind!r} draft, which keeps "
                            "no corpus of outputs, so nothing would be shared; drop the flag, or run the draft with "
                            "--proposer suffix or hybrid")
     draft.expected_fingerprint = target_info.tokenizer_fingerprint
     await draft.refresh()  # now with the fingerprint: a mismatched replica is left out
-    log.info("draft %s: %s (%s, %s)", config.draft, draft_info.model, draft_info.kind, draft_info.dtype)
+    log.info("draft %s: %s (%s, weights %s %s)", config.draft, draft_info.model, draft_info.kind,
+             draft_info.weights or draft_info.dtype, draft_info.weights_fingerprint or "-")
+
+
+def irreconcilable(draft: common_pb2.ModelInfo, target: common_pb2.ModelInfo) -> str:
+    """Why a draft cannot speculate for a target ("" when it can). A pair is reconciled by its
+    token ids, not its weights: the draft must share the target's tokenizer (the same strings to
+    the same ids) and, where it scores tokens with a model (its q rows), the width of the target's
+    logits. Its weights may be anything, and that is the point of a draft: a quantized copy of a
+    full-precision target (or the target itself) stays lossless, since the target's p decides."""
+    if draft.tokenizer_fingerprint != target.tokenizer_fingerprint:
+        return (f"draft model {draft.model!r} and target model {target.model!r} have different tokenizers "
+                f"({draft.tokenizer_fingerprint} vs {target.tokenizer_fingerprint}); speculative decoding needs a "
+                "draft that shares the target's tokenizer")
+    if "model" in draft.draft_sources and draft.vocab_size and draft.vocab_size != target.vocab_size:
+        return (f"draft model {draft.model!r} scores {draft.vocab_size} token ids, the target {target.vocab_size}: "
+                "their distributions cannot be compared token by token")
+    return ""
 
 
 def public_api_security(config: OrchestratorConfig) -> dict:

@@ -83,6 +83,7 @@ async def backend_status(role: str, backend, timeout_s: float) -> pb.BackendStat
         out.kv_cache_bytes_used, out.kv_cache_bytes_budget = info.kv_cache_bytes_used, info.kv_cache_bytes_budget
         out.prefix_cache_queries, out.prefix_cache_hits = info.prefix_cache_queries, info.prefix_cache_hits
         out.reads_shared_outputs = info.reads_shared_outputs
+        out.weights, out.weights_fingerprint = info.weights, info.weights_fingerprint
     out.rtt_ms = (time.perf_counter() - start) * 1e3
     return out
 

@@ -17,9 +17,11 @@ DEFAULT_ADDRESS = os.environ.get("SPECDEC_ADDRESS", "127.0.0.1:50051")
 # Flags of `specdec up` whose default differs from the PipelineSpec's (one made in code starts no gateway).
 UP_DEFAULTS = {"http_port": 8000}
 # Flags of `specdec up` that only one proposer reads: given with another, they are refused.
-PROPOSER_FLAGS = {"ngram_min": "ngram", "ngram_max": "ngram"}
+PROPOSER_FLAGS = {"ngram_min": ("ngram",), "ngram_max": ("ngram",), "draft_quantize": ("model", "hybrid"),
+                  "draft_quantize_group": ("model", "hybrid")}
 # Flags of `specdec up` refused at once, before anything starts, unless one of these.
-PLAN_CHOICES = {"proposer": ("suffix", "ngram", "model", "hybrid", "none")}
+PLAN_CHOICES = {"proposer": ("suffix", "ngram", "model", "hybrid", "none"), "target_weights": ("auto", "gguf", "dense"),
+                "draft_quantize": ("none", "int4", "int8")}
 
 
 def _add_plan_flags(parser: argparse.ArgumentParser) -> None:
@@ -30,6 +32,11 @@ def _add_plan_flags(parser: argparse.ArgumentParser) -> None:
         "target_dtype": "target weight dtype", "target_threads": "torch threads of the target process",
         "draft_model": "draft model (for --proposer model or hybrid); its tokenizer must match the target's",
         "draft_dtype": "draft weight dtype", "draft_threads": "torch threads of the draft process",
+        "target_weights": "the target's weights: gguf (a GGUF's quantized blocks run as stored: the packaged "
+                          "default's q4_1/q8_0), dense (float weights in --target-dtype) or auto (gguf where it runs)",
+        "draft_quantize": "quantize the draft model at load (--proposer model or hybrid): int4 or int8, float32 "
+                          "activations; e.g. --draft-model the target's with int4 for a quantized copy of it",
+        "draft_quantize_group": "weights per --draft-quantize group (a multiple of 32)",
         "target_device": "where the target runs: auto (a CUDA GPU if any, else the CPU), cpu, cuda or cuda:N",
         "draft_device": "where the draft model runs (auto, cpu, cuda or cuda:N); on one GPU both may share it",
         "proposer": "draft source: suffix (suffix speculation: the session's history and earlier outputs), ngram "
@@ -63,12 +70,12 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
 
 def _misplaced_flags(args: argparse.Namespace) -> str:
     """Why the proposer flags given do not fit --proposer ("" when they do)."""
-    misplaced = [name for name, proposer in PROPOSER_FLAGS.items()
-                 if getattr(args, name, None) is not None and args.proposer != proposer]
+    misplaced = [name for name, proposers in PROPOSER_FLAGS.items()
+                 if getattr(args, name, None) is not None and args.proposer not in proposers]
     if not misplaced:
         return ""
     flags = ", ".join("--" + name.replace("_", "-") for name in misplaced)
-    wanted = PROPOSER_FLAGS[misplaced[0]]
+    wanted = " or ".join(PROPOSER_FLAGS[misplaced[0]])
     return (f"{flags}: options of --proposer {wanted}, which --proposer {args.proposer} does not run; drop them "
             f"or choose --proposer {wanted}")
 
@@ -76,7 +83,7 @@ def _misplaced_flags(args: argparse.Namespace) -> str:
 def cmd_up(args: argparse.Namespace) -> int:
     require_serving("specdec up")
     from specdec.launcher import Pipeline, PipelineSpec, Stopped, state_file
-    from specdec.runtime.models import resolve_model_path
+    from specdec.runtime.models import prepare_model
 
     misplaced = _misplaced_flags(args)
     if misplaced:
@@ -89,9 +96,13 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(f"a detached pipeline may already be running ({state_file()}); run `specdec down` first",
               file=sys.stderr)
         return 1
-    # Convert packaged models once, here, with a progress bar, before the services load them.
-    for spec in {plan.target_model, plan.draft_model}:
-        resolve_model_path(spec, progress=True)
+    # Prepare packaged models once, here, with a progress bar, before the services load them: a GGUF
+    # is described (config, tokenizer), and converted to float32 only where dense weights will load.
+    target_dense = plan.target_weights == "dense" or plan.target_dtype != "float32"
+    draft_dense = plan.proposer in ("model", "hybrid") and (plan.draft_quantize != "none"
+                                                            or plan.draft_dtype != "float32")
+    for spec, dense in ((plan.target_model, target_dense), (plan.draft_model, draft_dense)):
+        prepare_model(spec, dense, progress=True)
     pipeline = Pipeline(plan, tied_to_parent=not args.detach)
 
     def on_signal(signum: int, _frame) -> None:
@@ -318,8 +329,9 @@ def _format_status(status: dict) -> list[str]:
     ]
     for b in status["backends"]:
         if b["healthy"]:
+            weights = f"weights {b['weights']} {b.get('weights_fingerprint', '')}, " if b.get("weights") else ""
             lines.append(f"  {b['role']:<7} {b['address']:<22} healthy  {b['model']} ({b['kind']}, {b['dtype']}, "
-                         f"{b.get('device') or 'cpu'})  "
+                         f"{weights}{b.get('device') or 'cpu'})  "
                          f"rtt {b['rtt_ms']:.1f} ms{_kv_summary(b)}"
                          + ("  reads the shared outputs stream" if b.get("reads_shared_outputs") else ""))
         else:

@@ -43,6 +43,9 @@ class PipelineSpec:
     draft_model: str = DEFAULT_MODEL
     draft_dtype: str = "bfloat16"
     draft_threads: int | None = None
+    target_weights: str = "auto"  # --weights of the target: auto, gguf (a GGUF's blocks as stored) or dense
+    draft_quantize: str = "none"  # --quantize of the draft model (int4, int8): a quantized copy, float32 activations
+    draft_quantize_group: int = 32
     draft_device: str = "auto"
     proposer: str = "suffix"  # "suffix", "ngram", "model", "hybrid" (model + suffix) or "none" (no draft service)
     draft_length: str = "auto"  # "auto" or a fixed k
@@ -84,13 +87,19 @@ class PipelineSpec:
             "target": [py, "-m", "target_service", "--host", self.host, "--port", str(self.target_port),
                        "--model", self.target_model, "--dtype", self.target_dtype, "--device", self.target_device],
         }
+        if self.target_weights != "auto":
+            cmds["target"] += ["--weights", self.target_weights]
         if self.target_threads:
             cmds["target"] += ["--threads", str(self.target_threads)]
         cmds["target"] += self._common_args() + self.extra_target_args
         if self.proposer != "none":
+            quantized = self.draft_quantize != "none" and self.proposer in ("model", "hybrid")
+            dtype = self.draft_dtype if not quantized or self.draft_dtype in ("float32", "float64") else "float32"
             cmds["draft"] = [py, "-m", "draft_service", "--host", self.host, "--port", str(self.draft_port),
-                             "--proposer", self.proposer, "--model", self.draft_model, "--dtype", self.draft_dtype,
+                             "--proposer", self.proposer, "--model", self.draft_model, "--dtype", dtype,
                              "--device", self.draft_device]
+            if quantized:  # the quantized kernels take float32 activations (a bfloat16 default gives way)
+                cmds["draft"] += ["--quantize", self.draft_quantize, "--quantize-group", str(self.draft_quantize_group)]
             if self.proposer == "ngram":
                 cmds["draft"] += ["--ngram-min", str(self.ngram_min), "--ngram-max", str(self.ngram_max)]
             if self.proposer in ("suffix", "hybrid"):  # the corpus of earlier outputs is shared through the Redis

@@ -25,6 +25,10 @@ row, 54 / 83 at 16, 75 / 95 at 24, 138 / 158 at 48, even at 64, slower beyond (1
 
 Switch = Literal["auto", "on", "off"]
 Kernels = Literal["auto", "native", "torch"]
+Weights = Literal["auto", "gguf", "dense"]
+Quantize = Literal["none", "int8", "int4"]
+QUANTIZE_GROUP = 32
+"""Weights per group of `--quantize` by default: int4 at 32 is byte for byte q4_1, int8 at 32 q8_0."""
 
 
 @dataclass(frozen=True)
@@ -47,12 +51,27 @@ class EngineOptions:
     `warm_up` against the pre-packed weights; None: every pass up to `LINEAR_MAX_ROWS` rows. A count
     above 0 where the linear kernel does not run is refused: it would change nothing."""
 
+    weights: Weights = "auto"
+    """Which weights are served (`models.choose_weights`): gguf (a GGUF file's quantized blocks, run
+    as stored by the native kernels with float32 activations), dense (float tensors in the model's
+    dtype; a GGUF de-quantized once into a cached float32 checkpoint), auto (gguf where the model is a
+    GGUF, float32, on a CPU with the native kernels and not re-quantized; else dense)."""
+    quantize: Quantize = "none"
+    """Weight-only quantization of a dense model's linear layers at load (`weights.quantize_model`):
+    int4 (asymmetric, a scale and a minimum a group) or int8 (symmetric), run by the native kernels."""
+    quantize_group: int = QUANTIZE_GROUP
+    """Weights per quantization group (a multiple of 32)."""
+
     FLAGS: ClassVar[dict[str, str]] = {"prepack": "--prepack-weights", "torch_compile": "--compile",
-                                       "kernels": "--kernels", "linear_rows": "--native-linear-rows"}
+                                       "kernels": "--kernels", "linear_rows": "--native-linear-rows",
+                                       "weights": "--weights", "quantize": "--quantize",
+                                       "quantize_group": "--quantize-group"}
     """Each option's command-line flag (a service config names its field after the flag)."""
     CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"prepack": ("on", "off", "auto"),
                                                      "torch_compile": ("on", "off", "auto"),
-                                                     "kernels": ("native", "torch", "auto")}
+                                                     "kernels": ("native", "torch", "auto"),
+                                                     "weights": ("gguf", "dense", "auto"),
+                                                     "quantize": ("none", "int8", "int4")}
 
     def __post_init__(self) -> None:
         for name, choices in self.CHOICES.items():
@@ -67,6 +86,32 @@ class EngineOptions:
         if self.fixed_linear_rows and self.kernels == "torch":
             raise ValueError(f"--native-linear-rows {rows}: the native linear kernel does not run with --kernels "
                              "torch; drop --kernels torch, or the flag")
+        group = self.quantize_group
+        if isinstance(group, bool) or not isinstance(group, int) or group < 32 or group % 32:
+            raise ValueError(f"--quantize-group must be a positive multiple of 32, not {group!r}")
+        if self.weights == "gguf" and self.quantize != "none":
+            raise ValueError(f"--quantize {self.quantize} quantizes float weights, --weights gguf runs a GGUF's own "
+                             "blocks: drop one (--weights dense --quantize ... re-quantizes a de-quantized GGUF)")
+        if self.quantized:
+            self.refuse_with_quantized(self.quantized)
+
+    @property
+    def quantized(self) -> str:
+        """What makes the weights quantized whatever the model ("--quantize int4", "--weights gguf"), or ""."""
+        if self.quantize != "none":
+            return f"--quantize {self.quantize}"
+        return "--weights gguf" if self.weights == "gguf" else ""
+
+    def refuse_with_quantized(self, why: str) -> None:
+        """Refuse the options quantized weights cannot honour (`why`: what makes them quantized)."""
+        conflicts = {"--compile on": self.torch_compile == "on", "--prepack-weights on": self.prepack == "on",
+                     "--kernels torch": self.kernels == "torch"}
+        for flag, asked in conflicts.items():
+            if asked:
+                what = {"--compile on": "the compiled pass traces float weights",
+                        "--prepack-weights on": "pre-packing reorders float weights for oneDNN",
+                        "--kernels torch": "quantized blocks run only in the native kernels"}[flag]
+                raise ValueError(f"{flag} conflicts with {why}: {what}; drop {flag}")
 
     @property
     def fixed_linear_rows(self) -> int:
@@ -80,3 +125,6 @@ class EngineOptions:
         if self.fixed_linear_rows and dtype != "float32":
             raise ValueError(f"--native-linear-rows {self.linear_rows}: the native linear kernel runs float32, "
                              f"not --dtype {dtype}")
+        if self.quantized and dtype not in ("float32", "float64"):
+            raise ValueError(f"{self.quantized} runs float32 activations, not --dtype {dtype} (drop --dtype, or pass "
+                             "--dtype float32)")

@@ -18,6 +18,7 @@ import torch
 
 from specdec.runtime import native
 from specdec.runtime.engine_options import LINEAR_MAX_ROWS, EngineOptions
+from specdec.runtime.weights import QuantizedLinear, is_quantized, output_layer
 
 if TYPE_CHECKING:  # transformers' model code loads with the model: a model-free draft service starts without it
     from transformers import PreTrainedModel
@@ -39,11 +40,12 @@ class EnginePlan:
     linear: bool = False  # projections of passes of a few rows through the native linear kernel
     linear_rows: int = LINEAR_MAX_ROWS  # the most rows it takes (until measured)
     measure_rows: bool = False  # `warm_up` measures `linear_rows` against the pre-packed weights
+    quantized: bool = False  # some matrices are quantized blocks: they run the quantized kernels at every row count
 
     @property
     def fused(self) -> bool:
         """Whether the pass calls its own fused projections (else the model's modules)."""
-        return self.prepack or self.linear or self.torch_compile
+        return self.prepack or self.linear or self.torch_compile or self.quantized
 
 
 def supports(model: PreTrainedModel) -> bool:
@@ -72,7 +74,7 @@ def has_bias(model: PreTrainedModel) -> bool:
         attn, mlp = layer.self_attn, layer.mlp
         linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj]
         linears += [getattr(mlp, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
-        if any(not isinstance(m, torch.nn.Linear) or m.bias is not None for m in linears):
+        if any(not isinstance(m, (torch.nn.Linear, QuantizedLinear)) or m.bias is not None for m in linears):
             return True
         if not hasattr(mlp, "act_fn"):
             return True
@@ -101,8 +103,12 @@ def can_prepack(weight: torch.Tensor) -> bool:
 
 def plan_engine(model: PreTrainedModel, options: EngineOptions) -> EnginePlan:
     """What `options` mean for `model` here; ValueError (naming the flag) for what cannot be honoured."""
+    if is_quantized(model):
+        options.refuse_with_quantized(options.quantized or "quantized weights")
     if not supports(model):
         return _generic_plan(model, options)
+    if is_quantized(model):
+        return _quantized_plan(model, options)
     weight, biased = model.lm_head.weight, has_bias(model)
     prepack = _switch(options.prepack, can_prepack(weight) and not biased,
                       "pre-packed weights need float32 on a CPU with oneDNN, and projections without bias")
@@ -123,6 +129,21 @@ def plan_engine(model: PreTrainedModel, options: EngineOptions) -> EnginePlan:
     rows = options.linear_rows if isinstance(options.linear_rows, int) else LINEAR_MAX_ROWS
     return EnginePlan(packed=True, prepack=prepack, torch_compile=compiled, native=runs_native, linear=linear,
                       linear_rows=rows, measure_rows=options.linear_rows == "auto" and linear and prepack)
+
+
+def _quantized_plan(model: PreTrainedModel, options: EngineOptions) -> EnginePlan:
+    """A model with quantized matrices: every projection through `projection.Projection`, the
+    quantized blocks through their kernels at every row count (no oneDNN, no float copy; float
+    matrices left beside them, blocks de-quantized at load, through the native linear kernel up to
+    `linear_rows` rows); neither pre-packing nor the compiled pass (refused when asked for "on")."""
+    device, dtype, _ = output_layer(model)
+    why = native.unavailable(device, dtype)
+    if why:  # the blocks have no other way to run
+        raise ValueError(f"quantized weights run in the native kernels, which cannot run here: {why}")
+    rows = options.linear_rows if isinstance(options.linear_rows, int) else LINEAR_MAX_ROWS
+    fused = not has_bias(model)  # else the pass calls the model's modules (`QuantizedLinear` runs the same kernels)
+    return EnginePlan(packed=True, native=True, linear=fused and dtype == torch.float32, linear_rows=rows,
+                      quantized=fused)
 
 
 def _switch(asked: str, possible: bool, refusal: str) -> bool:

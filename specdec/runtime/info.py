@@ -20,4 +20,7 @@ def model_info(loaded: LoadedModel, kind: str, profile: LatencyProfile = Latency
         kind=kind,
         device=loaded.describe_device() + (f" ({profile.describe()})" if profile.enabled else ""),
         max_batch=max_batch,
+        weights=loaded.weights.format or str(loaded.dtype).removeprefix("torch."),
+        weights_fingerprint=loaded.weights.fingerprint,
+        weights_bytes=loaded.weights.nbytes,
     )

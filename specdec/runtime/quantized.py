@@ -68,7 +68,9 @@ class QuantizedWeight:
 
     def permute_rows(self, index: torch.Tensor | np.ndarray) -> QuantizedWeight:
         """Row i of the result is row `index[i]` of this one (rows are whole blocks: no re-quantizing)."""
-        return QuantizedWeight(self.raw[torch.as_tensor(index, dtype=torch.long)].contiguous(), self.fmt, self.shape)
+        # numpy: ~50x torch's uint8 gather
+        rows = np.ascontiguousarray(self.raw.numpy()[np.asarray(index, dtype=np.int64)])
+        return QuantizedWeight(torch.from_numpy(rows), self.fmt, self.shape)
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, bits: str, group: int = quant.SUB) -> QuantizedWeight:
@@ -161,7 +163,19 @@ class QuantizedProjection:
                 or x.stride(1) != 1 or out.stride(1) != 1):
             raise ValueError(f"the quantized kernels take x [m, {self.k}] and out [m, {self.width}] of one dtype, "
                              f"features contiguous")
+        return self.run(x, out)
+
+    def run(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """`__call__` without its checks, for a caller that made `x` and `out` right (the pass, ~121
+        calls a decode step): float32 or float64 `[m, k]` and `[m, width]`, features contiguous."""
+        m = x.size(0)
+        fn = self._kernels[x.dtype]
         threads, size, x_t, y_t = torch.get_num_threads(), x.element_size(), x.stride(0), out.stride(0)
+        if m <= CHUNK_ROWS:  # a decode or verify pass: one call
+            code = fn(len(self._specs), self._address, m, self.k, x.data_ptr(), x_t, out.data_ptr(), y_t, threads)
+            if code:
+                raise RuntimeError(f"the quantized linear kernel failed ({native.KernelStatus(code).name})")
+            return out
         for start in range(0, m, CHUNK_ROWS):
             code = fn(len(self._specs), self._address, min(CHUNK_ROWS, m - start), self.k,
                       x.data_ptr() + start * x_t * size, x_t, out.data_ptr() + start * y_t * size, y_t, threads)
@@ -259,42 +273,138 @@ class GGUFWeights:
         return sum(t.nbytes if isinstance(t, QuantizedWeight) else t.numel() * t.element_size() for t in distinct)
 
 
-def _field(reader: Any, name: str) -> Any:
-    f = reader.fields.get(name)
-    if f is None:
-        return None
-    value = f.parts[f.data[0]]
-    return bytes(value).decode() if f.types and f.types[0].name == "STRING" else value.tolist()[0]
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+_FLOATS = {0: np.float32, 1: np.float16}  # ggml's F32 and F16
+_BF16 = 30
+
+
+@dataclass
+class _GGUFTensor:
+    """One tensor of a GGUF file: `dims` outermost first, `data` a view of the mapped file (float32 /
+    float16 / bfloat16-as-uint16 values shaped `dims`, or uint8 rows of blocks `[rows, row bytes]`)."""
+
+    name: str
+    ggml_type: int
+    dims: list[int]
+    data: np.ndarray
+
+
+def read_gguf(path: str | Path) -> tuple[dict[str, Any], list[_GGUFTensor]]:
+    """A GGUF file's scalar and string metadata (arrays skipped) and its tensors, mapped, not copied.
+
+    A small reader of the format (little-endian, version 2 or 3) instead of `gguf.GGUFReader`, which
+    turns every element of every array field into numpy views: the packaged model's tokenizer
+    (two arrays of ~49k strings) took it 10-25 s here, against ~0.1 s skipping them."""
+    import struct
+
+    mapped = np.memmap(path, dtype=np.uint8, mode="r")
+    buf = memoryview(mapped)  # type: ignore[arg-type]  # numpy's stubs miss the buffer protocol
+    magic, version = bytes(buf[:4]), struct.unpack_from("<I", buf, 4)[0]
+    if magic != b"GGUF" or version not in (2, 3):
+        raise ValueError(f"{path}: not a GGUF file of version 2 or 3")
+    count, fields_count = struct.unpack_from("<QQ", buf, 8)
+    at = 24
+
+    def string() -> str:
+        nonlocal at
+        (size,) = struct.unpack_from("<Q", buf, at)
+        at += 8 + size
+        return bytes(buf[at - size:at]).decode("utf-8", errors="replace")
+
+    def value(kind: int) -> Any:
+        nonlocal at
+        if kind == _STRING:
+            return string()
+        if kind == _ARRAY:
+            inner, size = struct.unpack_from("<IQ", buf, at)
+            at += 12
+            if inner in _SCALARS:
+                at += size * struct.calcsize(_SCALARS[inner])
+            elif inner == _STRING:  # walk the lengths only
+                for _ in range(size):
+                    at += 8 + struct.unpack_from("<Q", buf, at)[0]
+            else:
+                for _ in range(size):
+                    value(inner)
+            return None  # arrays (the tokenizer's) are transformers' business
+        fmt = _SCALARS[kind]
+        (v,) = struct.unpack_from(fmt, buf, at)
+        at += struct.calcsize(fmt)
+        return v
+
+    fields: dict[str, Any] = {}
+    for _ in range(fields_count):
+        key = string()
+        (kind,) = struct.unpack_from("<I", buf, at)
+        at += 4
+        fields[key] = value(kind)
+    infos = []
+    for _ in range(count):
+        name = string()
+        (n_dims,) = struct.unpack_from("<I", buf, at)
+        dims = list(struct.unpack_from(f"<{n_dims}Q", buf, at + 4))
+        kind, offset = struct.unpack_from("<IQ", buf, at + 4 + 8 * n_dims)
+        at += 4 + 8 * n_dims + 12
+        infos.append((name, kind, [int(d) for d in reversed(dims)], offset))  # GGUF lists innermost first
+    alignment = int(fields.get("general.alignment") or 32)
+    return fields, _map_tensors(mapped, (at + alignment - 1) // alignment * alignment, infos)
+
+
+def _map_tensors(mapped: np.ndarray, start: int, infos: list[tuple[str, int, list[int], int]]) -> list[_GGUFTensor]:
+    """The tensors (name, GGML type, dims outermost first, offset from `start`) as views of `mapped`."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    tensors = []
+    for name, kind, dims, offset in infos:
+        elements = int(np.prod(dims))
+        data: np.ndarray
+        if kind in _FLOATS or kind == _BF16:
+            dtype = _FLOATS.get(kind, np.uint16)
+            size = elements * np.dtype(dtype).itemsize
+            data = mapped[start + offset:start + offset + size].view(dtype).reshape(dims)
+        else:
+            block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
+            rows = elements // dims[-1]
+            size = elements // block * block_bytes
+            data = mapped[start + offset:start + offset + size].reshape(rows, -1)
+        tensors.append(_GGUFTensor(name, kind, dims, data))
+    return tensors
 
 
 def load_gguf(path: str | Path) -> GGUFWeights:
     """A Llama GGUF's tensors without de-quantizing q4_0 / q4_1 / q8_0 blocks (copied out of the
     file into memory; rows as transformers' loader orders them)."""
-    from gguf import GGMLQuantizationType, GGUFReader
+    from gguf import GGMLQuantizationType
     from gguf.quants import dequantize as gguf_dequantize
 
-    reader = GGUFReader(str(path))
-    arch = _field(reader, "general.architecture") or ""
+    fields, tensors = read_gguf(path)
+    arch = fields.get("general.architecture") or ""
     if arch != "llama":
         raise ValueError(f"{path}: a {arch or 'unknown'} model; loading blocks natively covers Llama GGUFs")
-    heads, kv_heads = _field(reader, "llama.attention.head_count"), _field(reader, "llama.attention.head_count_kv")
+    heads, kv_heads = fields.get("llama.attention.head_count"), fields.get("llama.attention.head_count_kv")
+    if heads is None:
+        raise ValueError(f"{path}: no llama.attention.head_count")
     out = GGUFWeights({}, {}, arch, int(heads), int(kv_heads or heads))
-    for t in reader.tensors:
+    for t in tensors:
         name = hf_name(t.name)
         if name is None:
             continue
-        dims = [int(s) for s in reversed(t.shape.tolist())]  # GGUF lists dimensions innermost first
+        dims = t.dims
         shape = (dims[0], dims[1]) if len(dims) == 2 else (1, dims[0])
-        fmt = quant.GGUF_FORMATS.get(int(t.tensor_type))
+        fmt = quant.GGUF_FORMATS.get(t.ggml_type)
         if fmt is not None and fmt.native and len(dims) == 2:
             tensor: QuantizedWeight | torch.Tensor = QuantizedWeight(
                 torch.from_numpy(np.array(t.data, dtype=np.uint8).reshape(shape[0], -1)), fmt, shape)
+        elif t.ggml_type in _FLOATS:
+            tensor = torch.from_numpy(np.array(t.data, dtype=np.float32))
+        elif t.ggml_type == _BF16:
+            tensor = torch.from_numpy((t.data.astype(np.uint32) << 16).view(np.float32))
         else:
-            if t.tensor_type not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16):
-                out.dequantized[name] = t.tensor_type.name
-            raw = np.asarray(t.data)
-            values = quant.dequantize(raw, fmt, shape) if fmt is not None else torch.from_numpy(
-                np.array(gguf_dequantize(raw, t.tensor_type), dtype=np.float32))
+            kind = GGMLQuantizationType(t.ggml_type)
+            out.dequantized[name] = kind.name
+            values = quant.dequantize(t.data, fmt, shape) if fmt is not None else torch.from_numpy(
+                np.array(gguf_dequantize(np.asarray(t.data), kind), dtype=np.float32))
             tensor = values.reshape(dims).contiguous()
         heads_of = {"self_attn.q_proj": out.heads, "self_attn.k_proj": out.kv_heads}
         for module, count in heads_of.items():

@@ -10,7 +10,7 @@ from typing import Annotated, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from specdec.runtime.engine_options import LINEAR_MAX_ROWS, EngineOptions
+from specdec.runtime.engine_options import LINEAR_MAX_ROWS, QUANTIZE_GROUP, EngineOptions
 from specdec.server.redis import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_TIMEOUT_S, RedisSettings, read_password
 
 C = TypeVar("C", bound="ServiceConfig")
@@ -156,7 +156,8 @@ BatchWindowMs = Annotated[float, Field(ge=0, le=1000)]
 
 
 KV_OPTIONS = ("kv_cache_bytes", "prefix_cache", "prefix_block_tokens", "prefix_redis_url", "prefix_min_fetch_tokens",
-              "prefix_ttl_s", "prefill_chunk_tokens", "prepack_weights", "compile", "kernels", "native_linear_rows")
+              "prefix_ttl_s", "prefill_chunk_tokens", "prepack_weights", "compile", "kernels", "native_linear_rows",
+              "weights", "quantize", "quantize_group")
 """Options of a service's model engine (its KV caches and forward pass): meaningless without a model."""
 
 
@@ -219,6 +220,23 @@ class ModelServiceConfig(RedisClientOptions, ServiceConfig, DeviceOption):
         "A count above 0 where the kernel does not run (no C compiler or prebuilt kernels, a GPU) stops the service "
         "at start."
     )
+    weights: Literal["auto", "gguf", "dense"] = Field(
+        "auto", description="Which weights are served: gguf (a GGUF file's quantized blocks, the packaged default's "
+        "q4_1 / q8_0, run as stored by the native kernels with float32 activations: the bytes the model ships in, "
+        "the same weights as its float32 copy), dense (float weights in --dtype; a GGUF de-quantized once into a "
+        "cached float32 checkpoint), auto (gguf where the model is a GGUF, --dtype float32, on a CPU with the native "
+        "kernels and no --quantize; else dense). GetInfo reports what is served (format and fingerprint)."
+    )
+    quantize: Literal["none", "int8", "int4"] = Field(
+        "none", description="Weight-only quantization of the model's linear layers at load, run by the native "
+        "kernels (float32 activations and sums): int4 (a scale and a minimum per group, 4 bits a weight), int8 (a "
+        "scale per group); none. The quantized model is its own reference: a target serves its outputs, a draft "
+        "proposes for a full-precision target (lossless either way). A CPU only; --dtype defaults to float32."
+    )
+    quantize_group: int = Field(
+        QUANTIZE_GROUP, ge=32, description="Weights per --quantize group, a multiple of 32 (int4 at 32 stores q4_1, "
+        "int8 at 32 q8_0; larger groups: fewer bytes, more error)."
+    )
     prefill_chunk_tokens: int = Field(
         512, ge=0, description="Most prompt tokens one forward pass prefills, over all its sessions (0: no limit); a "
         "longer prompt is prefilled over several passes, each shared with the running sessions' steps, so its "
@@ -250,17 +268,38 @@ class ModelServiceConfig(RedisClientOptions, ServiceConfig, DeviceOption):
                              "through Redis: add --prefix-redis-url URL")
         return self
 
+    @model_validator(mode="before")
+    @classmethod
+    def _quantized_weights_run_float32(cls, data):
+        """With quantized weights (--quantize, --weights gguf) an unset --dtype means float32, the
+        activations the kernels take, whatever the service's default (a draft's is bfloat16)."""
+        if isinstance(data, dict) and "dtype" not in data and (
+                data.get("quantize", "none") != "none" or data.get("weights") == "gguf"):
+            data = {**data, "dtype": "float32"}
+        return data
+
     @model_validator(mode="after")
     def _engine_options_hold_together(self):
         """Refused at start, with the flags named: what `EngineOptions` refuses, and what a model of
         --dtype could not honour."""
-        self.engine_options.check_dtype(self.dtype)
+        options = self.engine_options
+        options.check_dtype(self.dtype)
+        if "quantize_group" in self.model_fields_set and self.quantize == "none":
+            raise ValueError("--quantize-group sizes the groups of --quantize: add --quantize int4 or int8")
+        if options.quantized:
+            from specdec.runtime.models import resolve_device
+
+            device = resolve_device(self.device)
+            if device.type != "cpu":
+                raise ValueError(f"{options.quantized} runs in the CPU kernels, not on --device {self.device} "
+                                 f"({device}): pass --device cpu")
         return self
 
     @property
     def engine_options(self) -> EngineOptions:
-        """The engine's options (`--prepack-weights`, `--compile`, `--kernels`, `--native-linear-rows`),
-        as the KV caches and the forward pass take them: each `EngineOptions` field from the config
+        """The engine's options (`--prepack-weights`, `--compile`, `--kernels`, `--native-linear-rows`,
+        `--weights`, `--quantize`, `--quantize-group`), as the model loader, the KV caches and the
+        forward pass take them: each `EngineOptions` field from the config
         field named after its flag."""
         return EngineOptions(**{name: getattr(self, flag.removeprefix("--").replace("-", "_"))
                                 for name, flag in EngineOptions.FLAGS.items()})

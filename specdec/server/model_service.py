@@ -23,7 +23,7 @@ from specdec.runtime.batching import BatchConfig, Batcher
 from specdec.runtime.grammars import SessionGrammars
 from specdec.runtime.kv import SessionCaches
 from specdec.runtime.latency import LatencyProfile
-from specdec.runtime.models import LoadedModel, load_model
+from specdec.runtime.models import LoadedModel, ModelLoadError, load_model
 from specdec.runtime.packed import kv_geometry
 from specdec.runtime.prefix_cache import PrefixCache
 from specdec.runtime.prefix_store import RedisPrefixStore
@@ -139,7 +139,9 @@ def largest_snapshot(loaded: LoadedModel) -> int:
 def model_identity(loaded: LoadedModel) -> SnapshotIdentity:
     """What keys/values written by one replica must match to be read by another."""
     dtype = str(loaded.dtype).removeprefix("torch.")  # "float32", as --dtype names it
-    return SnapshotIdentity(loaded.name, dtype, loaded.fingerprint, loaded.model.config.num_hidden_layers)
+    weights = loaded.weights  # quantized weights compute other keys/values: only the same weights share them
+    model = f"{loaded.name}@{weights.format}:{weights.fingerprint}" if weights.quantized else loaded.name
+    return SnapshotIdentity(model, dtype, loaded.fingerprint, loaded.model.config.num_hidden_layers)
 
 
 def model_thread(role: str) -> ThreadPoolExecutor:
@@ -160,7 +162,15 @@ def load_on(thread: ThreadPoolExecutor, config: ModelServiceConfig, role: str) -
     blocks until done, raising what loading raised."""
 
     def load() -> tuple[LoadedModel, SessionCaches]:
-        loaded = load_model(config.model, dtype=config.dtype, threads=config.threads, device=config.device)
+        options = config.engine_options
+        try:
+            loaded = load_model(config.model, dtype=config.dtype, threads=config.threads, device=config.device,
+                                weights=options.weights, quantize=options.quantize,
+                                quantize_group=options.quantize_group)
+        except ModelLoadError:
+            raise
+        except ValueError as exc:  # weights this model or machine cannot serve (--weights gguf of a checkpoint, ...)
+            raise StartupError(str(exc)) from exc
         return loaded, session_caches(config, loaded, role)
 
     return thread.submit(load).result()

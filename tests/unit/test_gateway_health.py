@@ -116,3 +116,26 @@ def test_a_gateway_that_checks_tokens_warns_once_of_an_orchestrator_that_does_no
     client, fake = gateway(tokens=True, checks_tokens=True, health_cache_s=0)
     client.get("/health")
     assert not [r for r in caplog.records if "serves calls without one" in r.getMessage()]
+
+
+def test_models_name_the_weights_each_healthy_backend_serves(gateway):
+    """/v1/models carries what the orchestrator's status says each backend serves; nothing from a
+    backend that is down, and an empty map where the orchestrator cannot be asked."""
+    client, fake = gateway(tokens=False, checks_tokens=False)
+    served = {"address": "orch", "backends": [
+        {"role": "target", "healthy": True, "weights": "gguf:q4_1+q8_0", "weights_fingerprint": "ab12"},
+        {"role": "draft", "healthy": False, "weights": "q4_1", "weights_fingerprint": "cd34"}]}
+
+    async def status(timeout=None, token=None):
+        return served
+
+    fake.status = status
+    body = client.get("/v1/models").json()
+    assert body["data"][0]["weights"] == {"target": "gguf:q4_1+q8_0", "target_fingerprint": "ab12"}
+    assert client.get("/v1/models/m").json()["weights"] == {"target": "gguf:q4_1+q8_0", "target_fingerprint": "ab12"}
+
+    async def down(timeout=None, token=None):
+        raise Unavailable("orchestrator orch: failed to connect")
+
+    fake.status = down
+    assert client.get("/v1/models").json()["data"][0]["weights"] == {}

@@ -207,6 +207,29 @@ def test_the_launcher_passes_each_proposer_only_its_own_options():
     assert not [a for a in ngram if a.startswith("--suffix-")]
 
 
+def test_the_launcher_passes_the_weights_flags_to_the_services_that_read_them():
+    from specdec.launcher import PipelineSpec
+
+    plain = PipelineSpec().commands()
+    assert "--weights" not in plain["target"] and "--quantize" not in plain["draft"]
+    gguf = PipelineSpec(target_weights="gguf").commands()["target"]
+    assert gguf[gguf.index("--weights") + 1] == "gguf"
+    copy = PipelineSpec(proposer="model", draft_quantize="int4", draft_quantize_group=64).commands()["draft"]
+    assert copy[copy.index("--quantize") + 1] == "int4" and copy[copy.index("--quantize-group") + 1] == "64"
+    assert copy[copy.index("--dtype") + 1] == "float32"  # the quantized kernels take float32 activations
+    assert "--quantize" not in PipelineSpec(proposer="suffix", draft_quantize="int4").commands()["draft"]
+
+
+def test_specdec_up_refuses_draft_quantize_without_a_draft_model(capsys):
+    from specdec.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["up", "--draft-quantize", "int4"])
+    assert exit_info.value.code == 2
+    assert ("--draft-quantize: options of --proposer model or hybrid, which --proposer suffix does not run"
+            in capsys.readouterr().err)
+
+
 def test_the_outputs_stream_password_comes_from_the_environment_unless_the_url_has_one(monkeypatch):
     from draft_service.server import redis_password
 

@@ -184,7 +184,8 @@ def test_default_model() -> None:
     assert not list(path.parent.glob(".tmp-*")), "a temporary conversion folder was left behind"
     assert os.access(path / "model.safetensors", os.R_OK)
 
-    loaded = load_model(DEFAULT_MODEL, progress=False)
+    loaded = load_model(DEFAULT_MODEL, progress=False, weights="dense")
+    assert loaded.weights.format == "float32"
     config = loaded.model.config
     assert (config.num_hidden_layers, config.hidden_size, loaded.vocab_size) == (30, 576, 49152)
     assert loaded.name == DEFAULT_MODEL and loaded.max_context == 8192
@@ -199,6 +200,31 @@ def test_default_model() -> None:
         out = loaded.model.generate(ids, max_new_tokens=5, do_sample=False)
     text = loaded.tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
     assert text.strip()
+
+
+@pytest.mark.slow
+def test_default_model_serves_its_gguf_blocks_by_default() -> None:
+    """The packaged model's q4_1 / q8_0 blocks as stored (one copy of the tied q8_0 embedding and
+    head), the same tokenizer as its float32 conversion, and transformers' own generate runs it."""
+    from specdec.runtime.weights import QuantizedEmbedding, QuantizedLinear
+
+    loaded = load_model(DEFAULT_MODEL, progress=False)
+    assert loaded.weights.format == "gguf:q4_1+q8_0" and loaded.dtype == torch.float32
+    assert loaded.weights.nbytes == 96_436_224  # 210 q4_1 matrices and the q8_0 head: the norms are not matrices
+    model = loaded.model
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    assert isinstance(head, QuantizedLinear) and isinstance(embed, QuantizedEmbedding)
+    assert head.qweight is embed.qweight and head.qweight.fmt.name == "q8_0"
+    assert sum(p.numel() for p in model.parameters()) == 61 * 576  # only the norms are float tensors
+    assert (loaded.name, loaded.max_context, loaded.vocab_size, loaded.eos_token_ids) == (DEFAULT_MODEL, 8192, 49152,
+                                                                                        [2])
+    assert loaded.fingerprint == tokenizer_fingerprint(load_tokenizer("default"))
+    dense = load_model(DEFAULT_MODEL, progress=False, weights="dense")
+    assert dense.fingerprint == loaded.fingerprint and dense.weights.fingerprint != loaded.weights.fingerprint
+    ids = loaded.tokenizer("The capital of France is", return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = [m.generate(ids, max_new_tokens=8, do_sample=False)[0].tolist() for m in (model, dense.model)]
+    assert out[0] == out[1]
 
 
 # --------------------------------------------------------------------------- devices

@@ -254,3 +254,52 @@ def test_a_service_asked_for_what_its_machine_cannot_run_exits_with_the_reason(t
     assert "cannot start: --native-linear-rows 8: the native linear kernel does not run here (no C compiler" \
         in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("t", [1, 5, 17])  # 17: rows split over the OpenMP threads
+def test_layer_ops_equal_the_llama_modules_within_float32_rounding(t):
+    """RMSNorm (with the residual add before it), the rotary embedding of q and k in place and SiLU times
+    up (`native.LayerOps`, csrc/layer.c) against transformers' Llama operations in float32."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
+
+    gen = torch.Generator().manual_seed(3)
+    ops, n, heads, hkv, d = native.LayerOps(), 96, 3, 1, 16
+    x, delta = torch.randn(t, n, generator=gen), torch.randn(t, n, generator=gen)
+    norm = LlamaRMSNorm(n, eps=1e-5)
+    norm.weight.data = torch.randn(n, generator=gen)
+    expected_x = x + delta
+    h = torch.empty(t, n)
+    ops.rms_norm(x, norm.weight.data, 1e-5, h, delta)
+    torch.testing.assert_close(x, expected_x, rtol=0, atol=0)
+    with torch.no_grad():
+        torch.testing.assert_close(h, norm(expected_x), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(ops.rms_norm(x, norm.weight.data, 1e-5, torch.empty(t, n)), norm(x),
+                                   rtol=1e-6, atol=1e-6)
+
+    qk = torch.randn(t, (heads + hkv + 1) * d, generator=gen)  # q heads, k heads, then v (left alone)
+    angles = torch.randn(t, d // 2, generator=gen)
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    q, k = qk[:, :heads * d].view(t, heads, d), qk[:, heads * d:(heads + hkv) * d].view(t, hkv, d)
+    want_q, want_k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos[None], sin[None])
+    v = qk[:, (heads + hkv) * d:].clone()
+    ops.rope(qk, heads + hkv, d, cos, sin)
+    torch.testing.assert_close(q, want_q[0].transpose(0, 1), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(k, want_k[0].transpose(0, 1), rtol=1e-6, atol=1e-6)
+    assert torch.equal(qk[:, (heads + hkv) * d:], v)
+
+    gate_up = torch.randn(t, 2 * n, generator=gen)
+    out = ops.silu_mul(gate_up, torch.empty(t, n))
+    torch.testing.assert_close(out, torch.nn.functional.silu(gate_up[:, :n]) * gate_up[:, n:], rtol=1e-6, atol=1e-6)
+
+
+def test_float32_passes_with_the_native_kernels_take_the_native_layer_ops(tiny_model, monkeypatch):
+    """The float32 pass runs its norms, rotary embedding and MLP activation through `LayerOps`, and
+    the torch-operator pass does not."""
+    lm = copy.deepcopy(tiny_model).float()
+    fast, ref = (SessionCaches(lm, 512, engine=EngineOptions(kernels=way)) for way in ("native", "torch"))
+    assert fast.forward.ops is not None and ref.forward.ops is None
+    calls = []
+    silu = native.LayerOps.silu_mul
+    monkeypatch.setattr(native.LayerOps, "silu_mul", lambda self, *a: calls.append(1) or silu(self, *a))
+    fast.score("a", [5, 6, 7], [])
+    assert len(calls) == lm.config.num_hidden_layers

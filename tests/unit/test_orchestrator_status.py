@@ -52,7 +52,8 @@ class FakeRpcError(grpc.RpcError):
 
 def test_status_probes_every_backend():
     backends = [
-        ("target", FakeBackend("t:1", common_pb2.ModelInfo(model="big", kind="model", dtype="float32"))),
+        ("target", FakeBackend("t:1", common_pb2.ModelInfo(model="big", kind="model", dtype="float32",
+                                                           weights="gguf:q4_1+q8_0", weights_fingerprint="ab12"))),
         ("draft", FakeBackend("d:1", error=FakeRpcError())),
         ("draft", FakeBackend("d:2", error=asyncio.TimeoutError())),
     ]
@@ -61,6 +62,7 @@ def test_status_probes_every_backend():
     target, dead, slow = reply.backends
     assert (target.role, target.address, target.healthy, target.model, target.kind, target.dtype) == \
         ("target", "t:1", True, "big", "model", "float32")
+    assert (target.weights, target.weights_fingerprint) == ("gguf:q4_1+q8_0", "ab12")  # what is served
     assert not dead.healthy and dead.error == "UNAVAILABLE: connection refused"
     assert not slow.healthy and slow.error.startswith("TimeoutError")
 
@@ -138,3 +140,17 @@ def test_a_chunks_round_stats_read_as_json_format_would_without_going_through_it
     monkeypatch.setattr(client, "MessageToDict", refused)
     assert client._as_dict(stats) == expected == values
     assert client._as_dict(pb.RoundStats()) == dict.fromkeys(values, 0) | {"draft_fallback": False, "overlapped": False}
+
+
+def test_a_draft_is_reconciled_with_its_target_by_token_ids_not_weights():
+    from orchestrator.server import irreconcilable
+
+    target = common_pb2.ModelInfo(model="m", tokenizer_fingerprint="fp", vocab_size=100, weights="gguf:q4_1+q8_0")
+    copy = common_pb2.ModelInfo(model="m", tokenizer_fingerprint="fp", vocab_size=100, weights="int4g32",
+                                draft_sources=["model"])
+    assert irreconcilable(copy, target) == ""  # a quantized copy of the target drafts for it
+    assert "different tokenizers" in irreconcilable(common_pb2.ModelInfo(tokenizer_fingerprint="other"), target)
+    wider = common_pb2.ModelInfo(tokenizer_fingerprint="fp", vocab_size=128, draft_sources=["model"])
+    assert "scores 128 token ids, the target 100" in irreconcilable(wider, target)
+    suffix = common_pb2.ModelInfo(tokenizer_fingerprint="fp", vocab_size=128, draft_sources=["suffix"])
+    assert irreconcilable(suffix, target) == ""  # no q rows to compare
