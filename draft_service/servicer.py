@@ -60,7 +60,8 @@ class DraftServicer(ModelServicer, draft_pb2_grpc.DraftServiceServicer):
         arrived = time.monotonic()
         items = [BatchItem(e.session_id, e.start, list(e.tokens), e.num_tokens, e.output_start, e.corpus_group)
                  for e in request.entries]
-        finished = [FinishedItem(f.session_id, f.start, list(f.tokens), f.forget_output) for f in request.finished]
+        finished = [FinishedItem(f.session_id, f.start, list(f.tokens), f.forget_output, f.output_start, f.corpus_group)
+                    for f in request.finished]
         check_batch(items, finished, self.info.vocab_size)
         self.drafter.check_fingerprint(request.tokenizer_fingerprint)
         deadline = deadline_of(context)

@@ -59,6 +59,8 @@ class FinishedItem:
     start: int = 0
     tokens: list[int] = field(default_factory=list)
     forget: bool = False
+    output_start: int = 0  # for a session this replica does not hold (start 0, the whole history)
+    group: str = ""
 
 
 @dataclass(frozen=True)
@@ -105,15 +107,20 @@ def check_batch(items: list[BatchItem], finished: list[FinishedItem], vocab_size
         if item.start == 0 and not item.tokens:
             raise InvalidArgument(f"{name}.tokens: empty with start 0 (send at least one token)")
         _check_tokens(name, item.start, item.tokens, vocab_size)
-        if item.output_start > item.start + len(item.tokens):
-            raise InvalidArgument(f"{name}.output_start: {item.output_start} is past the history's end "
-                                  f"({item.start + len(item.tokens)})")
-        if len(item.group) > MAX_GROUP_CHARS:
-            raise InvalidArgument(f"{name}.corpus_group: {len(item.group)} characters, at most {MAX_GROUP_CHARS}")
+        _check_output(name, item.output_start, item.start + len(item.tokens), item.group)
     seen = set()
     for n, done in enumerate(finished):
-        _check_session_id(f"finished[{n}]", done.session_id, seen)
-        _check_tokens(f"finished[{n}]", done.start, done.tokens, vocab_size)
+        name = f"finished[{n}]"
+        _check_session_id(name, done.session_id, seen)
+        _check_tokens(name, done.start, done.tokens, vocab_size)
+        _check_output(name, done.output_start, done.start + len(done.tokens), done.group)
+
+
+def _check_output(name: str, output_start: int, end: int, group: str) -> None:
+    if output_start > end:
+        raise InvalidArgument(f"{name}.output_start: {output_start} is past the history's end ({end})")
+    if len(group) > MAX_GROUP_CHARS:
+        raise InvalidArgument(f"{name}.corpus_group: {len(group)} characters, at most {MAX_GROUP_CHARS}")
 
 
 @dataclass
@@ -175,6 +182,8 @@ class BatchDrafter:
         """Release a finished session; True when its output went to the sink."""
         held = self.histories.pop(done.session_id)
         await self.drafter.release(done.session_id, learn=False)  # the sink learns it, once
+        if held is None and done.start == 0:  # not held here: the call carries the whole history
+            held = _History([], done.output_start, done.group)
         if held is None or done.forget or self.sink is None:
             return False
         if done.tokens:

@@ -64,6 +64,11 @@ def test_a_finished_output_drafts_its_group_only(stub):
     assert [list(b.token_ids) for b in reply.blocks] == [[14, 15, 16], []]
     forgotten = draft_pb2.FinishedSession(session_id="g2", forget_output=True)
     assert _call(stub, finished=[forgotten]).outputs_learned == 0
+    # A session this replica never held (another one drafted it, then died): the whole history comes along.
+    whole = draft_pb2.FinishedSession(session_id="g4", tokens=[7, 21, 22, 23, 24], output_start=1, corpus_group="t2")
+    assert _call(stub, finished=[whole]).outputs_learned == 1
+    reply = _call(stub, [draft_pb2.BatchEntry(session_id="g5", tokens=[8, 21, 22], num_tokens=2, corpus_group="t2")])
+    assert list(reply.blocks[0].token_ids) == [23, 24]
 
 
 @pytest.mark.parametrize(("entries", "field"), [
@@ -76,10 +81,12 @@ def test_a_finished_output_drafts_its_group_only(stub):
     ([draft_pb2.BatchEntry(session_id="x", tokens=[1], output_start=5)], "entries[0].output_start"),
     ([draft_pb2.BatchEntry(session_id="x", tokens=[1], corpus_group="g" * 129)], "entries[0].corpus_group"),
     ([draft_pb2.BatchEntry(session_id=f"s{i}", tokens=[1]) for i in range(1025)], "entries:"),
+    ([], "finished[0].output_start"),
 ])
 def test_a_hostile_batch_is_refused_naming_the_field(stub, entries, field):
+    finished = [draft_pb2.FinishedSession(session_id="f", tokens=[1], output_start=2)] if not entries else []
     with pytest.raises(grpc.RpcError) as raised:
-        _call(stub, entries)
+        _call(stub, entries, finished)
     assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert field in raised.value.details()
 
