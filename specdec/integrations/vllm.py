@@ -264,6 +264,8 @@ class SpecdecProposer:
                  clock: Callable[[], float] = time.monotonic, k_max: int | None = None) -> None:
         if k_max is None:
             k_max = int(vllm_config.speculative_config.num_speculative_tokens)
+        model_config = getattr(vllm_config, "model_config", None)
+        self.max_model_len = int(getattr(model_config, "max_model_len", 0) or 0)  # 0: no limit known
         self.settings = settings or Settings.from_env()
         self.pool = pool or DraftPool(self.settings)
         self.clock = clock
@@ -319,6 +321,8 @@ class SpecdecProposer:
             k, _, t.state = step(t.state, obs, self.policy)
             if self.settings.draft_length is not None:
                 t.state = _with_k(t.state, min(self.settings.draft_length, self.k_max))
+            if self.max_model_len and len(t.tokens) + t.state.k >= self.max_model_len:  # no drafts past the context
+                t.state = _with_k(t.state, max(self.max_model_len - len(t.tokens) - 1, 0))
             t.asked, t.proposed, t.draft_compute_s, t.asked_failed = 0, 0, 0.0, False
             t.seen = len(t.tokens)
 

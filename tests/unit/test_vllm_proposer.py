@@ -184,3 +184,13 @@ def test_settings_come_from_the_environment():
         "draft:50052", 0.02, 3, "team-a", False)
     with pytest.raises(ValueError, match="SPECDEC_DRAFT_ADDRESS"):
         Settings.from_env({})
+
+
+def test_no_draft_reaches_past_the_context():
+    refs = _refs()
+    engine, pool = Engine(refs, prompt_len=10), Pool(refs)
+    proposer = _proposer(pool)
+    proposer.max_model_len = 14
+    drafts = _run(engine, proposer, 2)
+    assert all(len(d) <= max(14 - n - 1, 0) for d, n in zip(drafts, engine.num_tokens))
+    assert any(drafts) or max(engine.num_tokens) >= 13
