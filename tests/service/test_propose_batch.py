@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import grpc
 import pytest
@@ -97,3 +98,39 @@ def test_a_tokenizer_mismatch_is_refused(stub):
     with pytest.raises(grpc.RpcError) as raised:
         stub.ProposeBatch(request, timeout=10)
     assert raised.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_two_replicas_share_finished_outputs_through_redis(tmp_path):
+    """A finished session's output, sent to one replica, drafts a request on another: the first publishes
+    it to the shared stream of finished outputs, which every replica reads."""
+    from specdec.launcher import redis_server_binary
+
+    redis_port = free_port()
+    procs = [subprocess.Popen([redis_server_binary(), "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "",
+                               "--appendonly", "no"], stdout=subprocess.DEVNULL)]
+    ports = [free_port(), free_port()]
+    try:
+        with open(tmp_path / "drafts.log", "wb") as out:
+            for port in ports:
+                procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "draft_service", "--host", "127.0.0.1", "--port", str(port), "--proposer",
+                     "suffix", "--suffix-redis-url", f"redis://127.0.0.1:{redis_port}/0"],
+                    stdout=out, stderr=subprocess.STDOUT))
+        for port, proc in zip(ports, procs[1:]):
+            wait_healthy(f"127.0.0.1:{port}", 120, proc)
+        with grpc.insecure_channel(f"127.0.0.1:{ports[0]}") as one, \
+                grpc.insecure_channel(f"127.0.0.1:{ports[1]}") as two:
+            first, second = draft_pb2_grpc.DraftServiceStub(one), draft_pb2_grpc.DraftServiceStub(two)
+            done = draft_pb2.FinishedSession(session_id="r1", tokens=[4, 31, 32, 33, 34, 35], output_start=1,
+                                             corpus_group="team")
+            assert _call(first, finished=[done]).outputs_learned == 1
+            entry = draft_pb2.BatchEntry(session_id="r2", tokens=[9, 31, 32], num_tokens=3, corpus_group="team")
+            deadline, drafted = time.monotonic() + 15, []
+            while not drafted and time.monotonic() < deadline:
+                drafted = list(_call(second, [entry]).blocks[0].token_ids)
+                time.sleep(0.2)
+            assert drafted == [33, 34, 35]
+    finally:
+        for proc in reversed(procs):
+            proc.terminate()
+            proc.wait(10)
