@@ -40,6 +40,7 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -196,7 +197,7 @@ class DraftPool:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self._stub = None
+        self._stub: Any = None  # a DraftServiceStub, once connected
 
     def _connect(self):
         import grpc
@@ -391,6 +392,6 @@ def _with_k(state: PolicyState, k: int) -> PolicyState:
 
 
 def _reason(exc: Exception) -> str:
-    code = getattr(exc, "code", None)
-    return f"{code().name}: {exc.details()}" if callable(code) else repr(exc)
+    code, details = getattr(exc, "code", None), getattr(exc, "details", None)
+    return f"{code().name}: {details()}" if callable(code) and callable(details) else repr(exc)
 
