@@ -16,6 +16,9 @@ engine step, after sampling. Each call:
 4. returns each row's block: vLLM verifies the tokens as deterministic proposals (greedy drafts,
    no `q`: the custom-class interface takes token ids only), which keeps its output lossless.
 
+With tensor parallelism vLLM builds the proposer on every rank but uses the first rank's drafts:
+only that one calls the pool.
+
 A draft pool that is slow, dead or refusing costs a step its drafts (every block empty), never an
 error: after a failure the pool is left alone for a short, growing while (`Failover`), then tried
 again, and drafting resumes as soon as a replica answers (it asks for the histories it lacks).
@@ -267,6 +270,7 @@ class SpecdecProposer:
             k_max = int(vllm_config.speculative_config.num_speculative_tokens)
         model_config = getattr(vllm_config, "model_config", None)
         self.max_model_len = int(getattr(model_config, "max_model_len", 0) or 0)  # 0: no limit known
+        self.active = vllm_config is None or _first_tensor_parallel_rank()
         self.settings = settings or Settings.from_env()
         self.pool = pool or DraftPool(self.settings)
         self.clock = clock
@@ -287,6 +291,8 @@ class SpecdecProposer:
     def propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec: np.ndarray, token_ids_cpu: np.ndarray,
                 slot_mappings=None, **_) -> list[list[int]]:
         """Each row's draft tokens (at most `k_max`; empty: no speculation for that row this step)."""
+        if not self.active:  # vLLM takes the drafts of the first tensor-parallel rank alone
+            return [[] for _ in sampled_token_ids]
         started = self.clock()
         step_s = started - self._returned_at if self._returned_at is not None else 0.0
         rows, gone = self.tracker.step(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
@@ -383,6 +389,18 @@ class SpecdecProposer:
             t.asked, t.proposed, t.draft_compute_s = t.state.k, len(tokens), block.compute_ns / 1e9
             blocks[t.session_id] = tokens
         return blocks
+
+
+def _first_tensor_parallel_rank() -> bool:
+    """Whether this engine process is its tensor-parallel group's first rank: vLLM builds the proposer
+    on every rank of the last pipeline stage but takes the drafts of the first alone, so the others
+    neither call the pool nor report finished outputs (which would count them once per rank)."""
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank  # type: ignore[import-not-found]
+
+        return get_tensor_model_parallel_rank() == 0
+    except Exception:  # noqa: BLE001 (no vLLM, or no group yet: a single process)
+        return True
 
 
 def _with_k(state: PolicyState, k: int) -> PolicyState:
