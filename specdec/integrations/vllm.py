@@ -28,7 +28,8 @@ its own for a custom class): `SPECDEC_DRAFT_ADDRESS` (a gRPC target, e.g. `draft
 `dns:///draft-headless:50052`; required), `SPECDEC_DRAFT_TLS_CA` (a CA bundle: TLS on),
 `SPECDEC_DRAFT_TOKEN` (a bearer token), `SPECDEC_DRAFT_TIMEOUT_MS` (50), `SPECDEC_DRAFT_LENGTH`
 (`auto`, or a fixed k), `SPECDEC_CORPUS_GROUP` (the corpus group of this server's outputs, ""),
-`SPECDEC_SHARE_OUTPUTS` (1: finished outputs join the corpus; 0: never). See docs/vllm.md.
+`SPECDEC_SHARE_OUTPUTS` (1: finished outputs join the corpus; 0: never), `SPECDEC_METRICS_PORT`
+(the proposer's counters for Prometheus, from the engine process). See docs/vllm.md.
 
 Importing this module needs neither vLLM nor torch: vLLM hands the proposer numpy arrays.
 """
@@ -66,6 +67,7 @@ class Settings:
     draft_length: int | None = None  # None: the policy chooses; else a fixed k (capped at vLLM's)
     corpus_group: str = ""
     share_outputs: bool = True
+    metrics_port: int | None = None  # serve the proposer's counters for Prometheus on this port
     retry_min_s: float = 0.2  # after a failure, the pool is left alone this long, doubling per failure
     retry_max_s: float = 2.0
 
@@ -83,7 +85,8 @@ class Settings:
                    token=env.get("SPECDEC_DRAFT_TOKEN", ""), timeout_s=timeout_ms / 1e3,
                    draft_length=None if length == "auto" else int(length),
                    corpus_group=env.get("SPECDEC_CORPUS_GROUP", ""),
-                   share_outputs=env.get("SPECDEC_SHARE_OUTPUTS", "1") not in ("0", "false", "no"))
+                   share_outputs=env.get("SPECDEC_SHARE_OUTPUTS", "1") not in ("0", "false", "no"),
+                   metrics_port=int(env["SPECDEC_METRICS_PORT"]) if env.get("SPECDEC_METRICS_PORT") else None)
 
 
 # -- which request a row holds ----------------------------------------------------------------------
@@ -243,10 +246,17 @@ class DraftStats:
     verified: int = 0  # draft tokens whose verdict is known
     outputs_shared: int = 0
     draft_wall_s: list[float] = field(default_factory=list)  # the latest calls' wall times (at most 1000)
+    step_accepted: int = 0  # the last step's verdicts: accepted of verified draft tokens
+    step_verified: int = 0
 
     @property
     def acceptance(self) -> float:
         return self.accepted / self.verified if self.verified else 0.0
+
+    def draft_latency(self, quantile: float) -> float:
+        """A quantile of the latest calls' wall times, in seconds (0 before any call)."""
+        walls = sorted(self.draft_wall_s)
+        return walls[min(int(quantile * len(walls)), len(walls) - 1)] if walls else 0.0
 
     def summary(self) -> str:
         walls = sorted(self.draft_wall_s)
@@ -284,6 +294,8 @@ class SpecdecProposer:
         self._returned_at: float | None = None
         self._last_call_s = 0.0
         self._logged_at = clock()
+        if self.settings.metrics_port is not None and self.active:
+            serve_metrics(self.stats, self.settings.metrics_port)
 
     def load_model(self, *args, **kwargs) -> None:
         """vLLM's hook for a drafter with weights: the pool holds any draft model."""
@@ -314,12 +326,15 @@ class SpecdecProposer:
         """Fold the last step into each request's policy state and choose its next `k`."""
         live = [t for t in rows if t is not None]
         positions = sum(t.proposed + 1 for t in live)
+        self.stats.step_accepted = self.stats.step_verified = 0
         for t in live:
             obs = None
             if t.scheduled and (t.asked or t.state.rounds):
                 accepted = min(max(len(t.tokens) - t.seen - 1, 0), t.proposed) if t.asked else 0
                 self.stats.accepted += accepted
                 self.stats.verified += t.proposed
+                self.stats.step_accepted += accepted
+                self.stats.step_verified += t.proposed
                 obs = Observation(k=t.asked, proposed=t.proposed, accepted=accepted,
                                   draft_wall_s=self._last_call_s if t.asked else 0.0,
                                   draft_compute_s=min(t.draft_compute_s, self._last_call_s) if t.asked else 0.0,
@@ -389,6 +404,35 @@ class SpecdecProposer:
             t.asked, t.proposed, t.draft_compute_s = t.state.k, len(tokens), block.compute_ns / 1e9
             blocks[t.session_id] = tokens
         return blocks
+
+
+def serve_metrics(stats: DraftStats, port: int) -> None:
+    """Serve `stats` for Prometheus on `port` (all interfaces; 0: a free one) from this engine process."""
+    from prometheus_client import CollectorRegistry, start_http_server
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    class Collector:
+        def collect(self):
+            for name, help_text, value in (
+                    ("steps", "Engine steps the proposer served.", stats.steps),
+                    ("draft_calls", "ProposeBatch calls made to the draft pool.", stats.calls),
+                    ("draft_failures", "Calls that failed or timed out (their steps had no drafts).", stats.failures),
+                    ("draft_tokens", "Draft tokens returned to vLLM.", stats.drafted),
+                    ("verified_tokens", "Draft tokens whose verdict is known.", stats.verified),
+                    ("accepted_tokens", "Draft tokens vLLM accepted.", stats.accepted),
+                    ("outputs_shared", "Finished outputs that joined the suffix corpus.", stats.outputs_shared)):
+                yield CounterMetricFamily(f"specdec_vllm_{name}", help_text, value=value)
+            step = stats.step_accepted / stats.step_verified if stats.step_verified else 0.0
+            yield GaugeMetricFamily("specdec_vllm_step_acceptance", "Acceptance of the last step's drafts.", value=step)
+            latency = GaugeMetricFamily("specdec_vllm_draft_latency_seconds", "Wall time of the latest draft calls "
+                                        "(1000 at most), by quantile.", labels=["quantile"])
+            for q in (0.5, 0.9, 0.99):
+                latency.add_metric([str(q)], stats.draft_latency(q))
+            yield latency
+
+    registry = CollectorRegistry()
+    registry.register(Collector())
+    start_http_server(port, registry=registry)
 
 
 def _first_tensor_parallel_rank() -> bool:

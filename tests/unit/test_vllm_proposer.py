@@ -194,3 +194,22 @@ def test_no_draft_reaches_past_the_context():
     drafts = _run(engine, proposer, 2)
     assert all(len(d) <= max(14 - n - 1, 0) for d, n in zip(drafts, engine.num_tokens))
     assert any(drafts) or max(engine.num_tokens) >= 13
+
+
+def test_the_proposer_serves_its_counts_for_prometheus():
+    import socket
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    refs = _refs()
+    engine, pool = Engine(refs, prompt_len=10), Pool(refs)
+    proposer = _proposer(pool, metrics_port=port)
+    _run(engine, proposer, 5)
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+        text = reply.read().decode()
+    assert "specdec_vllm_draft_calls_total 5.0" in text
+    assert f"specdec_vllm_accepted_tokens_total {float(proposer.stats.accepted)}" in text
+    assert "specdec_vllm_step_acceptance 1.0" in text
+    assert 'specdec_vllm_draft_latency_seconds{quantile="0.5"}' in text
