@@ -303,7 +303,8 @@ def compare(results: dict, reference: str, plain: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python bench/peers.py", description=__doc__.splitlines()[0])
-    parser.add_argument("--install", action="store_true", help="install vLLM (CPU) and llama.cpp into .cache/peers/")
+    parser.add_argument("--install", nargs="?", const="vllm,llamacpp", default=None, metavar="PEERS",
+                        help="install vLLM (CPU) and llama.cpp into .cache/peers/ (or those named: vllm, llamacpp)")
     parser.add_argument("--servers", default=",".join(SERVERS), help=f"comma-separated, of {', '.join(SERVERS)}")
     parser.add_argument("--concurrency", default="1,8", help="comma-separated requests in flight")
     parser.add_argument("--prompts", type=int, default=48, help="prompts, a third of each kind")
@@ -317,7 +318,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "peers.json")
     args = parser.parse_args()
     if args.install:
-        install(["vllm", "llamacpp"])
+        install(args.install.split(","))
         return
     work = prompts(args.prompts, args.offset)
     levels = [int(c) for c in args.concurrency.split(",")]

@@ -277,6 +277,28 @@ redis["allOf"] = [
          {"properties": {"password": {"minLength": 1}}}]}}}},
 ]
 
+vllm_target = obj({
+    "enabled": B("Serve the target with vLLM (specdec's proposer drafting from the chart's draft pool) instead of "
+                 "specdec's target, orchestrator and gateway."),
+    "image": S("The vLLM image (repository:tag), with specdec installed beside vLLM; required when enabled."),
+    "pullPolicy": {"enum": ["Always", "IfNotPresent", "Never"]},
+    "model": S("The model vLLM serves; required when enabled."),
+    "replicas": I("vLLM replicas.", minimum=0),
+    "port": {"$ref": "#/definitions/port"},
+    "numSpeculativeTokens": I("Longest draft vLLM schedules per request.", minimum=1, maximum=64),
+    "draftTimeoutMs": {"type": "number", "exclusiveMinimum": 0,
+                       "description": "Longest wait of a step for its drafts, in ms."},
+    "corpusGroup": S("Corpus group of this vLLM's finished outputs.", maxLength=128),
+    "shareOutputs": B("Finished outputs join the draft pool's suffix corpus."),
+    "extraArgs": {"type": "array", "items": {"type": "string"}},
+    "env": {"type": "array", "items": {"type": "object", "required": ["name"]}},
+    "resources": {"type": "object", "description": "Resources of the vLLM container."},
+    "nodeSelector": string_map,
+    "tolerations": {"type": "array", "items": {"type": "object"}},
+    "startupSeconds": I("Seconds for vLLM to load its model.", minimum=10),
+}, required=["enabled", "image", "model", "port", "numSpeculativeTokens"],
+    desc="A vLLM target beside the draft pool and Redis (docs/vllm.md).")
+
 schema = {
     "$schema": "http://json-schema.org/draft-07/schema#",
     "title": "specdec chart values",
@@ -324,6 +346,7 @@ schema = {
         "orchestrator": orchestrator,
         "gateway": gateway,
         "redis": redis,
+        "vllmTarget": vllm_target,
         "metrics": obj({
             "enabled": B("Pass --metrics-port to every service and expose it."),
             "port": {"$ref": "#/definitions/port"},

@@ -15,6 +15,7 @@ from draft_service.config import DraftConfig
 from draft_service.registry import DraftHost, build_proposer
 from draft_service.servicer import DraftServicer
 from specdec.keys import suffix_outputs_key
+from specdec.runtime.batch_drafting import BatchDrafter, OutputSink
 from specdec.runtime.drafting import Drafter, Proposer
 from specdec.server.metrics import ServiceMetrics
 from specdec.server.model_service import serve_model_service
@@ -25,6 +26,7 @@ from specdec.v1 import draft_pb2, draft_pb2_grpc
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
 
 log = logging.getLogger(__name__)
+SHARED_OUTPUTS_MAXLEN = 20_000  # as the orchestrator's stream of finished outputs (oldest go first)
 
 
 def redis_password(url: str) -> dict[str, str]:
@@ -133,6 +135,28 @@ class SuffixStreamCollector(Collector):
         yield skipped
 
 
+def output_sink(config: DraftConfig, proposer: Proposer, fingerprint: str) -> OutputSink | None:
+    """Where the outputs of finished batched sessions go (`ProposeBatch`): the shared stream of finished
+    outputs when this replica reads one (every replica learns them, this one through its reader), else
+    this proposer's own corpus; None for a proposer without a corpus."""
+    if not proposer.learns_outputs:
+        return None
+    if not config.suffix_redis_url:
+        return proposer.add_output
+    client = connect(RedisSettings.from_url(config.suffix_redis_url))
+
+    def publish(tokens: list[int], group: str) -> None:
+        from specdec.core.suffix import FINGERPRINT_FIELD, encode_entry
+
+        fields = {**encode_entry(tokens, group), FINGERPRINT_FIELD: fingerprint.encode()}
+        try:
+            client.xadd(suffix_outputs_key(), fields, maxlen=SHARED_OUTPUTS_MAXLEN, approximate=True)
+        except redis.RedisError as exc:  # the corpus misses one output; drafting goes on
+            log.warning("suffix outputs stream: an output was not published: %s", exc)
+
+    return publish
+
+
 def build_servicer(config: DraftConfig) -> tuple[DraftServicer, ServiceMetrics]:
     """Build the configured proposer (its model, if it has one, loaded and batched on one thread), admission and
     metrics (call inside the event loop)."""
@@ -140,7 +164,8 @@ def build_servicer(config: DraftConfig) -> tuple[DraftServicer, ServiceMetrics]:
     proposer = build_proposer(config, host)
     info, grammars = host.info(config.proposer, proposer)
     drafter = Drafter(proposer, info.tokenizer_fingerprint, info.model, grammars=grammars)
-    return DraftServicer(drafter, info, host.admission, host.batcher_if_loaded), host.metrics
+    batched = BatchDrafter(drafter, output_sink(config, proposer, info.tokenizer_fingerprint))
+    return DraftServicer(drafter, info, host.admission, host.batcher_if_loaded, batched), host.metrics
 
 
 async def serve(config: DraftConfig) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from specdec.rpc_errors import grpc_errors
+from specdec.runtime.batch_drafting import BatchDrafter, BatchItem, FinishedItem, check_batch
 from specdec.runtime.batching import Batcher
 from specdec.runtime.drafting import Drafter
 from specdec.server.admission import Admission, deadline_of
@@ -22,9 +23,10 @@ class DraftServicer(ModelServicer, draft_pb2_grpc.DraftServiceServicer):
     model, if the proposer has one)."""
 
     def __init__(self, drafter: Drafter, info: common_pb2.ModelInfo, admission: Admission,
-                 batcher: Batcher | None = None) -> None:
+                 batcher: Batcher | None = None, batched: BatchDrafter | None = None) -> None:
         super().__init__(info, admission, batcher)
         self.drafter = drafter
+        self.batched = batched or BatchDrafter(drafter)
 
     @grpc_errors
     async def Propose(self, request: draft_pb2.ProposeRequest, context):
@@ -52,3 +54,21 @@ class DraftServicer(ModelServicer, draft_pb2_grpc.DraftServiceServicer):
         released = await self.drafter.release(request.session_id, learn=not request.forget_output,
                                               sent_unix_ns=request.sent_unix_ns)
         return common_pb2.ReleaseResponse(released=released)
+
+    @grpc_errors
+    async def ProposeBatch(self, request: draft_pb2.ProposeBatchRequest, context) -> draft_pb2.ProposeBatchResponse:
+        arrived = time.monotonic()
+        items = [BatchItem(e.session_id, e.start, list(e.tokens), e.num_tokens, e.output_start, e.corpus_group)
+                 for e in request.entries]
+        finished = [FinishedItem(f.session_id, f.start, list(f.tokens), f.forget_output, f.output_start, f.corpus_group)
+                    for f in request.finished]
+        check_batch(items, finished, self.info.vocab_size)
+        self.drafter.check_fingerprint(request.tokenizer_fingerprint)
+        deadline = deadline_of(context)
+        async with self.admission.slot(deadline, context):
+            blocks, learned = await self.batched.propose(items, finished, deadline, arrived)
+        return draft_pb2.ProposeBatchResponse(
+            blocks=[draft_pb2.DraftBlock(token_ids=b.tokens, history_missing=b.history_missing, compute_ns=b.compute_ns,
+                                         source=SOURCES.get(b.source, draft_pb2.DRAFT_SOURCE_UNSPECIFIED))
+                    for b in blocks],
+            compute_ns=int((time.monotonic() - arrived) * 1e9), outputs_learned=learned)

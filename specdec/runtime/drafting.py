@@ -223,6 +223,10 @@ class Drafter:
             raise InvalidArgument("num_tokens must be >= 1 (use the target alone for k = 0)")
         if not history:
             raise InvalidArgument("history is empty: send at least one token")
+        self.check_fingerprint(fingerprint)
+
+    def check_fingerprint(self, fingerprint: str) -> None:
+        """Refuse a caller whose tokenizer differs from the draft model's ("" skips the check)."""
         if fingerprint and fingerprint != self.fingerprint:
             raise FailedPrecondition(
                 f"tokenizer mismatch: caller has {fingerprint}, draft model {self.model!r} has "

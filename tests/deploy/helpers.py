@@ -9,6 +9,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "helm" / "specdec"
 VALUE_SETS = {path.name.removesuffix("-values.yaml"): path for path in sorted((CHART / "ci").glob("*-values.yaml"))}
+# The value sets that run specdec's own target, orchestrator and gateway (vllm-target runs a vLLM target instead).
+PIPELINE_SETS = sorted(set(VALUE_SETS) - {"vllm-target"})
 RELEASE = "sd"
 NAMESPACE = "specdec-ns"
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from tests.deploy.helpers import CHART, NAMESPACE, RELEASE, REPO, VALUE_SETS, container, flag, render_chart, run_helm
+from tests.deploy.helpers import CHART, NAMESPACE, PIPELINE_SETS, RELEASE, REPO, container, flag, render_chart, run_helm
 from tests.deploy.test_rendered_objects import config_fields, selector_matches
 
-ALL_SETS = sorted(VALUE_SETS)
+ALL_SETS = PIPELINE_SETS
 GATEWAY_CONFIG = REPO / "http_gateway" / "config.py"
 ORCHESTRATOR_ADDRESS = f"{RELEASE}-specdec-orchestrator.{NAMESPACE}.svc.cluster.local:50051"
 ENDPOINTSLICE_RULE = {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"]}

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import ast
+import json
 
 import pytest
 
-from tests.deploy.helpers import NAMESPACE, RELEASE, REPO, VALUE_SETS, container, flag, render_chart
+from tests.deploy.helpers import NAMESPACE, PIPELINE_SETS, RELEASE, REPO, VALUE_SETS, container, flag, render_chart
 
 SERVICES = {"draft": 50052, "target": 50053, "orchestrator": 50051}
 CONFIG_FILES = {
@@ -14,7 +15,7 @@ CONFIG_FILES = {
     "target": REPO / "target_service" / "config.py",
     "orchestrator": REPO / "orchestrator" / "config.py",
 }
-ALL_SETS = sorted(VALUE_SETS)
+ALL_SETS = PIPELINE_SETS  # vllm-target: the tests at the end
 
 
 def headless_address(component: str) -> str:
@@ -610,3 +611,40 @@ def test_metrics_objects_match_kubernetes_schemas(render):
         if doc["apiVersion"].startswith("monitoring.coreos.com/"):
             continue  # a CRD: no schema in kubernetes-validate
         kubernetes_validate.validate(doc, "1.33.0", strict=True)
+
+
+# --------------------------------------------------------------------------- a vLLM target
+
+
+def test_a_vllm_target_runs_beside_the_draft_pool_and_redis_alone(render):
+    r = render("vllm-target")
+    assert {w["metadata"]["labels"]["app.kubernetes.io/component"] for w in r.workloads()} == {
+        "vllm", "draft", "redis"}
+    pod = r.component("Deployment", "vllm")["spec"]["template"]["spec"]
+    vllm = container(pod)
+    assert vllm["image"] == "registry.example/vllm-with-specdec:0.32.0"
+    assert vllm["command"] == ["vllm", "serve"] and vllm["args"][0] == "/models/target"
+    spec = json.loads(flag(vllm["args"], "--speculative-config"))
+    assert spec == {"method": "custom_class", "model": "specdec.integrations.vllm.SpecdecProposer",
+                    "num_speculative_tokens": 4}
+    env = {e["name"]: e.get("value") for e in vllm["env"]}
+    assert env["SPECDEC_DRAFT_ADDRESS"] == headless_address("draft")
+    assert env["SPECDEC_DRAFT_TIMEOUT_MS"] == "50" and env["SPECDEC_SHARE_OUTPUTS"] == "1"
+    assert reads_outputs_stream(r)  # finished outputs reach every draft replica through Redis
+    service = r.component("Service", "vllm")
+    assert service["spec"]["ports"][0]["targetPort"] == "http"
+
+
+def test_with_a_vllm_target_only_vllm_reaches_the_draft_pool(render):
+    r = render("vllm-target")
+    policies = {p["metadata"]["labels"]["app.kubernetes.io/component"]: p for p in r.of_kind("NetworkPolicy").values()}
+    assert set(policies) == {"draft", "redis"}
+    vllm_labels = r.component("Deployment", "vllm")["spec"]["selector"]["matchLabels"]
+    [rule] = policies["draft"]["spec"]["ingress"]
+    assert rule["from"] == [{"podSelector": {"matchLabels": vllm_labels}}]
+
+
+@pytest.mark.parametrize("unset, message", [("image", "vllmTarget.image"), ("model", "vllmTarget.model")])
+def test_a_vllm_target_needs_its_image_and_model(helm, unset, message):
+    proc = render_chart(helm, "-f", str(VALUE_SETS["vllm-target"]), "--set", f"vllmTarget.{unset}=")
+    assert proc.returncode != 0 and message in proc.stderr

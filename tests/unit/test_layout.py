@@ -9,6 +9,7 @@
        testing   specdec.testing: tiny models for tests, benches    leaf, core, runtime
        sdk       specdec (the package), client, channel, rpc_errors leaf
        server    specdec.server: what the services share            leaf, core, runtime, sdk
+       integrations specdec.integrations: other engines' proposers  leaf, core (gRPC inside functions)
        <service> orchestrator, draft_service, target_service,       leaf, core, runtime, sdk, server
                  http_gateway (each its own: no service imports another)
        cli       specdec.cli, specdec.launcher                      leaf, sdk, runtime (`specdec up` only)
@@ -53,10 +54,12 @@ LAYERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "testing": (("specdec.testing",), ("leaf", "core", "runtime")),
     "sdk": (("specdec", "specdec.client", "specdec.channel", "specdec.rpc_errors"), ("leaf",)),
     "server": (("specdec.server",), ("leaf", "core", "runtime", "sdk")),
+    "integrations": (("specdec.integrations",), ("leaf", "core")),
     **{service: ((service,), ("leaf", "core", "runtime", "sdk", "server")) for service in SERVICES},
     "cli": (("specdec.cli", "specdec.launcher"), ("leaf", "sdk", "runtime")),
-    "tools": (TOOLS, ("leaf", "core", "runtime", "testing", "sdk", "server", *SERVICES, "cli")),
-    "tests": (("tests",), ("leaf", "core", "runtime", "testing", "sdk", "server", *SERVICES, "cli", "tools")),
+    "tools": (TOOLS, ("leaf", "core", "runtime", "testing", "sdk", "server", *SERVICES, "cli", "integrations")),
+    "tests": (("tests",), ("leaf", "core", "runtime", "testing", "sdk", "server", *SERVICES, "cli", "tools",
+                           "integrations")),
 }
 # What the SDK and the light CLI may import at module level besides the standard library: grpcio
 # and protobuf. The services' packages are imported inside the functions that need them.
@@ -297,3 +300,8 @@ def test_no_function_in_the_library_services_or_gateway_is_over_a_screen():
                     if lines > MAX_FUNCTION_LINES:
                         offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {lines} lines")
     assert not offenders, f"over {MAX_FUNCTION_LINES} lines: split them"
+
+
+def test_the_vllm_proposer_imports_without_vllm_torch_or_grpc():
+    loaded = _loaded_after("import specdec.integrations.vllm")
+    assert not {m for m in loaded if m.split(".")[0] in ("vllm", "torch", "transformers", *GRPC)}
