@@ -271,9 +271,10 @@ def test_grammar_bombs_are_refused_naming_the_grammar_and_the_pipeline_keeps_ser
     with Client(orchestrator_address(http_pipeline), timeout=120) as client:
         out = client.generate("Answer: ", max_new_tokens=4, grammar=("json_schema", ref_chain(64 * 1024)))
         assert set(out.text) <= {"[", "]", " ", ",", *"0123456789-"}, out.text  # arrays of arrays ... of integers
-        for grammar, bound in [(("json_schema", "[" * 300 + "]" * 300), "nests 300 levels deep"),
-                               (("regex", "a" * 70_000), "text is 70000 bytes, over the limit of 65536")]:
-            with pytest.raises(InvalidArgument, match=f"grammar: .*{bound}"):
+        for grammar, refusal in [(("json_schema", "[" * 300 + "]" * 300), "grammar: .*nests 300 levels deep"),
+                                 (("regex", "a" * 70_000),
+                                  "grammar text has 70000 bytes; the limit is --max-grammar-bytes=65536")]:
+            with pytest.raises(InvalidArgument, match=refusal):
                 client.generate("Answer: ", max_new_tokens=4, grammar=grammar)
     deep = json.loads('{"type": "array", "items": ' * 300 + '{"type": "integer"}' + "}" * 300)
     with pytest.raises(BadRequestError) as info:
