@@ -49,12 +49,12 @@ class SuffixStreamReader:
     is logged and retried, and so is anything unexpected; the proposer keeps what it has.
     """
 
-    def __init__(self, proposer: Proposer, url: str, fingerprint: str, backlog: int = 1000,
+    def __init__(self, proposer: Proposer, redis_at: RedisSettings, fingerprint: str, backlog: int = 1000,
                  vocab_size: int | None = None) -> None:
         from specdec.core.suffix import SKIP_REASONS
 
         self.proposer = proposer
-        self.url = url
+        self.redis_at = redis_at
         self.fingerprint = fingerprint
         self.backlog = backlog
         self.vocab_size = vocab_size
@@ -72,8 +72,8 @@ class SuffixStreamReader:
 
     def _run(self) -> None:
         key = suffix_outputs_key()
-        client = connect(RedisSettings.from_url(self.url))
-        where = self.url.rsplit("@", 1)[-1].split("//")[-1]  # host:port/db, never a password
+        client = connect(self.redis_at)
+        where = self.redis_at.where  # never a password
         last, reading = None, False
         while not self._stop.is_set():
             try:
@@ -94,10 +94,10 @@ class SuffixStreamReader:
             except redis.ResponseError:  # no stream yet: start from its beginning once it exists
                 last = b"0-0"
             except redis.RedisError as exc:
-                log.warning("suffix outputs stream at %s: %s; retrying", where, exc)
+                log.warning("suffix outputs stream (%s): %s; retrying", where, exc)
                 self._stop.wait(1.0)
             except Exception:  # never a silent end: the corpus would stop learning for good
-                log.exception("suffix outputs stream at %s: unexpected error; retrying", where)
+                log.exception("suffix outputs stream (%s): unexpected error; retrying", where)
                 self._stop.wait(1.0)
 
     def _add(self, fields: dict[bytes, bytes]) -> None:
@@ -143,7 +143,7 @@ def output_sink(config: DraftConfig, proposer: Proposer, fingerprint: str) -> Ou
         return None
     if not config.suffix_redis_url:
         return proposer.add_output
-    client = connect(RedisSettings.from_url(config.suffix_redis_url))
+    client = connect(config.redis_settings(config.suffix_redis_url))
 
     def publish(tokens: list[int], group: str) -> None:
         from specdec.core.suffix import FINGERPRINT_FIELD, encode_entry
@@ -173,8 +173,9 @@ async def serve(config: DraftConfig) -> None:
     info, proposer = servicer.info, servicer.drafter.proposer
     reader = None
     if config.suffix_redis_url and proposer.learns_outputs:  # every finished output joins the corpus
-        reader = SuffixStreamReader(proposer, config.suffix_redis_url, info.tokenizer_fingerprint,
-                                    config.suffix_backlog, vocab_size=info.vocab_size or None)
+        reader = SuffixStreamReader(proposer, config.redis_settings(config.suffix_redis_url),
+                                    info.tokenizer_fingerprint, config.suffix_backlog,
+                                    vocab_size=info.vocab_size or None)
         metrics.registry.register(SuffixStreamCollector("draft", reader))
         reader.start()
         info.reads_shared_outputs = True  # orchestrators publish finished outputs only for drafts that read them

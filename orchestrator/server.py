@@ -32,9 +32,7 @@ def session_store(config: OrchestratorConfig) -> RedisSessionStore:
         settings = config.session_redis()
     except ValueError as exc:  # e.g. TLS files for a plain redis:// URL
         raise StartupError(str(exc)) from exc
-    return RedisSessionStore(settings.url, config.session_ttl_s, cluster_nodes=settings.cluster_nodes,
-                             sentinels=settings.sentinels, sentinel_master=settings.sentinel_master,
-                             failover_s=config.redis_failover_s, **settings.options())
+    return RedisSessionStore(settings, config.session_ttl_s, failover_s=config.redis_failover_s)
 
 
 def backend_tls(config: OrchestratorConfig) -> ClientTLS | None:

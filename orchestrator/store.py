@@ -20,16 +20,11 @@ import asyncio
 import functools
 import json
 import logging
-import re
 import time
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Protocol
 
-import redis.asyncio as redis
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from redis.asyncio.cluster import ClusterNode, RedisCluster
-from redis.asyncio.sentinel import Sentinel
 from redis.exceptions import (
     ClusterDownError,
     ConnectionError,
@@ -45,6 +40,7 @@ from specdec.core.sampling import SamplingParams
 from specdec.core.suffix import encode_entry
 from specdec.errors import Aborted, FailedPrecondition, ResourceExhausted, Unavailable
 from specdec.keys import PRIOR_KEY, session_meta_key, session_tokens_key, suffix_outputs_key
+from specdec.server.redis import RedisSettings, connect
 from specdec.server.wire import constants_digest
 from specdec.v1 import orchestrator_pb2 as pb
 
@@ -317,33 +313,18 @@ class SessionStore(Protocol):
     async def close(self) -> None: ...
 
 
-Address = tuple[str, int]
-
-
 class RedisSessionStore:
     """The production `SessionStore`."""
 
-    def __init__(self, url: str, ttl_s: int, *, cluster_nodes: Sequence[Address] = (),
-                 sentinels: Sequence[Address] = (), sentinel_master: str = "", failover_s: float = 0.0,
-                 **connection: Any) -> None:
-        """One mode: `url` (one Redis), `cluster_nodes` (seeds of a Redis Cluster) or `sentinels`
-        with `sentinel_master`. `failover_s`: how long a call retries through a failover (cluster
-        and sentinel modes). `connection`: more redis-py options, e.g. password, ssl (cluster and
-        sentinel modes; a single Redis takes TLS from rediss://), ssl_ca_certs, ssl_certfile."""
+    def __init__(self, redis_at: RedisSettings | str, ttl_s: int, *, failover_s: float = 0.0) -> None:
+        """`redis_at`: the deployment (one Redis, a Cluster or Sentinels, with its password, TLS and
+        timeouts: `specdec.server.redis`), or the URL of one Redis with no more options.
+        `failover_s`: how long a call retries through a failover (cluster and sentinel modes)."""
+        settings = RedisSettings(url=redis_at) if isinstance(redis_at, str) else redis_at
         self.ttl_s = ttl_s
-        self.failover_s = failover_s if cluster_nodes or sentinels else 0.0
-        self._sentinel: Sentinel | None = None
-        if cluster_nodes:
-            self.where = "redis cluster at " + ",".join(f"{h}:{p}" for h, p in cluster_nodes)
-            self.redis = RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in cluster_nodes], **connection)
-        elif sentinels:
-            self.where = f"redis master {sentinel_master!r} of sentinels " + ",".join(f"{h}:{p}" for h, p in sentinels)
-            tls = {k: v for k, v in connection.items() if k.startswith("ssl")}  # sentinels: TLS, not the password
-            self._sentinel = Sentinel(list(sentinels), sentinel_kwargs=tls, **connection)
-            self.redis = self._sentinel.master_for(sentinel_master)
-        else:
-            self.where = "redis at " + re.sub(r"//[^/@]*@", "//", url)  # as named in messages: no credentials
-            self.redis = redis.Redis.from_url(url, **connection)
+        self.failover_s = failover_s if settings.mode != "single" else 0.0
+        self.where = settings.where
+        self.redis = connect(settings, asyncio=True)
         self.full_refusals = 0  # writes refused because Redis was full
         self.used_bytes = self.max_bytes = 0  # its memory and maxmemory (0: none) at the last refresh_memory
         self._watch: asyncio.Task | None = None
@@ -429,8 +410,10 @@ class RedisSessionStore:
         if self._watch is not None:
             self._watch.cancel()
         await self.redis.aclose()
-        if self._sentinel is not None:
-            await self._sentinel.aclose()
+        pool = getattr(self.redis, "connection_pool", None)  # a cluster client has none
+        sentinels = getattr(pool, "sentinel_manager", None)  # the Sentinel of a master client
+        if sentinels is not None:
+            await sentinels.aclose()
 
     async def _call(self, call):
         """`call()`'s result; through a failover, retried with backoff for `failover_s`."""

@@ -293,6 +293,17 @@ def test_the_default_draft_is_suffix_speculation_reading_the_orchestrators_outpu
     assert reads_outputs_stream(r)
 
 
+def test_the_target_has_the_redis_password_for_a_snapshot_store(render):
+    r = render("default", "--set-json", 'target.extraArgs=["--snapshot-redis-url","redis://specdec-redis:6379/0"]')
+    target = container(r.component("Deployment", "target")["spec"]["template"]["spec"])
+    orchestrator = container(r.component("Deployment", "orchestrator")["spec"]["template"]["spec"])
+    password = [e for e in target.get("env", []) if e["name"] == "REDIS_PASSWORD"]
+    assert password == [e for e in orchestrator["env"] if e["name"] == "REDIS_PASSWORD"] and password
+    target = container(render("default", "--set", "redis.auth.enabled=false").component(
+        "Deployment", "target")["spec"]["template"]["spec"])
+    assert not [e for e in target.get("env", []) if e["name"] == "REDIS_PASSWORD"]
+
+
 def test_a_draft_without_the_shared_corpus_or_redis_auth(render):
     draft = draft_container(render("default", "--set", "draft.suffix.sharedCorpus=false"))
     assert "--suffix-redis-url" not in draft["args"]

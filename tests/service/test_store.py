@@ -14,6 +14,7 @@ from orchestrator.store import GenerationRecord, RedisSessionStore, SessionState
 from specdec.core.sampling import SamplingParams
 from specdec.errors import Aborted, Unavailable
 from specdec.keys import session_meta_key, session_tokens_key
+from specdec.server.redis import RedisSettings
 from tests.redis_ha import LocalCluster
 from tests.unit.fakes import InMemorySessionStore
 
@@ -32,7 +33,7 @@ def redis_store(request, kind: str, ttl_s: int) -> tuple[RedisSessionStore, redi
     if kind == "cluster":
         nodes = request.getfixturevalue("redis_cluster").nodes
         raw = redis.RedisCluster(startup_nodes=[redis.cluster.ClusterNode(h, p) for h, p in nodes])
-        return RedisSessionStore("", ttl_s, cluster_nodes=nodes, failover_s=5.0), raw
+        return RedisSessionStore(RedisSettings(cluster_nodes=tuple(nodes)), ttl_s, failover_s=5.0), raw
     url = request.getfixturevalue("redis_url")
     return RedisSessionStore(url, ttl_s), redis.Redis.from_url(url)
 

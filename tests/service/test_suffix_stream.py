@@ -17,6 +17,7 @@ from specdec.core.suffix import FINGERPRINT_FIELD, OUTPUT_FIELD, encode_output
 from specdec.keys import suffix_outputs_key
 from specdec.launcher import free_port, redis_server_binary
 from specdec.runtime.proposers import SuffixProposer
+from specdec.server.redis import RedisSettings
 from tests.conftest import wait_redis_client
 
 PASSWORD = "s3cret-stream"
@@ -38,7 +39,7 @@ def locked_redis(tmp_path):
 
 def _read(url: str, client: redis.Redis, caplog) -> SuffixStreamReader:
     client.xadd(suffix_outputs_key(), {OUTPUT_FIELD: encode_output([5, 6, 7, 8]), FINGERPRINT_FIELD: b"fp"})
-    reader = SuffixStreamReader(SuffixProposer(), url, "fp")
+    reader = SuffixStreamReader(SuffixProposer(), RedisSettings.from_url(url), "fp")
     with caplog.at_level(logging.INFO, logger="draft_service.server"):
         reader.start()
         deadline = time.monotonic() + 10
@@ -55,7 +56,8 @@ def test_the_reader_takes_its_password_from_the_environment(locked_redis, monkey
     reader = _read(f"redis://127.0.0.1:{port}/0", client, caplog)
     assert reader.entries == 1  # the output joined the corpus
     said = [r.getMessage() for r in caplog.records if "suffix corpus: reading" in r.getMessage()]
-    assert said == [f"suffix corpus: reading finished outputs from 127.0.0.1:{port}/0 (1 from its backlog)"]
+    assert said == [f"suffix corpus: reading finished outputs from redis at redis://127.0.0.1:{port}/0 "
+                    "(1 from its backlog)"]
     assert PASSWORD not in caplog.text
 
 
@@ -64,7 +66,7 @@ def test_without_the_password_the_reader_says_why_and_reads_nothing(locked_redis
     monkeypatch.delenv("REDIS_PASSWORD", raising=False)
     reader = _read(f"redis://127.0.0.1:{port}/0", client, caplog)
     assert reader.entries == 0
-    assert "suffix outputs stream at" in caplog.text and "suffix corpus: reading" not in caplog.text
+    assert "suffix outputs stream (" in caplog.text and "suffix corpus: reading" not in caplog.text
 
 
 def test_a_password_in_the_url_wins_and_is_never_logged(locked_redis, monkeypatch, caplog):
@@ -72,7 +74,7 @@ def test_a_password_in_the_url_wins_and_is_never_logged(locked_redis, monkeypatc
     monkeypatch.setenv("REDIS_PASSWORD", PASSWORD)  # the URL's own comes first, here a wrong one
     reader = _read(f"redis://:wrong-in-url@127.0.0.1:{port}/0", client, caplog)
     assert reader.entries == 0
-    assert "suffix outputs stream at 127.0.0.1" in caplog.text and "wrong-in-url" not in caplog.text
+    assert "suffix outputs stream (redis at redis://127.0.0.1" in caplog.text and "wrong-in-url" not in caplog.text
 
 
 def _wait_for(condition, timeout_s: float = 10.0) -> bool:
@@ -99,7 +101,7 @@ def test_bad_entries_are_skipped_and_counted_and_the_reader_keeps_reading(locked
     for fields in bad[:2]:
         client.xadd(key, fields)  # in the backlog
     proposer = SuffixProposer(min_match=2)
-    reader = SuffixStreamReader(proposer, f"redis://127.0.0.1:{port}/0", "fp", vocab_size=vocab)
+    reader = SuffixStreamReader(proposer, RedisSettings.from_url(f"redis://127.0.0.1:{port}/0"), "fp", vocab_size=vocab)
     reader.start()
     try:
         for fields in bad[2:]:

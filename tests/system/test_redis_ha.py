@@ -25,6 +25,7 @@ from specdec.errors import Aborted
 from specdec.keys import session_meta_key, session_tokens_key
 from specdec.launcher import free_port
 from specdec.runtime.models import load_tokenizer
+from specdec.server.redis import RedisSettings
 from tests.cluster import HOST, Cluster
 from tests.redis_ha import LocalCluster, LocalSentinel
 from tests.reference import Reference
@@ -110,7 +111,7 @@ async def rides_through(store: RedisSessionStore, kill_master) -> float:
 
 
 async def test_the_store_rides_through_a_cluster_failover(redis_cluster):
-    store = RedisSessionStore("", 60, cluster_nodes=redis_cluster.nodes, failover_s=30)
+    store = RedisSessionStore(RedisSettings(cluster_nodes=tuple(redis_cluster.nodes)), 60, failover_s=30)
     victim = redis_cluster.master_for(session_meta_key("ha"))
 
     def kill_master() -> None:
@@ -123,8 +124,8 @@ async def test_the_store_rides_through_a_cluster_failover(redis_cluster):
 
 
 async def test_the_store_follows_a_sentinel_failover(redis_sentinel):
-    store = RedisSessionStore("", 60, sentinels=[(HOST, redis_sentinel.sentinel)],
-                              sentinel_master=LocalSentinel.NAME, failover_s=30)
+    store = RedisSessionStore(RedisSettings(sentinels=((HOST, redis_sentinel.sentinel),),
+                                            sentinel_master=LocalSentinel.NAME), 60, failover_s=30)
     victim = redis_sentinel.master
 
     def kill_master() -> None:
@@ -141,7 +142,8 @@ async def test_a_write_the_failover_lost_is_refused_never_overwritten(redis_sent
     the replica is promoted. The session is back at the older version; the writer that still
     holds the lost one is refused (ABORTED), so nothing is appended to a history it did not read."""
     ha = redis_sentinel
-    store = RedisSessionStore("", 60, sentinels=[(HOST, ha.sentinel)], sentinel_master=ha.NAME, failover_s=30)
+    store = RedisSessionStore(RedisSettings(sentinels=((HOST, ha.sentinel),), sentinel_master=ha.NAME), 60,
+                              failover_s=30)
     state = SessionState(session_id="lost", seed=1, tokens=[1, 2])
     await store.save(state, [1, 2])  # version 1: on both
     ha.wait_replicated(ha.master)
