@@ -58,7 +58,7 @@ def observation(stats: pb.RoundStats, loop_s: float = 0.0) -> Observation:
 
 
 def within_budget(wanted: int, upcoming: int, remaining: int, first: bool, drafting: bool) -> tuple[int, int]:
-    """k for this round and k_next for the block an overlapped draft proposes during its verify.
+    """k for the current round and k_next for the block an overlapped draft proposes during its verify.
 
     The first round drafts nothing: its token comes from the target's prefill alone (the shortest
     time to first token) while the draft prefills, overlapped, for the next block. `upcoming` is

@@ -142,7 +142,7 @@ class Orchestrator:
                                 self.target, self.fingerprint, overlap=self.config.overlap, deadline=deadline,
                                 top_logprobs=gen.top_logprobs, corpus_group=self.corpus_groups.of(state.principal))
         first, round_end = True, None
-        # With --save-behind, the next round's calls go out as soon as this round's tokens are known,
+        # With --save-behind, the next round's calls go out as soon as the current round's tokens are known,
         # while its save runs; its chunk is streamed only once the save succeeded, so the client never
         # holds a token the store lacks. `ahead`: that next round, and when it started.
         ahead: tuple[asyncio.Future, int] | None = None
@@ -169,7 +169,7 @@ class Orchestrator:
                     try:
                         await saving  # the next round's calls are in flight meanwhile
                     except BaseException:
-                        _drop(ahead[0])  # this round was not saved: it is not streamed, and nothing follows it
+                        _drop(ahead[0])  # the current round was not saved: it is not streamed, and nothing follows it
                         ahead = None
                         raise
                 else:

@@ -7,7 +7,8 @@ import torch
 
 from specdec.core.acceptance import Verdict
 from specdec.core.sampling import SamplingParams, logits_to_probs
-from specdec.runtime.kv import Scored
+from specdec.runtime.batching import Job
+from specdec.runtime.kv import Scored, ScoreRequest, SessionCaches
 from specdec.runtime.models import load_model
 from specdec.runtime.verifier import Verifier
 
@@ -60,3 +61,17 @@ def verify_alone(verifier: Verifier, session_id: str, history: list[int], draft_
     logits, prefilled = verifier.caches.score(session_id, history, draft_tokens)  # [k+1, V]
     verified, _ = job.advance(Scored(logits, prefilled), verifier.caches)
     return verified.verdict
+
+
+class OnePassJob(Job):
+    """A batcher job of one pass scoring `new` after `history`; its item is the `Scored`."""
+
+    def __init__(self, session_id: str, history: list[int], new: list[int]) -> None:
+        super().__init__(session_id)
+        self.scored = ScoreRequest(session_id, history, new)
+
+    def request(self) -> ScoreRequest:
+        return self.scored
+
+    def advance(self, scored: Scored, caches: SessionCaches) -> tuple[Scored, bool]:
+        return scored, True

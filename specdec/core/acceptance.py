@@ -40,7 +40,7 @@ class Verdict:
     bonus: bool
 
     def emitted(self, draft_tokens: Sequence[int]) -> list[int]:
-        """The tokens this round adds to the sequence: accepted drafts then `token`."""
+        """The tokens the round adds to the sequence: accepted drafts then `token`."""
         return [int(t) for t in draft_tokens[: self.num_accepted]] + [self.token]
 
 

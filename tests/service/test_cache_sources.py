@@ -14,32 +14,20 @@ import redis
 import torch
 from redis.connection import AbstractConnection
 
-from specdec.runtime.batching import BatchConfig, Batcher, Job
-from specdec.runtime.kv import Scored, ScoreRequest, SessionCaches
+from specdec.runtime.batching import BatchConfig, Batcher
+from specdec.runtime.kv import ScoreRequest, SessionCaches
 from specdec.runtime.prefix_cache import PrefixCache
 from specdec.runtime.prefix_store import RedisPrefixStore
 from specdec.runtime.snapshot_codec import SnapshotIdentity
 from specdec.runtime.snapshot_store import RedisSnapshotStore, SnapshotPolicy
 from specdec.server.model_service import save_snapshot
 from specdec.server.redis import RedisSettings, connect
-from tests.reference import full_logits
+from tests.reference import OnePassJob as ScoreJob, full_logits
 
 BLOCK = 8
 MIN_TOKENS = 32
 
 
-class ScoreJob(Job):
-    """One pass scoring `new` after `history`; its item is the `Scored`."""
-
-    def __init__(self, session_id: str, history: list[int], new: list[int]) -> None:
-        super().__init__(session_id)
-        self.scored = ScoreRequest(session_id, history, new)
-
-    def request(self) -> ScoreRequest:
-        return self.scored
-
-    def advance(self, scored: Scored, caches: SessionCaches) -> tuple[Scored, bool]:
-        return scored, True
 
 
 @pytest.fixture

@@ -20,8 +20,8 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specdec.channel import channel
-from specdec.runtime.batching import BatchConfig, Batcher, Job
-from specdec.runtime.kv import Scored, ScoreRequest, SessionCaches
+from specdec.runtime.batching import BatchConfig, Batcher
+from specdec.runtime.kv import SessionCaches
 from specdec.runtime.prefix_cache import PrefixCache
 from specdec.runtime.prefix_store import RedisPrefixStore
 from specdec.runtime.snapshot_codec import SnapshotIdentity
@@ -32,7 +32,7 @@ from specdec.server.serving import create_server, mark_serving, watch_health
 from specdec.v1 import target_pb2, target_pb2_grpc
 from target_service.config import TargetConfig
 from target_service.server import SERVICE_NAME, build_servicer
-from tests.reference import full_logits
+from tests.reference import OnePassJob as ScoreJob, full_logits
 
 HISTORY = [5 + (i * 7) % 90 for i in range(40)]
 
@@ -83,16 +83,6 @@ async def test_health_is_not_serving_while_the_model_thread_completes_no_pass(ti
         await servicer.batcher.close()
 
 
-class ScoreJob(Job):
-    def __init__(self, session_id: str, history: list[int], new: list[int]) -> None:
-        super().__init__(session_id)
-        self.scored = ScoreRequest(session_id, history, new)
-
-    def request(self) -> ScoreRequest:
-        return self.scored
-
-    def advance(self, scored: Scored, caches: SessionCaches) -> tuple[Scored, bool]:
-        return scored, True
 
 
 def _replica(model, redis_url: str) -> SessionCaches:

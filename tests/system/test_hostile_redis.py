@@ -41,8 +41,8 @@ import torch
 from safetensors.torch import load as st_load, save as st_save
 
 from specdec.keys import session_tokens_key
-from specdec.runtime.batching import BatchConfig, Batcher, Job
-from specdec.runtime.kv import Scored, ScoreRequest, SessionCaches
+from specdec.runtime.batching import BatchConfig, Batcher
+from specdec.runtime.kv import SessionCaches
 from specdec.runtime.models import load_tokenizer
 from specdec.runtime.prefix_cache import PrefixCache, block_names
 from specdec.runtime.prefix_store import RedisPrefixStore
@@ -51,7 +51,7 @@ from specdec.runtime.snapshot_store import RedisSnapshotStore, SnapshotPolicy
 from specdec.server.model_service import save_snapshot
 from specdec.server.redis import RedisSettings, connect
 from tests.cluster import Cluster, cached_sessions, model_info, orchestrator_stub, request
-from tests.reference import Reference, full_logits
+from tests.reference import OnePassJob as ScoreJob, Reference, full_logits
 
 # -- corruptions ---------------------------------------------------------------------------------------------------
 
@@ -239,16 +239,6 @@ KINDS = [
 BLOCK, MIN_TOKENS = 8, 32
 
 
-class ScoreJob(Job):
-    def __init__(self, session_id: str, history: list[int], new: list[int]) -> None:
-        super().__init__(session_id)
-        self.scored = ScoreRequest(session_id, history, new)
-
-    def request(self) -> ScoreRequest:
-        return self.scored
-
-    def advance(self, scored: Scored, caches: SessionCaches) -> tuple[Scored, bool]:
-        return scored, True
 
 
 class EngineScenario:

@@ -115,7 +115,7 @@ def step(
     Folds in the last round's observation (if any) and chooses `k` for the next round; the state
     returned has `state.k = k`, the round counted, one back-off round spent and the post-back-off
     probe consumed when it was taken. `k_ahead` is `choose_k` of that state: the draft length of
-    the round after (the block an overlapped draft proposes ahead, during this round's verify).
+    the round after (the block an overlapped draft proposes ahead, during the current round's verify).
     One goodput fit serves both choices whenever the step left the hysteresis flag as it was (the
     only input of the fit a step changes; a back-off clears it without consulting the fit).
     """

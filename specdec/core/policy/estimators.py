@@ -132,7 +132,7 @@ def _fold_draft(
 
 
 def _fold_verify(state: PolicyState, obs: Observation, config: PolicyConfig) -> tuple[float | None, ...]:
-    """The per-`k` verify table, with this round's compute in the slot of the tokens verified."""
+    """The per-`k` verify table, with the current round's compute in the slot of the tokens verified."""
     verify = list(padded(state.verify_s, max(config.k_max, obs.proposed) + 1))
     if obs.verify_prefill_tokens <= CATCH_UP_TOKENS:  # a prefill's cost is not that of verifying k
         verify[obs.proposed] = ewma(verify[obs.proposed], obs.verify_compute_s, config.ewma)
