@@ -272,7 +272,9 @@ def main() -> None:
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
-    loaded = load_model(args.model, dtype=args.dtype, progress=True)
+    # The engines compared are the float32 ones (the legacy engine scores with a float head):
+    # a GGUF is de-quantized for them; --formats times the blocks as stored.
+    loaded = load_model(args.model, dtype=args.dtype, progress=True, weights="dense")
     model = loaded.model
     bandwidth = read_bandwidth()
     layers, heads, dim = kv_geometry(model)
