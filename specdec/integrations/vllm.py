@@ -236,7 +236,11 @@ class DraftPool:
 
 @dataclass
 class DraftStats:
-    """What the proposer measured (`SpecdecProposer.stats`): per step and in total."""
+    """What the proposer measured (`SpecdecProposer.stats`): per step and in total.
+
+    A verdict is read from the next step's history, so the drafts of a request's last step (the
+    one it finished at) are drafted but never verified here: short requests undercount
+    `accepted` and `verified` (vLLM's own `vllm:spec_decode_*` counters see every verdict)."""
 
     steps: int = 0
     calls: int = 0
