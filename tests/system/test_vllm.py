@@ -201,14 +201,15 @@ def test_sampled_tokens_through_prompt_lookup_follow_plain_vllms_distribution(mo
     drafted = lookup_vllm.generate(rounds[1])
     counted = drafted["counted"]
     assert counted["failures"] == 0 and counted["drafted"] > 0, counted
-    assert 0 < counted["vllm_accepted_tokens"] < counted["vllm_draft_tokens"], counted  # a wrong rule would show
     pairs = [[tuple(out[1:3]) for out in result["outputs"]] for result in (plain_result, drafted)]
     pvalue = _two_sample_pvalue(*pairs)
     print(f"sampled: {SAMPLES} pairs a side, p = {pvalue:.2g}, plain {plain_result['seconds']:.1f} s, "
           f"drafted {drafted['seconds']:.1f} s, drafts {counted}")
-    if pvalue <= 1e-3 and drafted["version"] in VLLM_LOSSY_WHEN_SAMPLING:
-        pytest.xfail(f"vLLM {drafted['version']} (CPU) loses the distribution when it verifies drafts at "
-                     f"temperature > 0, its own ngram method too (p = {pvalue:.1e}; see docs/vllm.md)")
+    both = 0 < counted["vllm_accepted_tokens"] < counted["vllm_draft_tokens"]  # a wrong rule would show
+    if (pvalue <= 1e-3 or not both) and drafted["version"] in VLLM_LOSSY_WHEN_SAMPLING:
+        pytest.xfail(f"vLLM {drafted['version']} (CPU) verifies drafts at temperature > 0 wrongly, its own ngram "
+                     f"method too (p = {pvalue:.1e}, drafts {counted}; see docs/vllm.md)")
+    assert both, counted
     assert pvalue > 1e-3, (Counter(pairs[0]).most_common(8), Counter(pairs[1]).most_common(8))
 
 
