@@ -8,6 +8,9 @@ import sys
 
 from specdec.defaults import DEFAULT_MODEL
 from specdec.extras import require_serving
+from specdec.runtime.engine_options import QUANTIZE_GROUP
+
+HELDOUT_SETS = ("bundled", "sharegpt-chat", "humaneval")  # drafts.profile.HELDOUT_SETS (that module loads torch)
 
 DEVICE_HELP = "auto (the first CUDA GPU if any, else the CPU), cpu, cuda or cuda:N:"
 
@@ -41,8 +44,10 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
     config = ProfileConfig(
         target=args.target, drafts=args.draft or [], copy=not args.no_copy, ngram=args.ngram,
-        draft_dtype=args.draft_dtype, target_dtype=args.target_dtype, k=args.k, heldout=args.heldout,
-        heldout_tokens=args.heldout_tokens, latency_steps=args.latency_steps,
+        copy_quantize=_listed(args.copy_quantize), copy_quantize_group=args.copy_quantize_group, suffix=args.suffix,
+        hybrid=args.hybrid, draft_dtype=args.draft_dtype, target_dtype=args.target_dtype,
+        target_weights=args.target_weights, k=args.k, heldout=args.heldout, heldout_set=args.heldout_set,
+        heldout_count=args.heldout_count, heldout_tokens=args.heldout_tokens, latency_steps=args.latency_steps,
         latency_rounds=args.latency_rounds, threads=args.threads, device=args.device,
         target_device=args.target_device, draft_device=args.draft_device,
         e2e=not args.no_e2e, e2e_tokens=args.e2e_tokens, e2e_prompts=args.e2e_prompts, repeats=args.repeats,
@@ -61,6 +66,11 @@ def cmd_profile(args: argparse.Namespace) -> int:
         print(f"{cand['name']:>22}  step {cand['step_ms']:7.2f} ms ({cand['latency_ratio']:.3f}×)  "
               f"α {cand['agreement']:.3f}  acc@k {cand['acceptance']['acceptance_rate']:.3f}{speed}")
     return 0
+
+
+def _listed(value: str) -> list[str]:
+    """"int4,int8" -> ["int4", "int8"] ("" -> [])."""
+    return [v.strip() for v in value.split(",") if v.strip()]
 
 
 def add_draft_parser(sub: argparse._SubParsersAction) -> None:
@@ -113,11 +123,30 @@ def add_draft_parser(sub: argparse._SubParsersAction) -> None:
     prof.add_argument("--target", default=DEFAULT_MODEL, help="target model spec (default: %(default)s)")
     prof.add_argument("--draft", action="append", help="a draft model directory (repeatable)")
     prof.add_argument("--ngram", action="store_true", help="also profile prompt lookup")
+    prof.add_argument("--suffix", action="store_true",
+                      help="also profile suffix speculation (its corpus: the target's answers to the earlier "
+                           "held-out prompts)")
     prof.add_argument("--no-copy", action="store_true", help="skip the target's own copy in --draft-dtype")
+    prof.add_argument("--copy-quantize", default="", metavar="int4,int8",
+                      help="also profile the target's copy quantized so, loaded as the draft service's --quantize "
+                           "loads it (float32 activations, on the CPU)")
+    prof.add_argument("--copy-quantize-group", type=int, default=QUANTIZE_GROUP,
+                      help="weights per group of --copy-quantize, a multiple of 32 (default: %(default)s; int4 at 32 "
+                           "is q4_1: the packaged GGUF's own grouping)")
+    prof.add_argument("--hybrid", default="", choices=["", "int4", "int8"],
+                      help="also profile the hybrid of suffix speculation and the copy quantized so (one of "
+                           "--copy-quantize)")
     prof.add_argument("--draft-dtype", default="bfloat16")
     prof.add_argument("--target-dtype", default="float32")
+    prof.add_argument("--target-weights", default="auto", choices=["auto", "gguf", "dense"],
+                      help="the target's --weights: gguf (a GGUF's blocks as stored), dense (float weights; a GGUF "
+                           "de-quantized to float32: the full-precision stand-in) or auto (default)")
     prof.add_argument("--k", type=int, default=4, help="fixed draft length (default: 4)")
-    prof.add_argument("--heldout", default=None, help="held-out prompts (default: the bundled set)")
+    prof.add_argument("--heldout", default=None, help="held-out prompt file (default: --heldout-set)")
+    prof.add_argument("--heldout-set", default="bundled", choices=list(HELDOUT_SETS),
+                      help="held-out prompts without a file: the bundled set (default), ShareGPT's first human "
+                           "turns (sharegpt-chat: open-ended chat) or HumanEval (the bench extra)")
+    prof.add_argument("--heldout-count", type=int, default=16, help="prompts taken from --heldout-set's public data")
     prof.add_argument("--heldout-tokens", type=int, default=64)
     prof.add_argument("--latency-steps", type=int, default=24, help="decode steps timed per round")
     prof.add_argument("--latency-rounds", type=int, default=3,

@@ -263,8 +263,10 @@ def generate_teacher_data(target: LoadedModel, prompts: Sequence[dict], *, max_n
 def _model_stamp(target: LoadedModel) -> dict:
     folder = Path(target.path)
     files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
+    # What is served too: a GGUF's blocks and its de-quantized float32 copy write different text.
     return {"path": str(folder.resolve()) if folder.is_dir() else target.path, "fingerprint": target.fingerprint,
-            "weights": [[f.name, f.stat().st_size, int(f.stat().st_mtime)] for f in files]}
+            "weights": [[f.name, f.stat().st_size, int(f.stat().st_mtime)] for f in files],
+            "served": f"{target.weights.format}:{target.weights.fingerprint}"}
 
 
 def cached_teacher_data(cache: Path, target: LoadedModel, *, prompts: Sequence[dict] | None, invent: int,

@@ -61,6 +61,8 @@ class LocalProposer(Protocol):
 
     def forget(self, session_id: str, learn: bool = True) -> bool: ...
 
+    def add_output(self, tokens: list[int], group: str = "") -> None: ...
+
 
 class ProposerBase:
     """The optional parts of a `Proposer`: no corpus of outputs, nothing held per session."""

@@ -2,7 +2,7 @@
 
 - `ModelServicer`: the RPCs both answer alike (Release, SaveSnapshot, GetInfo); each service's
   servicer adds its own (Propose, Verify).
-- `model_thread`, `load_on`, `session_caches`, `admission_and_metrics`, `batcher_for` and
+- `model_thread`, `load_on` (`load_served`), `session_caches`, `admission_and_metrics`, `batcher_for` and
   `serve_model_service`: from a `ModelServiceConfig` to the thread that runs the model, the loaded
   model and its KV caches (with their snapshot policy), admission, metrics, the batcher, and a
   running server.
@@ -160,20 +160,21 @@ def model_thread(role: str) -> ThreadPoolExecutor:
 def load_on(thread: ThreadPoolExecutor, config: ModelServiceConfig, role: str) -> tuple[LoadedModel, SessionCaches]:
     """Load the configured model and build its session caches (warmed up) on `thread` (`model_thread`);
     blocks until done, raising what loading raised."""
+    return thread.submit(load_served, config, role).result()
 
-    def load() -> tuple[LoadedModel, SessionCaches]:
-        options = config.engine_options
-        try:
-            loaded = load_model(config.model, dtype=config.dtype, threads=config.threads, device=config.device,
-                                weights=options.weights, quantize=options.quantize,
-                                quantize_group=options.quantize_group)
-        except ModelLoadError:
-            raise
-        except ValueError as exc:  # weights this model or machine cannot serve (--weights gguf of a checkpoint, ...)
-            raise StartupError(str(exc)) from exc
-        return loaded, session_caches(config, loaded, role)
 
-    return thread.submit(load).result()
+def load_served(config: ModelServiceConfig, role: str) -> tuple[LoadedModel, SessionCaches]:
+    """The configured model and its session caches (warmed up), loaded in the caller's thread: what a
+    service serves (`load_on`), and what an offline tool times when it measures the served model."""
+    options = config.engine_options
+    try:
+        loaded = load_model(config.model, dtype=config.dtype, threads=config.threads, device=config.device,
+                            weights=options.weights, quantize=options.quantize, quantize_group=options.quantize_group)
+    except ModelLoadError:
+        raise
+    except ValueError as exc:  # weights this model or machine cannot serve (--weights gguf of a checkpoint, ...)
+        raise StartupError(str(exc)) from exc
+    return loaded, session_caches(config, loaded, role)
 
 
 def session_caches(config: ModelServiceConfig, loaded: LoadedModel, role: str) -> SessionCaches:

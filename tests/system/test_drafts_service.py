@@ -88,3 +88,25 @@ def test_profile_runs_the_pipeline_per_candidate(built):
     assert set(goal) >= {"latency_ok", "acceptance_ok", "speedup_ok", "reached"}
     assert goal["best_untrained_speedup"] == max(saved["candidates"][1]["e2e"][m]["speedup"] for m in ("4", "auto"))
     assert out.with_suffix(".png").is_file()
+
+
+def test_profile_serves_the_quantized_copy_suffix_and_hybrid_it_measured(built):
+    """The pipelines run what was measured in process: the int8 copy through --quantize, suffix
+    speculation reading the shared outputs, the hybrid of both; every output the target's."""
+    out = built["root"] / "sources.json"
+    profile_drafts(ProfileConfig(
+        target=str(built["target"]), copy=False, copy_quantize=["int8"], suffix=True, hybrid="int8",
+        draft_dtype="float64", target_dtype="float64", k=4, heldout=str(built["heldout"]), heldout_tokens=16,
+        latency_steps=2, latency_rounds=1, threads=1, device="cpu", e2e=True, e2e_tokens=12, e2e_prompts=2,
+        target_threads=1, draft_threads=1, out=str(out), cache=str(built["root"] / "cache"), progress=False))
+    saved = {c["name"]: c for c in json.loads(out.read_text())["candidates"]}
+    assert list(saved) == ["target-copy-int8g32", "suffix", "hybrid-suffix+int8g32"]
+    served = {name: cand["e2e_served"]["draft"] for name, cand in saved.items()}
+    measured = saved["target-copy-int8g32"]["weights"]  # int8 at 32: "q8_0", byte for byte
+    assert served["target-copy-int8g32"]["weights"] == served["hybrid-suffix+int8g32"]["weights"] == measured
+    assert saved["target-copy-int8g32"]["weights_fingerprint"] == saved["hybrid-suffix+int8g32"]["weights_fingerprint"]
+    assert (served["suffix"]["kind"], served["hybrid-suffix+int8g32"]["kind"]) == ("suffix", "hybrid")
+    assert served["suffix"]["reads_shared_outputs"] and served["hybrid-suffix+int8g32"]["reads_shared_outputs"]
+    for cand in saved.values():
+        for mode in ("0", "4", "auto"):
+            assert cand["e2e"][mode]["summary"]["identical_to_target_greedy"], (cand["name"], mode)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -11,9 +12,25 @@ import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from drafts.build import REPORT_FILE, BuildConfig, build_draft
+from drafts.cli import HELDOUT_SETS as CLI_HELDOUT_SETS
 from drafts.data import TeacherData, cached_teacher_data, load_prompt_file
 from drafts.distill import batch_logits, evaluate, topk_kl
-from drafts.profile import ProfileConfig, expected_tokens, profile_drafts
+from drafts.profile import (
+    HELDOUT_SETS,
+    SUFFIX_CORPUS,
+    ProfileConfig,
+    acceptance,
+    agreement,
+    candidates_of,
+    expected_tokens,
+    host_guesses,
+    hybrid_guesses,
+    hybrid_latency_ms,
+    pipeline_spec,
+    profile_drafts,
+    shares_output,
+    suffix_speculation,
+)
 from drafts.shallow import (
     choose_layers,
     freeze_shared,
@@ -293,6 +310,116 @@ def test_profile_measures_every_candidate_and_writes_json_and_plot(tiny):
     assert draft["step_ms"] < copy["step_ms"] * 1.5  # half the layers: not slower (generous: shared CPU)
     assert lookup["kind"] == "ngram" and lookup["step_ms"] < draft["step_ms"]
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# --------------------------------------------------------------------------- every draft source
+
+
+def test_the_config_names_a_candidate_for_every_draft_source():
+    config = ProfileConfig(target="t", copy=True, copy_quantize=["int4", "int8"], copy_quantize_group=128,
+                           ngram=True, suffix=True, hybrid="int4", draft_dtype="bfloat16")
+    config.validate()
+    cands = candidates_of(config)
+    assert [(c["name"], c["kind"]) for c in cands] == [
+        ("target-copy-bfloat16", "model"), ("target-copy-int4g128", "model"), ("target-copy-int8g128", "model"),
+        ("prompt-lookup", "ngram"), ("suffix", "suffix"), ("hybrid-suffix+int4g128", "hybrid")]
+    assert all(c["model"] == "t" and not c["trained"] for c in cands)
+    hybrid = cands[-1]
+    assert hybrid["pairs_with"] == "target-copy-int4g128" and hybrid["quantize"] == "int4"
+    assert hybrid["suffix_corpus"] == cands[-2]["suffix_corpus"] == SUFFIX_CORPUS
+    assert "quantize" not in cands[0] and cands[1]["quantize_group"] == 128
+    assert HELDOUT_SETS == CLI_HELDOUT_SETS  # the CLI's copy (it loads no torch)
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"hybrid": "int4"}, "--hybrid int4 pairs suffix speculation with the int4 copy: add --copy-quantize int4"),
+    ({"copy_quantize": ["int3"]}, "--copy-quantize takes int4 and int8"),
+    ({"copy_quantize": ["int4", "int4"]}, "names a quantization twice"),
+    ({"copy_quantize": ["int4"], "copy_quantize_group": 48}, "--copy-quantize-group must be a positive multiple"),
+    ({"heldout_set": "wiki"}, "--heldout-set must be one of"),
+    ({"heldout_set": "sharegpt-chat", "heldout": "p.txt"}, "not both"),
+    ({"copy": False}, "nothing to profile"),
+])
+def test_bad_source_options_are_refused(fields, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ProfileConfig(**{"target": "t", "device": "cpu", **fields}).validate()
+
+
+def test_only_suffix_drafts_share_outputs_and_only_on_a_prompts_last_run():
+    modes = ["0", "4", "auto"]
+    assert [shares_output("suffix", m, modes) for m in modes] == [False, False, True]
+    assert [shares_output("hybrid", m, modes) for m in modes] == [False, False, True]
+    assert {shares_output(kind, m, modes) for kind in ("model", "ngram") for m in modes} == {None}
+
+
+def test_each_candidate_gets_the_pipeline_its_source_is_served_by():
+    config = ProfileConfig(target="t", target_weights="dense", copy_quantize=["int4"], copy_quantize_group=64,
+                           suffix=True, hybrid="int4", draft_dtype="bfloat16")
+    plans = {c["name"]: pipeline_spec(c, config, "logs") for c in candidates_of(config)}
+    copy, suffix, hybrid = (plans[n].commands()["draft"] for n in
+                            ("target-copy-int4g64", "suffix", "hybrid-suffix+int4g64"))
+    assert {plan.target_weights for plan in plans.values()} == {"dense"}
+    assert "--weights" in plans["suffix"].commands()["target"]
+    for args in (copy, hybrid):
+        assert args[args.index("--quantize") + 1: args.index("--quantize") + 4] == ["int4", "--quantize-group", "64"]
+        assert args[args.index("--dtype") + 1] == "float32" and args[args.index("--model") + 1] == "t"
+    assert hybrid[hybrid.index("--proposer") + 1] == "hybrid" and "--quantize" not in suffix
+    assert suffix[suffix.index("--proposer") + 1] == "suffix"
+
+
+def test_hybrid_guesses_and_latency_take_suffix_speculation_where_it_proposes():
+    assert hybrid_guesses([[None, 7, None]], [[1, 2, 3]]) == [[1, 7, 3]]
+    assert hybrid_latency_ms(10.0, 0.1, {"model": 3, "suffix": 1}) == pytest.approx(7.525)
+    assert hybrid_latency_ms(10.0, 0.1, {}) == 10.0  # nothing drafted: the model's step
+
+
+def _text(*sequences: tuple[list[int], list[int]]) -> TeacherData:
+    tokens = [torch.tensor(prompt + answer) for prompt, answer in sequences]
+    starts = [len(prompt) - 1 for prompt, _ in sequences]
+    spans = [torch.zeros(len(answer), 1) for _, answer in sequences]  # [r, 1]: no teacher log-probs needed here
+    return TeacherData(tokens, starts, [s.long() for s in spans], spans)
+
+
+def test_suffix_speculation_learns_the_earlier_answers_only():
+    """The second prompt's answer repeats the first's: its corpus has it, the first had nothing to go on."""
+    answer = [20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31]
+    data = _text(([1, 2, 3], answer), ([4, 5, 6], answer))
+    guesses = host_guesses(suffix_speculation(), data)
+    assert all(g is None for g in guesses[0][:3])  # nothing seen yet
+    assert guesses[1][2:] == answer[2:]  # two answer tokens in (--suffix-min-match), the corpus knows the rest
+    assert agreement(guesses, data) > 0.4
+    got = acceptance(suffix_speculation(), data, 4)
+    assert got["drafted_by"] == {"suffix": got["drafted"]} and got["accepted"] == got["drafted"] > 0
+    again = acceptance(suffix_speculation(), _text(([4, 5, 6], answer)), 4)  # alone: no corpus
+    assert again["accepted"] < got["accepted"]
+
+
+def test_profile_measures_quantized_copies_suffix_and_hybrid_as_served(tiny):
+    out = tiny["root"] / "sources.json"
+    result = profile_drafts(ProfileConfig(
+        target=str(tiny["tied"]), copy=False, copy_quantize=["int8", "int4"], copy_quantize_group=64, suffix=True,
+        hybrid="int4", draft_dtype="float32", target_dtype="float32", target_weights="dense", k=3,
+        heldout=str(tiny["heldout"]), heldout_tokens=32, latency_steps=4, latency_rounds=1, threads=1,
+        device="cpu", e2e=False, out=str(out), cache=str(tiny["cache"]), progress=False))
+    assert result["target"]["weights"] == "float32"
+    by_name = {c["name"]: c for c in result["candidates"]}
+    assert list(by_name) == ["target-copy-int8g64", "target-copy-int4g64", "suffix", "hybrid-suffix+int4g64"]
+    int8, int4, suffix, hybrid = by_name.values()
+    assert (int8["weights"], int4["weights"], hybrid["weights"]) == ("int8g64", "int4g64", "int4g64")
+    assert int8["dtype"] == "float32" and int8["weights_fingerprint"] != int4["weights_fingerprint"]
+    assert hybrid["weights_fingerprint"] == int4["weights_fingerprint"]  # the hybrid drafts with that very copy
+    assert int8["agreement"] >= int4["agreement"] - 0.05  # eight bits follow the target at least as well
+    assert suffix["suffix_corpus"] == SUFFIX_CORPUS and suffix["weights"] == "none"
+    assert suffix["step_ms"] < int4["step_ms"]
+    drafted_by = hybrid["acceptance"]["drafted_by"]
+    assert set(drafted_by) <= {"model", "suffix"} and drafted_by.get("model", 0) > 0
+    assert hybrid["step_ms"] == pytest.approx(hybrid_latency_ms(hybrid["model_step_ms"], hybrid["suffix_step_ms"],
+                                                                drafted_by))
+    assert hybrid["agreement"] >= int4["agreement"] - 0.2 and 0 <= hybrid["suffix_guess_share"] <= 1
+    for cand in result["candidates"]:
+        acc = cand["acceptance"]
+        assert acc["tokens"] == result["heldout"]["positions"] and sum(acc["drafted_by"].values()) == acc["drafted"]
+    assert json.loads(out.read_text())["heldout"]["set"] == "file"
 
 
 # --------------------------------------------------------------------------- devices (this machine: CPU only)
