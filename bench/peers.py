@@ -220,7 +220,10 @@ def gguf_path() -> str:
 def start_llamacpp(name: str, args, logs: Path) -> Server:
     port = free_port()
     cmd = [str(_python("llamacpp")), "-m", "llama_cpp.server", "--model", gguf_path(), "--model_alias", "smollm2",
-           "--n_threads", str(os.cpu_count() or 1), "--n_ctx", "4096", "--port", str(port), "--host", "127.0.0.1"]
+           "--n_threads", str(os.cpu_count() or 1), "--n_ctx", "4096", "--port", str(port), "--host", "127.0.0.1",
+           # It serves one request at a time and by default cancels the running one when another
+           # arrives (8 clients then finish almost nothing); queued, each request runs whole.
+           "--interrupt_requests", "False"]
     if name == "llamacpp-lookup":
         cmd += ["--draft_model", "prompt-lookup-decoding", "--draft_model_num_pred_tokens", str(args.llama_lookup_k)]
     proc = _process(cmd, logs / f"{name}.log")
@@ -260,9 +263,35 @@ async def one(client, server: Server, prompt: dict, max_tokens: int) -> dict:
         if chunk.usage is not None:
             tokens = chunk.usage.completion_tokens
     end = time.perf_counter()
-    ttft = (first or end) - start
-    return {"id": prompt["id"], "text": "".join(text), "tokens": tokens, "e2e_s": end - start, "ttft_s": ttft,
-            "tpot_s": (end - start - ttft) / (tokens - 1) if tokens > 1 else None}
+    run = {"id": prompt["id"], "text": "".join(text), "tokens": tokens, "e2e_s": end - start,
+           "ttft_s": (first or end) - start}
+    return timed(run) if tokens else recount(run)
+
+
+def timed(run: dict) -> dict:
+    """The run's time per output token, from its tokens and times."""
+    tokens, ttft = run["tokens"], run["ttft_s"]
+    run["tpot_s"] = (run["e2e_s"] - ttft) / (tokens - 1) if tokens > 1 else None
+    return run
+
+
+def recount(run: dict) -> dict:
+    """A server that reports no usage in its stream (llama-cpp-python's server): its output tokens
+    counted by tokenizing the text with the model's tokenizer (`tokens_from` says so)."""
+    from transformers import AutoTokenizer
+
+    from specdec.defaults import DEFAULT_MODEL
+    from specdec.runtime.models import resolve_model_path
+
+    global _TOKENIZER
+    if _TOKENIZER is None:
+        _TOKENIZER = AutoTokenizer.from_pretrained(resolve_model_path(DEFAULT_MODEL))
+    run["tokens"] = len(_TOKENIZER(run["text"], add_special_tokens=False).input_ids)
+    run["tokens_from"] = "text"
+    return timed(run)
+
+
+_TOKENIZER = None
 
 
 async def drive(server: Server, work: list[dict], concurrency: int, max_tokens: int) -> dict:
@@ -280,6 +309,10 @@ async def drive(server: Server, work: list[dict], concurrency: int, max_tokens: 
     runs = await asyncio.gather(*(limited(p) for p in work))
     wall = time.perf_counter() - start
     await client.close()
+    return summary(concurrency, wall, runs)
+
+
+def summary(concurrency: int, wall: float, runs: list[dict]) -> dict:
     tokens = sum(r["tokens"] for r in runs)
     tpots = sorted(r["tpot_s"] for r in runs if r["tpot_s"] is not None)
     return {"concurrency": concurrency, "wall_s": round(wall, 3), "tokens": tokens,
@@ -322,7 +355,13 @@ def main() -> None:
     parser.add_argument("--specdec-target-args", nargs="*", default=[],
                         help="extra target-service flags for the specdec servers (e.g. --weights float32)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "peers.json")
+    parser.add_argument("--recount", type=Path, default=None, metavar="JSON",
+                        help="count the tokens of a written run's servers whose streams reported none, from "
+                             "their texts, and rewrite the file")
     args = parser.parse_args()
+    if args.recount:
+        rewrite_counts(args.recount)
+        return
     if args.install:
         install(args.install.split(","))
         return
@@ -352,6 +391,18 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1))
     print(f"wrote {args.out} (servers' logs in {logs})")
+
+
+def rewrite_counts(path: Path) -> None:
+    """`--recount`: the cells of a written run whose runs have no tokens, recounted from their texts."""
+    out = json.loads(path.read_text())
+    for name, entry in out["servers"].items():
+        for i, cell in enumerate(entry.get("cells", [])):
+            if cell["runs"] and not any(r["tokens"] for r in cell["runs"]):
+                runs = [recount(r) for r in cell["runs"]]
+                entry["cells"][i] = summary(cell["concurrency"], cell["wall_s"], runs)
+                print(f"{name}, {cell['concurrency']} in flight: {entry['cells'][i]['tokens_per_s']} tok/s")
+    path.write_text(json.dumps(out, indent=1))
 
 
 def _cpu_name() -> str:
