@@ -370,7 +370,8 @@ def process_identity(pid: int) -> ProcessIdentity | None:
         return _ps_identity(pid)
     try:
         stat = (proc / str(pid) / "stat").read_text()
-        cmdline = (proc / str(pid) / "cmdline").read_bytes()
+        zombie = stat.rsplit(")", 1)[1].split()[:1] == ["Z"]  # exited: its command line is gone for good
+        cmdline = _cmdline(proc / str(pid) / "cmdline", 0.0 if zombie else 2.0)
         boot = (proc / "sys" / "kernel" / "random" / "boot_id").read_text().strip()
     except OSError:
         return None
@@ -378,6 +379,18 @@ def process_identity(pid: int) -> ProcessIdentity | None:
     fields_after_name = stat.rsplit(")", 1)[1].split()
     return {"boot": boot, "started": int(fields_after_name[19]),  # field 22: starttime
             "cmdline": cmdline.decode(errors="replace").split("\0")}
+
+
+def _cmdline(path: Path, wait_s: float = 2.0) -> bytes:
+    """A process's command line; a process read just after `Popen` returned may still be in its
+    exec (the parent resumes once the old image is gone, before the new one's arguments are in
+    place: the file reads empty then), so an empty one is read again for up to `wait_s`."""
+    deadline = time.monotonic() + wait_s
+    cmdline = path.read_bytes()
+    while not cmdline and time.monotonic() < deadline:
+        time.sleep(0.01)
+        cmdline = path.read_bytes()
+    return cmdline
 
 
 def _ps_identity(pid: int) -> ProcessIdentity | None:

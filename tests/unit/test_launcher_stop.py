@@ -179,3 +179,17 @@ def test_a_process_identity_reads_names_with_spaces_and_parentheses(tmp_path):
         proc.kill()
         proc.wait()
     assert process_identity(proc.pid) is None
+
+
+def test_a_process_identity_read_right_after_popen_has_its_command_line():
+    """Popen returns while the child may still be inside its exec (its command line reads empty
+    then): the identity waits for it, or `down` would later take the process for another."""
+    from specdec.launcher import process_identity
+
+    procs = [subprocess.Popen(["/bin/sleep", "600"]) for _ in range(20)]
+    try:
+        assert [process_identity(p.pid)["cmdline"][:2] for p in procs] == [["/bin/sleep", "600"]] * 20
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
