@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import platform
@@ -278,20 +279,19 @@ def timed(run: dict) -> dict:
 def recount(run: dict) -> dict:
     """A server that reports no usage in its stream (llama-cpp-python's server): its output tokens
     counted by tokenizing the text with the model's tokenizer (`tokens_from` says so)."""
+    run["tokens"] = len(_tokenizer()(run["text"], add_special_tokens=False).input_ids)
+    run["tokens_from"] = "text"
+    return timed(run)
+
+
+@functools.cache
+def _tokenizer():
     from transformers import AutoTokenizer
 
     from specdec.defaults import DEFAULT_MODEL
     from specdec.runtime.models import resolve_model_path
 
-    global _TOKENIZER
-    if _TOKENIZER is None:
-        _TOKENIZER = AutoTokenizer.from_pretrained(resolve_model_path(DEFAULT_MODEL))
-    run["tokens"] = len(_TOKENIZER(run["text"], add_special_tokens=False).input_ids)
-    run["tokens_from"] = "text"
-    return timed(run)
-
-
-_TOKENIZER = None
+    return AutoTokenizer.from_pretrained(resolve_model_path(DEFAULT_MODEL))
 
 
 async def drive(server: Server, work: list[dict], concurrency: int, max_tokens: int) -> dict:
