@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import sys
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -98,6 +100,21 @@ class DraftReleased(Released, DraftUnavailable):
     """`Released` from the draft: like any unusable draft, the round falls back to plain decoding."""
 
 
+async def _exchange(call: grpc.aio.StreamStreamCall, request, timeout: float):
+    """Write one request on a streaming call and read its answer, within `timeout` seconds."""
+    if sys.version_info >= (3, 11):
+        async with asyncio.timeout(timeout):  # no task of its own, unlike wait_for
+            await call.write(request)
+            return await call.read()
+
+    async def both():
+        await call.write(request)
+        return await call.read()
+
+    return await asyncio.wait_for(both(), timeout)  # pragma: no cover - Python 3.10
+
+
+MAX_IDLE_STREAMS = 64  # idle VerifyStream calls a target client keeps open (more are closed)
 MAX_SENT = 100_000  # sessions whose sampling constants a client remembers a replica holds (oldest forgotten)
 
 
@@ -240,10 +257,18 @@ class DraftBackend(_ModelBackend):
 
 
 class TargetBackend(_ModelBackend):
-    """Calls one target replica; a transport failure raises Unavailable (another may take over)."""
+    """Calls one target replica; a transport failure raises Unavailable (another may take over).
 
-    def __init__(self, address: str, timeout_s: float, tls: ClientTLS | None = None) -> None:
+    With `stream` (the default) verifies go over long-lived VerifyStream calls, one request in
+    flight on each: a call is taken from the idle ones (or opened), used for one round and put back.
+    That saves a call's setup on every round. A call that fails or times out is dropped, never
+    reused; a replica without VerifyStream (UNIMPLEMENTED) is sent Verify calls from then on.
+    """
+
+    def __init__(self, address: str, timeout_s: float, tls: ClientTLS | None = None, stream: bool = True) -> None:
         super().__init__(address, timeout_s, target_pb2_grpc.TargetServiceStub, tls)
+        self.stream = stream
+        self._idle: list[grpc.aio.StreamStreamCall] = []  # open VerifyStream calls with nothing in flight
 
     def _call_failure(self, exc: grpc.aio.AioRpcError, remaining: float | None, limit_s: float | None,
                       doing: str) -> Exception:
@@ -271,7 +296,7 @@ class TargetBackend(_ModelBackend):
             draft_probs=b"".join(proposal.probs), sampling=self._sampling(session_id, params), seed=seed,
             sent_unix_ns=time.time_ns(), logprobs=top_logprobs is not None, top_logprobs=top_logprobs or 0,
         )
-        reply = await self._unary(self.stub.Verify, request, params, timeout, limit_s, "the target verified")
+        reply = await self._unary(self._verify_call, request, params, timeout, limit_s, "the target verified")
         return VerifyReply(reply.num_accepted, reply.token_id, reply.bonus,
                        time.perf_counter_ns() - start, reply.compute_ns, reply.queue_ns, max(1, reply.batch_size),
                        reply.batch_positions, reply.prefill_tokens, list(reply.logprobs))
@@ -287,6 +312,59 @@ class TargetBackend(_ModelBackend):
             sampling=self._sampling(session_id, params) if params is not None else None, sent_unix_ns=time.time_ns())
         reply = await self._unary(self.stub.ScoreTokens, request, params, timeout, limit_s, "the target scored")
         return ScoreReply(list(reply.logprobs), time.perf_counter_ns() - begin, reply.compute_ns)
+
+    async def _verify_call(self, request: target_pb2.VerifyRequest, timeout: float) -> target_pb2.VerifyResponse:
+        """One Verify, on an idle VerifyStream call when streaming; fails as a Verify call would (AioRpcError)."""
+        if not self.stream:
+            return await self.stub.Verify(request, timeout=timeout)
+        request.timeout_ms = max(1, math.ceil(timeout * 1e3))  # the replica drops it if still queued by then
+        for _ in range(2):
+            call, reused = self._take_stream()
+            try:
+                reply = await _exchange(call, request, timeout)
+            except asyncio.TimeoutError:
+                call.cancel()
+                raise grpc.aio.AioRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                           "Deadline Exceeded") from None
+            except grpc.aio.AioRpcError as exc:
+                call.cancel()
+                if exc.code() == grpc.StatusCode.UNIMPLEMENTED and not reused:
+                    log.info("%s has no VerifyStream: verifying with a call a round", self.address)
+                    self.stream = False
+                    return await self.stub.Verify(request, timeout=timeout)
+                if reused and exc.code() == grpc.StatusCode.UNAVAILABLE:
+                    continue  # opened before the replica went away or restarted: once more on a new call
+                raise
+            except BaseException:  # cancelled by our caller: where the call stands is unknown
+                call.cancel()
+                raise
+            if reply is grpc.aio.EOF:  # the replica ended the call (it is stopping) before answering
+                call.cancel()
+                if reused:
+                    continue
+                raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                           "the replica ended the verify stream without an answer")
+            if len(self._idle) < MAX_IDLE_STREAMS:
+                self._idle.append(call)
+            else:
+                call.cancel()
+            return reply
+        raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                   "the replica ended two verify streams in a row")
+
+    def _take_stream(self) -> tuple[grpc.aio.StreamStreamCall, bool]:
+        """An open idle VerifyStream call (reused: True), else a new one."""
+        while self._idle:
+            call = self._idle.pop()
+            if not call.done():
+                return call, True
+        return self.stub.VerifyStream(), False
+
+    async def close(self) -> None:
+        for call in self._idle:
+            call.cancel()
+        self._idle.clear()
+        await super().close()
 
     async def _unary(self, method, request, params: SamplingParams | None, timeout: float | None,
                      limit_s: float | None, doing: str):

@@ -164,8 +164,9 @@ class Orchestrator:
                 stopped = time.perf_counter_ns()
                 state.record_round(rnd.stats, kept, finish, self.config.session_lease_s, time.perf_counter() - start)
                 if self.config.save_behind and not finish:
-                    saving = asyncio.ensure_future(self.store.save(state, kept))
+                    # the next round's task first: it runs (and sends its calls) before the save's encoding
                     ahead = self._next_round(speculator, state, lengths, drafting)
+                    saving = asyncio.ensure_future(self.store.save(state, kept))
                     try:
                         await saving  # the next round's calls are in flight meanwhile
                     except BaseException:

@@ -94,12 +94,15 @@ class Speculator:
                     fallback = True  # the session goes on at k = 0; no client-visible error
         else:
             self.close()
-        verify = asyncio.ensure_future(self.target.verify(self.session_id, history, proposal, self.params, self.seed,
-                                                          timeout=self._remaining(), top_logprobs=self.top_logprobs))
-        if self.overlap and k_next > 0 and self.draft is not None and self.draft.available:
-            self._start_ahead(history, proposal.tokens, k_next)
+        verifying = self.target.verify(self.session_id, history, proposal, self.params, self.seed,
+                                       timeout=self._remaining(), top_logprobs=self.top_logprobs)
         try:
-            reply = await verify
+            if self.overlap and k_next > 0 and self.draft is not None and self.draft.available:
+                verify = asyncio.ensure_future(verifying)  # sent first: the next block is drafted meanwhile
+                self._start_ahead(history, proposal.tokens, k_next)
+                reply = await verify
+            else:
+                reply = await verifying  # in this task: a task of its own would cost two event-loop turns
         except BaseException:
             self.close()
             raise

@@ -14,6 +14,7 @@ from orchestrator.servicer import OrchestratorServicer
 from orchestrator.store import RedisSessionStore, SessionStoreMetrics
 from specdec.errors import Unavailable
 from specdec.runtime.models import load_tokenizer, tokenizer_fingerprint
+from specdec.server import tracing
 from specdec.server.auth import AuthInterceptor, Tokens
 from specdec.server.interceptors import DecodeGuard
 from specdec.server.limits import ConcurrencyLimit, PerIdentityLimit, PerIdentityRate, RateLimit
@@ -54,7 +55,9 @@ async def build_orchestrator(config: OrchestratorConfig) -> Orchestrator:
     tls = backend_tls(config)
     try:
         node, zone = locality_from_env()  # where this orchestrator runs: nearer replicas are preferred
-        target = TargetPool(config.target, lambda a: TargetBackend(a, config.target_timeout_s, tls),
+        stream = config.verify_stream == "on" or (config.verify_stream == "auto" and not tracing.exporting())
+        target = TargetPool(config.target,
+                            lambda a: TargetBackend(a, config.target_timeout_s, tls, stream),
                             config.target_retry_s, config.replica_refresh_s, node, zone)
         draft = DraftPool(config.draft, lambda a: DraftBackend(a, config.draft_timeout_s, tls),
                           config.draft_retry_s, config.replica_refresh_s, node, zone) if config.draft else None

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import AsyncIterator
 
 from specdec.core.logprobs import MAX_TOP_LOGPROBS
 from specdec.errors import InvalidArgument
@@ -25,6 +27,8 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
         self.verifier = verifier
         self.batcher: Batcher = batcher
         self.logprobs_mode = logprobs_mode
+        self._idle_streams: set[asyncio.Task | None] = set()  # VerifyStream calls waiting for a request
+        self._stopping = False
 
     @grpc_errors
     async def ScoreTokens(self, request: target_pb2.ScoreTokensRequest, context):
@@ -48,6 +52,37 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
 
     @grpc_errors
     async def Verify(self, request: target_pb2.VerifyRequest, context):
+        return await self._verify(request, context)
+
+    @grpc_errors
+    async def VerifyStream(self, requests: AsyncIterator[target_pb2.VerifyRequest], context):
+        """Verify, request after request on one call; an error ends the call with its status. A call
+        waiting for its next request when the service stops ends then (`end_idle_calls`)."""
+        task = asyncio.current_task()
+        pending = aiter(requests)
+        while True:
+            self._idle_streams.add(task)
+            try:
+                request = await anext(pending)
+            except StopAsyncIteration:
+                return
+            except asyncio.CancelledError:
+                if self._stopping:
+                    return  # the caller sees the call end and opens one elsewhere
+                raise
+            finally:
+                self._idle_streams.discard(task)
+            yield await self._verify(request, context)
+
+    def end_idle_calls(self) -> None:
+        """End the VerifyStream calls that wait for a request (a graceful stop lets calls in flight
+        finish, and would wait out its grace for these)."""
+        self._stopping = True
+        for task in list(self._idle_streams):
+            if task is not None:
+                task.cancel()
+
+    async def _verify(self, request: target_pb2.VerifyRequest, context) -> target_pb2.VerifyResponse:
         arrived = time.monotonic()
         params = self.constants.resolve(request.session_id, request.sampling, self.info.vocab_size)
         if request.top_logprobs > MAX_TOP_LOGPROBS or (request.top_logprobs and not request.logprobs):
@@ -57,6 +92,9 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
         draft_tokens = list(request.draft_tokens)
         q = probs_from_bytes(request.draft_probs, len(draft_tokens), self.info.vocab_size)
         deadline = deadline_of(context)
+        if request.timeout_ms:
+            own = arrived + request.timeout_ms / 1e3
+            deadline = own if deadline is None else min(deadline, own)
         async with self.admission.slot(deadline, context):
             await prepare(self.verifier.grammars, params)  # compiled off the model thread
             job = self.verifier.job(request.session_id, list(request.history), draft_tokens, q, params,

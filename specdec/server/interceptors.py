@@ -27,12 +27,16 @@ def is_open_method(method: str | bytes) -> bool:
     return method.startswith(OPEN_SERVICES)
 
 
-def method_handler(handler, unary_unary=None, unary_stream=None, deserializer=None):
-    """A unary-request method handler like `handler`, with some of its parts replaced."""
+def method_handler(handler, unary_unary=None, unary_stream=None, deserializer=None, stream_stream=None):
+    """A method handler of the same shape as `handler` (unary or streamed request, unary or streamed
+    response; none of ours streams requests into one response), with some of its parts replaced."""
     deserializer = deserializer or handler.request_deserializer
     if handler.unary_unary is not None:
         return grpc.unary_unary_rpc_method_handler(unary_unary or handler.unary_unary, deserializer,
                                                    handler.response_serializer)
+    if handler.stream_stream is not None:
+        return grpc.stream_stream_rpc_method_handler(stream_stream or handler.stream_stream, deserializer,
+                                                     handler.response_serializer)
     return grpc.unary_stream_rpc_method_handler(unary_stream or handler.unary_stream, deserializer,
                                                 handler.response_serializer)
 
@@ -43,7 +47,8 @@ def wrap_handler(handler, scope: Callable[[Any, Any], Any],
 
     `scope` returns a context manager (entered around the whole call, every streamed message
     included) or None. `observe` sees every streamed response message. Client-streaming methods
-    (none of ours) are returned unchanged.
+    (the target's VerifyStream) are returned unchanged: one call carries many requests, so no
+    scope fits them all.
     """
     if handler.request_streaming:
         return handler
@@ -94,7 +99,7 @@ def deny_handler(handler, code: grpc.StatusCode, message: str):
         await context.abort(code, message)
         yield  # pragma: no cover - abort raises
 
-    return method_handler(handler, unary_unary=unary, unary_stream=stream)
+    return method_handler(handler, unary_unary=unary, unary_stream=stream, stream_stream=stream)
 
 
 class BadRequest:
@@ -109,7 +114,7 @@ class DecodeGuard(grpc.aio.ServerInterceptor):
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
-        if handler is None or handler.request_streaming or handler.request_deserializer is None:
+        if handler is None or handler.request_deserializer is None:
             return handler
         parse = handler.request_deserializer
 
@@ -118,6 +123,25 @@ class DecodeGuard(grpc.aio.ServerInterceptor):
                 return parse(raw)
             except (DecodeError, ValueError, UnicodeError) as exc:
                 return BadRequest(f"the request is not a valid message: {exc}")
+
+        if handler.request_streaming:
+            inner_bidi = handler.stream_stream
+            if inner_bidi is None or not inspect.isasyncgenfunction(inner_bidi):
+                return handler
+
+            async def bidi(requests, context):
+                async def parsed():  # the first request that did not parse ends the call
+                    async for request in requests:
+                        if isinstance(request, BadRequest):
+                            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+                        yield request
+
+                async with contextlib.aclosing(parsed()) as checked, \
+                        contextlib.aclosing(inner_bidi(checked, context)) as items:
+                    async for item in items:
+                        yield item
+
+            return method_handler(handler, stream_stream=bidi, deserializer=deserialize)
 
         if handler.unary_unary is not None:
             inner = handler.unary_unary

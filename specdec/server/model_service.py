@@ -54,6 +54,9 @@ class ModelServicer:
         self.constants = SessionConstants()  # each session's logit_bias and grammar, sent once (resolve a call's)
         info.caches_sampling_constants = True
 
+    def end_idle_calls(self) -> None:
+        """The service is stopping: end the open calls that wait for a request (none by default)."""
+
     @grpc_errors
     async def Release(self, request: common_pb2.ReleaseRequest, context) -> common_pb2.ReleaseResponse:
         self.constants.release(request.session_id)
@@ -241,4 +244,5 @@ async def serve_model_service(config: ModelServiceConfig, servicer: ModelService
     servicer.info.metrics_port = start_metrics(metrics.registry, config.host, config.metrics_port)
     check = model_stall(servicer.batcher, config.health_stall_s) if servicer.batcher is not None else None
     await serve_servicer(config.address, register, service_name, description,
-                         credentials=server_credentials_of(config), health_check=check)
+                         credentials=server_credentials_of(config), health_check=check,
+                         on_stop=servicer.end_idle_calls)

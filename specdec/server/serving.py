@@ -101,14 +101,18 @@ async def watch_health(health_servicer, service_names: Sequence[str], why_not_se
         await asyncio.sleep(interval_s)
 
 
-async def serve_until_signalled(server: grpc.aio.Server, grace: float = 5.0) -> None:
-    """Run until SIGINT/SIGTERM, then stop gracefully, letting in-flight calls finish."""
+async def serve_until_signalled(server: grpc.aio.Server, grace: float = 5.0,
+                                on_stop: Callable[[], None] | None = None) -> None:
+    """Run until SIGINT/SIGTERM, then stop gracefully, letting in-flight calls finish (`on_stop`
+    runs first: it ends calls that are open but idle)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     log.info("shutting down (grace %.1fs)", grace)
+    if on_stop is not None:
+        on_stop()
     await server.stop(grace)
 
 
@@ -123,11 +127,13 @@ async def serve_servicer(address: str, register: Callable[[grpc.aio.Server], Non
                          description: str, credentials: grpc.ServerCredentials | None = None,
                          interceptors: Sequence[grpc.aio.ServerInterceptor] | None = None,
                          options: Sequence[tuple[str, object]] = (),
-                         health_check: Callable[[], str | None] | None = None) -> None:
+                         health_check: Callable[[], str | None] | None = None,
+                         on_stop: Callable[[], None] | None = None) -> None:
     """Start a server for one servicer (plus health and reflection), mark it SERVING, run until signalled.
 
     `interceptors` default to `default_interceptors()` (tracing and log ids, safe decoding);
-    `health_check`: why the service cannot serve now, or None (`watch_health` polls it).
+    `health_check`: why the service cannot serve now, or None (`watch_health` polls it);
+    `on_stop`: called when the stop signal comes, before the graceful stop.
     """
     if interceptors is None:
         interceptors = default_interceptors()
@@ -140,7 +146,7 @@ async def serve_servicer(address: str, register: Callable[[grpc.aio.Server], Non
     log.info("%s listening on %s (%s)", description, f"{address.rsplit(':', 1)[0]}:{port}",
              "TLS" if credentials is not None else "plaintext")
     try:
-        await serve_until_signalled(server)
+        await serve_until_signalled(server, on_stop=on_stop)
     finally:
         if watch is not None:
             watch.cancel()

@@ -38,6 +38,7 @@ from specdec.server.interceptors import is_open_method, wrap_handler
 log = logging.getLogger(__name__)
 access_log = logging.getLogger("specdec.access")
 _configured = False
+_exporting = False
 
 
 def tracer() -> trace.Tracer:
@@ -67,7 +68,7 @@ class JsonLinesExporter:
 
 def setup(service: str, endpoint: str = "", file: str = "") -> None:
     """Install the tracer provider of this process (once) and the configured exporters."""
-    global _configured
+    global _configured, _exporting
     if _configured or os.environ.get("OTEL_SDK_DISABLED", "").lower() == "true":
         return
     from opentelemetry.sdk.resources import Resource
@@ -92,6 +93,12 @@ def setup(service: str, endpoint: str = "", file: str = "") -> None:
         provider.add_span_processor(SimpleSpanProcessor(JsonLinesExporter(file)))
     trace.set_tracer_provider(provider)
     _configured = True
+    _exporting = bool(endpoint or file or wanted & {"otlp", "console"})
+
+
+def exporting() -> bool:
+    """Whether this process exports the spans it makes (`setup` was given somewhere to send them)."""
+    return _exporting
 
 
 def traced(name: str, attributes: Callable[..., dict[str, Any]] | None = None):

@@ -1,7 +1,7 @@
 """Mutated protobuf messages against every RPC of the model services and the orchestrator's others.
 
 The orchestrator's Generate is fuzzed field by field in test_fuzz.py; here every other RPC of the
-three services (Verify, ScoreTokens, Propose, Release, SaveSnapshot, GetInfo, GetStatus,
+three services (Verify, VerifyStream, ScoreTokens, Propose, Release, SaveSnapshot, GetInfo, GetStatus,
 CloseSession) gets messages built from valid seeds and hostile ones (token ids at and past the
 vocabulary and past int32, repeated fields of 200,000 entries, grammar text of deeply nested JSON,
 a logit_bias over the whole vocabulary, counts at 2^32 - 1, probability bytes of the wrong
@@ -98,6 +98,7 @@ def seeds(vocab: int, fingerprint: str) -> dict[str, list[bytes]]:
     snapshots = [common_pb2.SaveSnapshotRequest(session_id=s) for s in SESSIONS[:2] + ["", "y" * 10_000]]
     raw = {
         "/specdec.v1.TargetService/Verify": verify,
+        "/specdec.v1.TargetService/VerifyStream": verify,  # each sent twice on one call
         "/specdec.v1.TargetService/ScoreTokens": score,
         "/specdec.v1.TargetService/Release": ids,
         "/specdec.v1.TargetService/SaveSnapshot": snapshots,
@@ -150,8 +151,8 @@ def _mutations(draw, method: str, seed: bytes):
     return method, bytes(raw)
 
 
-REQUESTS = {"Verify": target_pb2.VerifyRequest, "ScoreTokens": target_pb2.ScoreTokensRequest,
-            "Propose": draft_pb2.ProposeRequest}
+REQUESTS = {"Verify": target_pb2.VerifyRequest, "VerifyStream": target_pb2.VerifyRequest,
+            "ScoreTokens": target_pb2.ScoreTokensRequest, "Propose": draft_pb2.ProposeRequest}
 
 
 def session_of(method: str, raw: bytes) -> str:
@@ -165,7 +166,11 @@ def session_of(method: str, raw: bytes) -> str:
 
 def call(channel: grpc.Channel, method: str, raw: bytes) -> grpc.StatusCode:
     try:
-        if method.endswith("/Propose"):
+        if method.endswith("/VerifyStream"):  # the message twice on one call: an error ends the call
+            stream = channel.stream_stream(method, request_serializer=lambda b: b, response_deserializer=lambda b: b)
+            for _ in stream(iter([raw, raw]), timeout=60):
+                pass
+        elif method.endswith("/Propose"):
             stream = channel.unary_stream(method, request_serializer=lambda b: b, response_deserializer=lambda b: b)
             for _ in stream(raw, timeout=60):
                 pass

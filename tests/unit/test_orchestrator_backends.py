@@ -51,7 +51,7 @@ async def propose(code: grpc.StatusCode, timeout: float | None = None) -> None:
 
 
 async def verify(code: grpc.StatusCode, timeout: float | None = None) -> None:
-    backend = TargetBackend("127.0.0.1:1", timeout_s=10.0)
+    backend = TargetBackend("127.0.0.1:1", timeout_s=10.0, stream=False)  # a Verify call a round
     backend.stub = FailingStub(code)
     try:
         await backend.verify("s", [1, 2], DraftReply(tokens=[3]), SamplingParams(), 0, timeout=timeout)

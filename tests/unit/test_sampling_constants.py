@@ -106,7 +106,7 @@ async def verify(backend: TargetBackend, session: str = "s"):
 
 
 async def test_the_target_gets_them_once_per_session_then_their_digest():
-    backend = TargetBackend("127.0.0.1:1", timeout_s=10.0)
+    backend = TargetBackend("127.0.0.1:1", timeout_s=10.0, stream=False)
     stub = backend.stub = ServiceStub()
     try:
         await verify(backend)  # before any GetInfo: sent whole (the replica may be one that keeps none)
@@ -141,7 +141,7 @@ async def test_the_draft_gets_them_once_per_session_then_their_digest():
 
 
 async def test_a_replica_that_does_not_keep_them_gets_them_every_time():
-    backend = TargetBackend("127.0.0.1:1", timeout_s=10.0)
+    backend = TargetBackend("127.0.0.1:1", timeout_s=10.0, stream=False)
     stub = backend.stub = ServiceStub()
 
     async def old_info(request, timeout=None, wait_for_ready=None):
