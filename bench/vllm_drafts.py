@@ -11,6 +11,9 @@ The same vLLM server (CPU build, the packaged default model in float32) is start
   the policy choosing each request's length) drafting from a draft service of `--proposer`
   started beside it. Finished outputs do not join the corpus unless `--share-outputs` (the cells
   run the same prompts: an output learned in one would draft its own repeat in the next).
+  `vllm-specdec+Nms` is the same with the draft service behind bench/relay.py, which delays every
+  chunk by N ms each way (a draft pool on other machines), to show the draft length follow the
+  round trip.
 
 Each is driven by bench/peers.py's streaming OpenAI client over the same HumanEval and ShareGPT
 prompts at each concurrency of `--concurrency`; acceptance comes from vLLM's own spec-decode
@@ -35,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench import peers  # noqa: E402 (after the path)
 
-SERVERS = ("vllm", "vllm-ngram", "vllm-specdec")
+SERVERS = ("vllm", "vllm-ngram", "vllm-specdec")  # and vllm-specdec+Nms: the drafts N ms away each way
 PROPOSER = "specdec.integrations.vllm.SpecdecProposer"
 
 
@@ -51,12 +54,23 @@ def start_server(name: str, args, logs: Path) -> peers.Server:
     if name == "vllm-ngram":
         spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 3, "prompt_lookup_min": 2}
         cmd += ["--speculative-config", json.dumps(spec)]
-    if name == "vllm-specdec":
+    if name.startswith("vllm-specdec"):
+        delay = re.fullmatch(r"vllm-specdec(?:\+(\d+(?:\.\d+)?)ms)?", name)
+        if delay is None:
+            raise SystemExit(f"unknown server {name!r}: {', '.join(SERVERS)} or vllm-specdec+Nms")
         draft_port = free_port()
         draft = peers._process([sys.executable, "-m", "draft_service", "--host", "127.0.0.1", "--port",
-                                str(draft_port), "--proposer", args.proposer], logs / "draft.log")
+                                str(draft_port), "--proposer", args.proposer], logs / f"draft-{name}.log")
         stops.append(peers._killer(draft))
         wait_healthy(f"127.0.0.1:{draft_port}", 300, draft)
+        if delay.group(1):  # the proposer reaches the draft service through a relay that delays each chunk
+            relay_port = free_port()
+            relay = peers._process([sys.executable, str(ROOT / "bench" / "relay.py"), "--port", str(relay_port),
+                                    "--upstream", f"127.0.0.1:{draft_port}", "--delay-ms", delay.group(1)],
+                                   logs / f"relay-{name}.log")
+            stops.insert(0, peers._killer(relay))
+            wait_healthy(f"127.0.0.1:{relay_port}", 60, relay)
+            draft_port = relay_port
         cmd += ["--speculative-config", json.dumps({"method": "custom_class", "model": PROPOSER,
                                                     "num_speculative_tokens": args.k})]
         env.update({"SPECDEC_DRAFT_ADDRESS": f"127.0.0.1:{draft_port}", "PYTHONPATH": str(ROOT),
