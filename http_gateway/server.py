@@ -32,6 +32,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(2)
     scheme = "https" if config.tls_cert else "http"
     log.info("OpenAI-compatible API on %s://%s/v1 (orchestrator %s)", scheme, config.address, config.orchestrator)
+    gc.collect()
     gc.freeze()  # startup's objects out of the collector's sight, as the gRPC services do (serve_servicer)
     # log_config=None: uvicorn's loggers go through ours (the chosen format, with request ids).
     uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level.lower(),

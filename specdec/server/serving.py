@@ -143,6 +143,7 @@ async def serve_servicer(address: str, register: Callable[[grpc.aio.Server], Non
     # What startup made (modules, the model, the tokenizer: some 400,000 objects in the target) lives as
     # long as the process: out of the collector's sight, a full collection while serving takes
     # microseconds instead of 0.2 s stalls of the event loop.
+    gc.collect()  # (startup's own garbage first: frozen, it would never be freed)
     gc.freeze()
     await server.start()
     await mark_serving(health_servicer, [service_name])
