@@ -340,11 +340,12 @@ def compare(results: dict, reference: str, plain: str) -> None:
         entry["prompts"] = len(mine)
 
 
-def timed_cell(server: Server, work: list[dict], concurrency: int, max_tokens: int) -> dict:
-    """One cell, with the machine's load average (1 min) read before it: a figure measured beside
-    other work says so in the JSON."""
+def run_cell(server: Server, work: list[dict], concurrency: int, max_tokens: int) -> dict:
+    """One cell (`drive`), with the machine's load average (1 min) read before it: a figure
+    measured beside other work says so in the JSON."""
     load = os.getloadavg()[0]
     return {**asyncio.run(drive(server, work, concurrency, max_tokens)), "load_1min_before": round(load, 2)}
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python bench/peers.py", description=__doc__.splitlines()[0])
@@ -383,7 +384,7 @@ def main() -> None:
             continue
         server = start(name, args, logs)
         try:
-            cells = [timed_cell(server, work, c, args.max_tokens) for c in levels]
+            cells = [run_cell(server, work, c, args.max_tokens) for c in levels]
         finally:
             server.stop()
         results[name] = {"cells": cells}

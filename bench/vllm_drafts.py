@@ -23,7 +23,6 @@ counters (its /metrics), read before and after each cell. Outputs are compared w
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import re
@@ -100,7 +99,7 @@ def spec_counters(server: peers.Server) -> dict[str, float]:
 
 def cell(server: peers.Server, work: list[dict], concurrency: int, max_tokens: int) -> dict:
     before = spec_counters(server)
-    result = asyncio.run(peers.drive(server, work, concurrency, max_tokens))
+    result = peers.run_cell(server, work, concurrency, max_tokens)
     after = spec_counters(server)
     drafted = after["num_draft_tokens"] - before["num_draft_tokens"]
     accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
