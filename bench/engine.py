@@ -30,13 +30,14 @@ passes interleaved so that load from elsewhere on a shared machine hits them ali
   x86-64-v3 (their AVX2 loops), where `new` runs the build for this CPU (its AVX-512 loops where
   it has them).
 
-Weight formats (`--formats gguf,float32,int8,int4`, beside or instead of the engines: `--engines ""`):
+Weight formats (`--formats gguf,float32,bf16,int8,int4`, beside or instead of the engines: `--engines ""`):
 the `new` engine on the same model loaded each way, timed interleaved in one run into the JSON's
 `formats` section, each cell against the floor of the bytes *that format* reads a step
 (`ServedWeights.nbytes`: the projections and the output layer as stored, plus the K/V):
 `gguf` (a GGUF's blocks as stored, `--weights gguf`), `float32` (the same weights de-quantized,
-`--weights dense`), `int8`, `int4` (the float32 model quantized at load, `--quantize`, groups of
-`--quantize-group`).
+`--weights dense`), `bf16` (those weights rounded to bfloat16, `--dtype bfloat16`: oneDNN's bf16
+kernels, on AVX512-BF16 / AMX where the CPU has them), `int8`, `int4` (the float32 model quantized
+at load, `--quantize`, groups of `--quantize-group`).
 
 Each figure also appears as a multiple of its floor: (weight bytes + every row's K/V bytes read)
 / the read bandwidth this script measures (sum of a ~500 MB float32 tensor, median of several).
@@ -266,7 +267,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--max-seconds", type=float, default=15.0, help="skip a cell (and larger ones) past this")
     ap.add_argument("--max-gb", type=float, default=6.0, help="skip a cell whose caches need more memory")
-    ap.add_argument("--formats", default="", help="weight formats to time side by side: gguf,float32,int8,int4")
+    ap.add_argument("--formats", default="", help="weight formats to time side by side: gguf,float32,bf16,int8,int4")
     ap.add_argument("--quantize-group", type=int, default=32, help="group size of the int8 / int4 formats")
     ap.add_argument("--out", default="bench/results/engine.json")
     args = ap.parse_args()
@@ -351,6 +352,7 @@ def main() -> None:
 
 
 FORMATS = {"gguf": {"weights": "gguf"}, "float32": {"weights": "dense"},
+           "bf16": {"weights": "dense", "dtype": "bfloat16"},
            "int8": {"weights": "dense", "quantize": "int8"}, "int4": {"weights": "dense", "quantize": "int4"}}
 
 
@@ -367,16 +369,16 @@ def weight_formats(args, bandwidth: float, linear_rows: int) -> dict:
     bandwidth = max(bandwidth, again)
     any_model = next(iter(loaded.values()))
     layers, heads, dim = kv_geometry(any_model.model)
-    kv_token_bytes = layers * heads * dim * 2 * 4  # float32 K/V whatever the weights
+    kv_token_bytes = layers * heads * dim * 2  # times the K/V element's bytes: the model's float dtype
     rows = []
     for positions, context, sessions in cells(args):
-        kv = sessions * (context + positions) * kv_token_bytes
+        tokens = sessions * (context + positions)
         runs = {name: Cell("new", m.model, context, sessions, positions, m.vocab_size, linear_rows=linear_rows).batched
                 for name, m in loaded.items()}
         row = {"positions": positions, "context": context, "sessions": sessions,
                **measure(runs, args.repeats, args.max_seconds)}
         for name, m in loaded.items():
-            floor = (m.weights.nbytes + kv) / bandwidth
+            floor = (m.weights.nbytes + tokens * kv_token_bytes * kv_element_bytes(m.model)) / bandwidth
             row[name].update(format=m.weights.format, weight_bytes=m.weights.nbytes, floor_s=floor)
             if "median_s" in row[name]:
                 row[name]["over_floor"] = row[name]["median_s"] / floor
@@ -386,11 +388,19 @@ def weight_formats(args, bandwidth: float, linear_rows: int) -> dict:
             f"{name} {row[name]['median_s'] * 1e3:6.1f} ms (min {row[name]['min_s'] * 1e3:.1f}, floor "
             f"{row[name]['floor_s'] * 1e3:.1f}, {row[name]['over_floor']:.1f}x)" if "median_s" in row[name]
             else f"{name} skipped" for name in loaded), flush=True)
-    return {"quantize_group": args.quantize_group, "kv_bytes_per_token": kv_token_bytes,
+    return {"quantize_group": args.quantize_group,
+            "kv_bytes_per_token": {name: kv_token_bytes * kv_element_bytes(m.model) for name, m in loaded.items()},
             "read_bandwidth_gb_s": bandwidth / 1e9,
             "weights": {name: {"format": m.weights.format, "bytes": m.weights.nbytes,
                                "fingerprint": m.weights.fingerprint} for name, m in loaded.items()},
             "cells": rows}
+
+
+def kv_element_bytes(model) -> int:
+    """Bytes of one cached K/V element: the model's float dtype (a quantized model's activations and
+    caches are float32)."""
+    floats = [p for p in model.parameters() if p.is_floating_point()]
+    return floats[0].element_size() if floats else 4
 
 
 def summary(rows: list[dict]) -> list[str]:

@@ -16,7 +16,9 @@
 - step: the 121 calls of one decode step's projections (fused q/k/v and gate/up per layer, o, down)
   and the tied q8_0 output layer, i.e. all 211 matrices, as the packaged GGUF stores them
   (96.6 MB with the norms, not read here), against the same through the float32 kernel (538 MB),
-  at each row count; the floor is 96.6 MB over the bandwidth.
+  at each row count; the floor is 96.6 MB over the bandwidth. With `--onednn`, also through oneDNN's
+  pre-packed weights (what the float32 engine runs above `--native-linear-rows`), in float32 and in
+  bfloat16 (weights and activations rounded to bf16: AVX512-BF16 / AMX where the CPU has them).
 
 Ways alternate within each repeat in a random order (load from elsewhere on a shared machine hits
 them alike); each figure is a median, with the minimum beside it. Writes JSON (`--out`).
@@ -169,17 +171,35 @@ def run_projections(projections, inputs: dict[int, torch.Tensor], outs: list[tor
         projection(inputs[projection.k], out)
 
 
-def step_cells(model, rows: list[int], repeats: int, bandwidth: float) -> list[dict]:
+def run_packed(packed: list[torch.Tensor], inputs: dict[int, torch.Tensor]) -> None:
+    """Every call of a step through oneDNN's pre-packed weights (`projection.Projection`'s way)."""
+    for weight in packed:
+        torch.ops.mkldnn._linear_pointwise(inputs[weight.shape[1]], weight, None, "none", [], "")
+
+
+def pack(weights: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.ops.mkldnn._reorder_linear_weight(torch.cat(weights).to(dtype))
+
+
+def step_cells(model, rows: list[int], repeats: int, bandwidth: float, onednn: bool) -> list[dict]:
     groups = step_groups(model)
     dense = [[w.dequantize() for w in group] for group in groups]
+    packed = {dtype: [pack(g, dtype) for g in dense] for dtype in (torch.float32, torch.bfloat16)} if onednn else {}
     cells = []
     for m in rows:
         inputs = {k: torch.randn(m, k) for k in {g[0].shape[1] for g in groups}}
         outs = [torch.empty(m, sum(w.shape[0] for w in g)) for g in groups]
 
         projections = [quantized.QuantizedProjection(g) for g in groups]  # as the engine would keep them
-        result = timed({"quant": partial(run_projections, projections, inputs, outs),
-                        "float32": partial(run_step, native.linear, dense, inputs, outs)}, repeats)
+        ways = {"quant": partial(run_projections, projections, inputs, outs),
+                "float32": partial(run_step, native.linear, dense, inputs, outs)}
+        if onednn:
+            ways["onednn_float32"] = partial(run_packed, packed[torch.float32], inputs)
+            ways["onednn_bf16"] = partial(run_packed, packed[torch.bfloat16],
+                                          {k: x.to(torch.bfloat16) for k, x in inputs.items()})
+        with torch.inference_mode():
+            result = timed(ways, repeats)
         cells.append({"rows": m, "floor_s": MODEL_BYTES / bandwidth,
                       "quant_bytes": sum(w.nbytes for g in groups for w in g),
                       "float32_bytes": sum(w.numel() * 4 for g in dense for w in g),
@@ -189,7 +209,9 @@ def step_cells(model, rows: list[int], repeats: int, bandwidth: float) -> list[d
         print(f"decode step, {m} rows (211 matrices): quant {c['quant_s'] * 1e3:.2f} ms (min "
               f"{c['quant_min_s'] * 1e3:.2f}), float32 {c['float32_s'] * 1e3:.2f} ms "
               f"(min {c['float32_min_s'] * 1e3:.2f}), "
-              f"floor of 96.6 MB {c['floor_s'] * 1e3:.2f} ms: {c['quant_s'] / c['floor_s']:.2f}x", flush=True)
+              f"floor of 96.6 MB {c['floor_s'] * 1e3:.2f} ms: {c['quant_s'] / c['floor_s']:.2f}x"
+              + "".join(f", {way} {c[way + '_s'] * 1e3:.2f} ms" for way in ("onednn_float32", "onednn_bf16")
+                        if way + "_s" in c), flush=True)
     return cells
 
 
@@ -201,6 +223,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--skip-shapes", action="store_true")
     ap.add_argument("--torch-rows", default="1,5", help="row counts of the torch operators' cells ('' for none)")
+    ap.add_argument("--onednn", action="store_true",
+                    help="the step also through oneDNN's pre-packed weights, float32 and bfloat16 (bf16 activations)")
     ap.add_argument("--out", default="bench/results/quant_kernels.json")
     args = ap.parse_args()
 
@@ -211,7 +235,7 @@ def main() -> None:
     rows = [int(r) for r in args.rows.split(",")]
     shapes = [] if args.skip_shapes else shape_cells(model, rows, args.repeats, bandwidth)
     torch_ops = torch_cells([int(r) for r in filter(None, args.torch_rows.split(","))], args.repeats)
-    step = step_cells(model, [int(r) for r in args.step_rows.split(",")], args.repeats, bandwidth)
+    step = step_cells(model, [int(r) for r in args.step_rows.split(",")], args.repeats, bandwidth, args.onednn)
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor())
     out = Path(args.out)

@@ -18,9 +18,9 @@
  * products of the elements e = lane, lane + 8 (or 16 with AVX-512), ... in order, the lanes added
  * in one fixed order (sum4, fold), so a row's result does not depend on the other rows of the pass,
  * and with whole blocks of 4 weight rows it is the same bits linear.c computes from the de-quantized
- * float32 weights. Passes of 1-3 rows de-quantize each weight once in registers and use it for
- * every row, the inputs read from cache; larger passes keep the block's 4 de-quantized rows in a
- * per-thread buffer and run linear.c's passes over it. Weight rows are split over `threads` OpenMP
+ * float32 weights. Passes of 1-3 rows (1-6 with AVX-512) de-quantize each weight once in registers
+ * and use it for every row, the inputs read from cache; larger passes keep the block's 4
+ * de-quantized rows in a per-thread buffer and run linear.c's passes over it. Weight rows are split over `threads` OpenMP
  * threads in contiguous ranges.
  *
  * Where the time goes (AVX2, Zen 3, 1 row): a run of 32 weights of one row takes about 19 vector
@@ -333,9 +333,9 @@ static inline zf table16(int kind, zf d, zf mn) {
     return kind == ASYM4 ? z_fma(z_iota(0), d, mn) : z_mul(d, z_iota(-8));
 }
 
-#define DEFINE_DIRECT512(QB)                                                                          \
-    static inline void direct512_##QB(int kind, int group, const float *x, int64_t x_t, const uint8_t *w, \
-                                      int64_t w_t, int k, float *y, int64_t y_t, float *sc) {         \
+#define DEFINE_DIRECT512(QB, NAME, STORE)                                                             \
+    static inline void NAME(int kind, int group, const float *x, int64_t x_t, const uint8_t *w,       \
+                            int64_t w_t, int k, float *y, int64_t y_t, float *sc, float *keep) {      \
         zf a[QB][ROWS];                                                                               \
         for (int i = 0; i < QB; i++)                                                                  \
             for (int r = 0; r < ROWS; r++) a[i][r] = z_zero();                                        \
@@ -352,6 +352,7 @@ static inline zf table16(int kind, zf d, zf mn) {
                 zf table = kind == SYM8 ? d : table16(kind, d, z_set1(sc[8 * g + 2 * r + 1]));        \
                 _Pragma("GCC unroll 2") for (int t = 0; t < 2; t++) {                                 \
                     zf v = weights16(kind, q + r * w_t, t, d, table);                                 \
+                    if (STORE) z_store(keep + r * (int64_t)k + e + 16 * t, v);                        \
                     _Pragma("GCC unroll 6") for (int i = 0; i < QB; i++)                              \
                         a[i][r] = z_fma(v, z_loadu(x + i * x_t + e + 16 * t), a[i][r]);               \
                 }                                                                                     \
@@ -361,9 +362,13 @@ static inline zf table16(int kind, zf d, zf mn) {
         for (int i = 0; i < QB; i++)                                                                  \
             _mm_storeu_ps(y + i * y_t, sum4(z_fold(a[i][0]), z_fold(a[i][1]), z_fold(a[i][2]), z_fold(a[i][3]))); \
     }
-DEFINE_DIRECT512(1)
-DEFINE_DIRECT512(2)
-DEFINE_DIRECT512(3)
+DEFINE_DIRECT512(1, direct512_1, 0)
+DEFINE_DIRECT512(2, direct512_2, 0)
+DEFINE_DIRECT512(3, direct512_3, 0)
+DEFINE_DIRECT512(4, direct512_4, 0)
+DEFINE_DIRECT512(5, direct512_5, 0)
+DEFINE_DIRECT512(6, direct512_6, 0)
+DEFINE_DIRECT512(6, direct512_6_keep, 1) /* the first 6 rows of a larger pass, keeping the weights in `keep` */
 
 /* linear.c's AVX-512 block over the de-quantized rows in cache. */
 #define DEFINE_FLOAT512(QB)                                                                           \
@@ -388,37 +393,25 @@ DEFINE_FLOAT512(3)
 DEFINE_FLOAT512(4)
 DEFINE_FLOAT512(5)
 DEFINE_FLOAT512(6)
-#define WIDE_FROM 18 /* linear.c's: 6-row passes from 18 rows, 3-row ones below */
-#define DIRECT_ROWS_512 3 /* passes of up to this many rows de-quantize in registers; more: into `buf` once */
-
-static inline void decode4_512(int kind, int group, const uint8_t *w, int64_t w_t, int k, float *buf, float *sc) {
-    scales4(kind, group, w, w_t, k, sc);
-    int64_t bytes = block_bytes(kind, group);
-    const char *ahead = (const char *)(w + ROWS * w_t);
-    for (int l = 0; l < ROWS * w_t; l += 64) _mm_prefetch(ahead + l, _MM_HINT_T0);
-    for (int r = 0; r < ROWS; r++)
-        for (int e = 0, g = 0, s = 0; e < k; e += RUN) {
-            const uint8_t *q = w + r * w_t + g * bytes + header(kind) + s * run_bytes(kind);
-            zf d = z_set1(sc[8 * g + 2 * r]);
-            zf table = kind == SYM8 ? d : table16(kind, d, z_set1(sc[8 * g + 2 * r + 1]));
-            z_store(buf + r * (int64_t)k + e, weights16(kind, q, 0, d, table));
-            z_store(buf + r * (int64_t)k + e + 16, weights16(kind, q, 1, d, table));
-            if (++s == group / RUN) s = 0, g++;
-        }
-}
-
+/* Passes of up to 6 rows de-quantize each weight once in registers for all of them (6 rows: 24
+ * accumulators of the 32 registers); larger ones run the first 6 so, keeping the de-quantized block
+ * in `buf`, and the rest in passes of up to 6 rows over `buf`, from cache. Against de-quantizing
+ * in registers for up to 3 rows only, the rest from `buf` de-quantized first (the step's 211
+ * matrices, Xeon with AVX-512, 2 threads, `bench/quant_kernels.py --step-rows`): 5 rows 14.5 ->
+ * 9.4 ms, 8 rows 19.3 -> 16.4, 16 rows 30.4 -> 23.3, 1 row 6.9 either way. */
 static void rows_block512(int kind, int group, int m, const float *x, int64_t x_t, const uint8_t *w, int64_t w_t,
                           int k, float *y, int64_t y_t, float *buf) {
     float *sc = buf + ROWS * (int64_t)k;
-    if (m <= DIRECT_ROWS_512) {
-        if (m == 3) direct512_3(kind, group, x, x_t, w, w_t, k, y, y_t, sc);
-        else if (m == 2) direct512_2(kind, group, x, x_t, w, w_t, k, y, y_t, sc);
-        else direct512_1(kind, group, x, x_t, w, w_t, k, y, y_t, sc);
-        return;
+    switch (m) {
+    case 1: direct512_1(kind, group, x, x_t, w, w_t, k, y, y_t, sc, 0); return;
+    case 2: direct512_2(kind, group, x, x_t, w, w_t, k, y, y_t, sc, 0); return;
+    case 3: direct512_3(kind, group, x, x_t, w, w_t, k, y, y_t, sc, 0); return;
+    case 4: direct512_4(kind, group, x, x_t, w, w_t, k, y, y_t, sc, 0); return;
+    case 5: direct512_5(kind, group, x, x_t, w, w_t, k, y, y_t, sc, 0); return;
+    case 6: direct512_6(kind, group, x, x_t, w, w_t, k, y, y_t, sc, 0); return;
     }
-    decode4_512(kind, group, w, w_t, k, buf, sc);
-    int most = m >= WIDE_FROM ? 6 : 3;
-    for (int i = 0; i < m; i += most) {
+    direct512_6_keep(kind, group, x, x_t, w, w_t, k, y, y_t, sc, buf);
+    for (int i = 6, most = 6; i < m; i += most) {
         const float *xi = x + i * x_t;
         float *yi = y + i * y_t;
         switch (m - i < most ? m - i : most) {
