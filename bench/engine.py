@@ -163,7 +163,7 @@ class Cell:
     """The sessions of one cell, cached to `context`, for one engine."""
 
     def __init__(self, engine: str, model, context: int, sessions: int, positions: int, vocab: int,
-                 compiled=None, linear_rows: int = 48) -> None:
+                 compiled=None, linear_rows: int | str = 48) -> None:
         options: dict = {"kernels": "torch"} if engine == "torch_kernels" else {}
         if engine in ("new", "avx2_kernels", "compiled"):
             options["linear_rows"] = linear_rows
@@ -373,8 +373,9 @@ def weight_formats(args, bandwidth: float, linear_rows: int) -> dict:
     rows = []
     for positions, context, sessions in cells(args):
         tokens = sessions * (context + positions)
-        runs = {name: Cell("new", m.model, context, sessions, positions, m.vocab_size, linear_rows=linear_rows).batched
-                for name, m in loaded.items()}
+        runs = {name: Cell("new", m.model, context, sessions, positions, m.vocab_size,
+                           linear_rows=linear_rows if kv_element_bytes(m.model) == 4 else "auto").batched
+                for name, m in loaded.items()}  # no native linear kernel for bfloat16: its own engine plan
         row = {"positions": positions, "context": context, "sessions": sessions,
                **measure(runs, args.repeats, args.max_seconds)}
         for name, m in loaded.items():

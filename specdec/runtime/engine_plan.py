@@ -9,6 +9,7 @@ cannot be honoured is refused here, with the reason and the flag; "auto" quietly
 
 from __future__ import annotations
 
+import functools
 import logging
 import shutil
 from dataclasses import dataclass
@@ -97,8 +98,19 @@ def can_compile(weight: torch.Tensor) -> bool:
 
 
 def can_prepack(weight: torch.Tensor) -> bool:
-    """Whether `projection.Projection` can pre-pack this weight: float32 on a CPU with oneDNN built in."""
-    return weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+    """Whether `projection.Projection` can pre-pack this weight: float32 on a CPU with oneDNN built in,
+    or bfloat16 where oneDNN runs bf16 in the CPU's own instructions (AVX512-BF16, AMX; elsewhere it
+    would convert every call, slower than torch's own path)."""
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    return weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and bf16_instructions())
+
+
+@functools.lru_cache(maxsize=1)
+def bf16_instructions() -> bool:
+    """Whether this CPU multiplies bfloat16 in its own instructions: AVX512-BF16 or AMX (oneDNN's own
+    test, `_is_mkldnn_bf16_supported`, also admits plain AVX-512, where it converts)."""
+    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
 def plan_engine(model: PreTrainedModel, options: EngineOptions) -> EnginePlan:
@@ -111,7 +123,8 @@ def plan_engine(model: PreTrainedModel, options: EngineOptions) -> EnginePlan:
         return _quantized_plan(model, options)
     weight, biased = model.lm_head.weight, has_bias(model)
     prepack = _switch(options.prepack, can_prepack(weight) and not biased,
-                      "pre-packed weights need float32 on a CPU with oneDNN, and projections without bias")
+                      "pre-packed weights need float32 (or bfloat16 on a CPU with AVX512-BF16 or AMX) on a "
+                      "CPU with oneDNN, and projections without bias")
     compiled = _switch(options.torch_compile, can_compile(weight) and not biased,
                        "the compiled pass needs a CPU or CUDA device, a C++ compiler on a CPU, and projections "
                        "without bias")

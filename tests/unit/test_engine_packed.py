@@ -216,3 +216,26 @@ def test_prepacked_weights_score_as_the_models_own_modules(model):
     with pytest.raises(ValueError, match="float32"):
         SessionCaches(model, 512, engine=EngineOptions(prepack="on"))
     assert not SessionCaches(model, 512, engine=EngineOptions(prepack="auto")).forward.prepacked  # float64: plain
+
+
+def test_bfloat16_weights_are_prepacked_where_the_cpu_multiplies_bf16(model, monkeypatch):
+    """bfloat16 on a CPU with AVX512-BF16 or AMX: oneDNN's pre-packed bf16 weights (its AMX kernels),
+    scoring as the model's own bf16 modules to bf16 rounding; elsewhere "auto" leaves them unpacked
+    (oneDNN would convert every call) and "on" refuses, naming bfloat16."""
+    import copy
+
+    from specdec.runtime import engine_plan
+
+    rng = random.Random(5)
+    lm = copy.deepcopy(model).to(torch.bfloat16)
+    requests = [ScoreRequest("a", _tokens(rng, 30, 100), []), ScoreRequest("b", _tokens(rng, 5, 100), [4, 5, 6])]
+    plain = SessionCaches(lm, 512, engine=EngineOptions(prepack="off", kernels="torch"))
+    if engine_plan.bf16_instructions():
+        fast = SessionCaches(lm, 512, engine=EngineOptions(prepack="auto"))
+        assert fast.forward.prepacked and not plain.forward.prepacked
+        for one, other in zip(plain.score_batch(requests), fast.score_batch(requests)):
+            torch.testing.assert_close(other.logits.float(), one.logits.float(), rtol=0.05, atol=0.1)
+    monkeypatch.setattr(engine_plan, "bf16_instructions", lambda: False)
+    assert not SessionCaches(lm, 512, engine=EngineOptions(prepack="auto")).forward.prepacked
+    with pytest.raises(ValueError, match="bfloat16"):
+        SessionCaches(lm, 512, engine=EngineOptions(prepack="on"))
