@@ -193,7 +193,8 @@ class ModelServiceConfig(RedisClientOptions, ServiceConfig, DeviceOption):
     prefix_block_tokens: int = Field(32, ge=1, le=4096, description="Tokens per shared prefix block.")
     prepack_weights: Literal["auto", "on", "off"] = Field(
         "auto", description="Pre-pack the model's projection weights for oneDNN, fused per layer (auto: where that "
-        "path exists, float32 on a CPU; measured faster here for decode and verify passes, see bench/engine.py); "
+        "path exists: float32 on a CPU, or bfloat16 on a CPU with AVX512-BF16 or AMX; measured faster here for decode "
+        "and verify passes, see bench/engine.py); "
         "costs a second copy of the weights in memory."
     )
     compile: Literal["auto", "on", "off"] = Field(
