@@ -185,7 +185,9 @@ def pack(weights: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
 def step_cells(model, rows: list[int], repeats: int, bandwidth: float, onednn: bool) -> list[dict]:
     groups = step_groups(model)
     dense = [[w.dequantize() for w in group] for group in groups]
-    packed = {dtype: [pack(g, dtype) for g in dense] for dtype in (torch.float32, torch.bfloat16)} if onednn else {}
+    # oneDNN takes bf16 weights only where it runs bf16 (AVX-512 or newer); elsewhere the cell is left out
+    dtypes = (torch.float32, torch.bfloat16) if torch.ops.mkldnn._is_mkldnn_bf16_supported() else (torch.float32,)
+    packed = {dtype: [pack(g, dtype) for g in dense] for dtype in dtypes} if onednn else {}
     cells = []
     for m in rows:
         inputs = {k: torch.randn(m, k) for k in {g[0].shape[1] for g in groups}}
@@ -196,8 +198,9 @@ def step_cells(model, rows: list[int], repeats: int, bandwidth: float, onednn: b
                 "float32": partial(run_step, native.linear, dense, inputs, outs)}
         if onednn:
             ways["onednn_float32"] = partial(run_packed, packed[torch.float32], inputs)
-            ways["onednn_bf16"] = partial(run_packed, packed[torch.bfloat16],
-                                          {k: x.to(torch.bfloat16) for k, x in inputs.items()})
+            if torch.bfloat16 in packed:
+                ways["onednn_bf16"] = partial(run_packed, packed[torch.bfloat16],
+                                              {k: x.to(torch.bfloat16) for k, x in inputs.items()})
         with torch.inference_mode():
             result = timed(ways, repeats)
         cells.append({"rows": m, "floor_s": MODEL_BYTES / bandwidth,
