@@ -338,80 +338,88 @@ static inline zf table16(int kind, zf d, zf mn) {
     return kind == ASYM4 ? z_fma(z_iota(0), d, mn) : z_mul(d, z_iota(-8));
 }
 
-#define DEFINE_DIRECT512(QB, NAME, STORE)                                                             \
-    static inline void NAME(int kind, int group, const float *x, int64_t x_t, const uint8_t *w,       \
-                            int64_t w_t, int k, float *y, int64_t y_t, float *sc, float *keep) {      \
-        zf a[QB][ROWS];                                                                               \
+/* Cache lines of `bytes` (the next block's share) to prefetch each run of 32 weights along k. */
+static inline int prefetch_lines(int64_t bytes, int k) { return (int)((bytes + 64 * (k / RUN) - 1) / (64 * (k / RUN))); }
+
+/* QB input rows against NR of the 4 weight rows at w (rows r0 .. r0 + NR - 1, `w_t` bytes apart),
+ * all k, de-quantizing each weight once in registers and using it for every row: part[i][r0 + j]
+ * becomes row i's sum against weight row r0 + j, its 16 lanes folded to 8 (sum4 adds them up in
+ * linear.c's order). Each accumulator sums its elements in order, so the bits do not depend on NR.
+ * With STORE the de-quantized weights also go to `keep` (4 rows of k floats). Each run prefetches
+ * `lines` cache lines from `ahead`. Always inlined: the callers' `kind` is a constant there. */
+#define DEFINE_SWEEP512(QB, NR, NAME, STORE)                                                          \
+    static inline __attribute__((always_inline)) void NAME(                                           \
+        int kind, int group, const float *x, int64_t x_t, const uint8_t *w, int64_t w_t, int k,       \
+        const float *sc, int r0, float *keep, const char *ahead, int lines, __m256 part[][ROWS]) {    \
+        zf a[QB][NR];                                                                                 \
         for (int i = 0; i < QB; i++)                                                                  \
-            for (int r = 0; r < ROWS; r++) a[i][r] = z_zero();                                        \
-        scales4(kind, group, w, w_t, k, sc);                                                          \
+            for (int j = 0; j < NR; j++) a[i][j] = z_zero();                                          \
         int runs = group / RUN, hb = header(kind), rb = run_bytes(kind);                              \
         int64_t bytes = block_bytes(kind, group);                                                     \
-        const char *ahead = (const char *)(w + AHEAD_512 * ROWS * w_t); /* as the AVX2 loop, further */ \
-        int lines = (int)((ROWS * w_t + 64 * (k / RUN) - 1) / (64 * (k / RUN)));                      \
         for (int e = 0, g = 0, s = 0; e < k; e += RUN) {                                              \
             const uint8_t *q = w + g * bytes + hb + s * rb;                                           \
             for (int l = 0; l < lines; l++, ahead += 64) _mm_prefetch(ahead, _MM_HINT_T0);           \
-            _Pragma("GCC unroll 4") for (int r = 0; r < ROWS; r++) {                                  \
+            _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++) {                                    \
+                int r = r0 + j;                                                                       \
                 zf d = z_set1(sc[8 * g + 2 * r]);                                                     \
                 zf table = kind == SYM8 ? d : table16(kind, d, z_set1(sc[8 * g + 2 * r + 1]));        \
                 _Pragma("GCC unroll 2") for (int t = 0; t < 2; t++) {                                 \
                     zf v = weights16(kind, q + r * w_t, t, d, table);                                 \
                     if (STORE) z_store(keep + r * (int64_t)k + e + 16 * t, v);                        \
-                    _Pragma("GCC unroll 6") for (int i = 0; i < QB; i++)                              \
-                        a[i][r] = z_fma(v, z_loadu(x + i * x_t + e + 16 * t), a[i][r]);               \
+                    _Pragma("GCC unroll 8") for (int i = 0; i < QB; i++)                              \
+                        a[i][j] = z_fma(v, z_loadu(x + i * x_t + e + 16 * t), a[i][j]);               \
                 }                                                                                     \
             }                                                                                         \
             if (++s == runs) s = 0, g++;                                                              \
         }                                                                                             \
         for (int i = 0; i < QB; i++)                                                                  \
-            _mm_storeu_ps(y + i * y_t, sum4(z_fold(a[i][0]), z_fold(a[i][1]), z_fold(a[i][2]), z_fold(a[i][3]))); \
+            for (int j = 0; j < NR; j++) part[i][r0 + j] = z_fold(a[i][j]);                           \
     }
-DEFINE_DIRECT512(1, direct512_1, 0)
-DEFINE_DIRECT512(2, direct512_2, 0)
-DEFINE_DIRECT512(3, direct512_3, 0)
-DEFINE_DIRECT512(4, direct512_4, 0)
-DEFINE_DIRECT512(5, direct512_5, 0)
-DEFINE_DIRECT512(6, direct512_6, 0)
-DEFINE_DIRECT512(6, direct512_6_keep, 1) /* the first 6 rows of a larger pass, keeping the weights in `keep` */
+DEFINE_SWEEP512(1, 4, sweep512_1, 0)
+DEFINE_SWEEP512(2, 4, sweep512_2, 0)
+DEFINE_SWEEP512(3, 4, sweep512_3, 0)
+DEFINE_SWEEP512(4, 4, sweep512_4, 0)
+DEFINE_SWEEP512(5, 4, sweep512_5, 0)
+DEFINE_SWEEP512(6, 4, sweep512_6, 0)
+DEFINE_SWEEP512(6, 4, sweep512_6_keep, 1)
+DEFINE_SWEEP512(7, 2, sweep512_7_pair, 0)
+DEFINE_SWEEP512(8, 2, sweep512_8_pair, 0)
+
+/* QB input rows against the block's 4 weight rows in one sweep (up to 6 rows: 24 accumulators of
+ * the 32 registers), prefetching AHEAD_512 blocks ahead. With SWEEP = sweep512_6_keep, the first 6
+ * rows of a larger pass, keeping the de-quantized weights in `keep`. */
+#define DEFINE_DIRECT512(QB, NAME, SWEEP)                                                             \
+    static inline void NAME(int kind, int group, const float *x, int64_t x_t, const uint8_t *w,       \
+                            int64_t w_t, int k, float *y, int64_t y_t, float *sc, float *keep) {      \
+        __m256 part[QB][ROWS];                                                                        \
+        scales4(kind, group, w, w_t, k, sc);                                                          \
+        SWEEP(kind, group, x, x_t, w, w_t, k, sc, 0, keep, (const char *)(w + AHEAD_512 * ROWS * w_t), \
+              prefetch_lines(ROWS * w_t, k), part);                                                   \
+        for (int i = 0; i < QB; i++) _mm_storeu_ps(y + i * y_t, sum4(part[i][0], part[i][1], part[i][2], part[i][3])); \
+    }
+DEFINE_DIRECT512(1, direct512_1, sweep512_1)
+DEFINE_DIRECT512(2, direct512_2, sweep512_2)
+DEFINE_DIRECT512(3, direct512_3, sweep512_3)
+DEFINE_DIRECT512(4, direct512_4, sweep512_4)
+DEFINE_DIRECT512(5, direct512_5, sweep512_5)
+DEFINE_DIRECT512(6, direct512_6, sweep512_6)
+DEFINE_DIRECT512(6, direct512_6_keep, sweep512_6_keep)
 
 /* QB = 7 or 8 input rows against the block's 4 weight rows, 2 weight rows at a time (16
  * accumulators; 32 would not fit the registers), each weight still de-quantized once in registers
- * for all the rows: the block's two pairs of weight rows are read in two sweeps over k, each
- * prefetching half of the next block. Every accumulator sums its elements as direct512's do, and
- * each row's four sums are folded and added in the same order (sum4), so the output is the same
- * bits. Against the first 6 rows de-quantizing in registers and the rest from a buffer they fill
- * (the step's 211 matrices, Xeon, 2 threads, alternated twice): 7 rows 15.2-16.0 -> 12.8-13.0 ms,
- * 8 rows 16.4-17.3 -> 15.2-15.5 (6 rows 11.2-12.2 either way). */
+ * for all the rows: two sweeps over k, each prefetching half of the next block. Against the first 6
+ * rows de-quantizing in registers and the rest from a buffer they fill (the step's 211 matrices,
+ * Xeon, 2 threads, alternated twice): 7 rows 15.2-16.0 -> 12.8-13.0 ms, 8 rows 16.4-17.3 -> 15.2-15.5
+ * (6 rows 11.2-12.2 either way). */
 #define DEFINE_PAIRS512(QB)                                                                           \
     static inline void pairs512_##QB(int kind, int group, const float *x, int64_t x_t, const uint8_t *w, \
                                      int64_t w_t, int k, float *y, int64_t y_t, float *sc) {          \
         __m256 part[QB][ROWS];                                                                        \
         scales4(kind, group, w, w_t, k, sc);                                                          \
-        int runs = group / RUN, hb = header(kind), rb = run_bytes(kind);                              \
-        int64_t bytes = block_bytes(kind, group);                                                     \
-        int lines = (int)((ROWS * w_t / 2 + 64 * (k / RUN) - 1) / (64 * (k / RUN)));                  \
-        for (int r0 = 0; r0 < ROWS; r0 += 2) {                                                        \
-            zf a[QB][2];                                                                              \
-            for (int i = 0; i < QB; i++) a[i][0] = z_zero(), a[i][1] = z_zero();                     \
-            const char *ahead = (const char *)(w + ROWS * w_t) + r0 / 2 * (ROWS * w_t / 2);           \
-            for (int e = 0, g = 0, s = 0; e < k; e += RUN) {                                          \
-                const uint8_t *q = w + g * bytes + hb + s * rb;                                       \
-                for (int l = 0; l < lines; l++, ahead += 64) _mm_prefetch(ahead, _MM_HINT_T0);       \
-                _Pragma("GCC unroll 2") for (int j = 0; j < 2; j++) {                                 \
-                    int r = r0 + j;                                                                   \
-                    zf d = z_set1(sc[8 * g + 2 * r]);                                                 \
-                    zf table = kind == SYM8 ? d : table16(kind, d, z_set1(sc[8 * g + 2 * r + 1]));    \
-                    _Pragma("GCC unroll 2") for (int t = 0; t < 2; t++) {                             \
-                        zf v = weights16(kind, q + r * w_t, t, d, table);                             \
-                        _Pragma("GCC unroll 8") for (int i = 0; i < QB; i++)                          \
-                            a[i][j] = z_fma(v, z_loadu(x + i * x_t + e + 16 * t), a[i][j]);           \
-                    }                                                                                 \
-                }                                                                                     \
-                if (++s == runs) s = 0, g++;                                                          \
-            }                                                                                         \
-            for (int i = 0; i < QB; i++) part[i][r0] = z_fold(a[i][0]), part[i][r0 + 1] = z_fold(a[i][1]); \
-        }                                                                                             \
+        int half = (int)(ROWS * w_t / 2), lines = prefetch_lines(half, k);                            \
+        for (int r0 = 0; r0 < ROWS; r0 += 2)                                                          \
+            sweep512_##QB##_pair(kind, group, x, x_t, w, w_t, k, sc, r0, 0,                           \
+                                 (const char *)(w + ROWS * w_t) + r0 / 2 * half, lines, part);        \
         for (int i = 0; i < QB; i++) _mm_storeu_ps(y + i * y_t, sum4(part[i][0], part[i][1], part[i][2], part[i][3])); \
     }
 DEFINE_PAIRS512(7)
@@ -441,9 +449,9 @@ DEFINE_FLOAT512(4)
 DEFINE_FLOAT512(5)
 DEFINE_FLOAT512(6)
 /* Passes of up to 6 rows de-quantize each weight once in registers for all of them (6 rows: 24
- * accumulators of the 32 registers), 7-8 rows too, 2 weight rows at a time (pairs512); larger
- * ones run the first 6 so, keeping the de-quantized block
- * in `buf`, and the rest in passes of up to 6 rows over `buf`, from cache. Against de-quantizing
+ * accumulators of the 32 registers), 7-8 rows too, 2 weight rows at a time (pairs512); larger ones
+ * run the first 6 so, keeping the de-quantized block in `buf`, and the rest in passes of up to 6
+ * rows over `buf`, from cache. Against de-quantizing
  * in registers for up to 3 rows only, the rest from `buf` de-quantized first (the step's 211
  * matrices, Xeon with AVX-512, 2 threads, `bench/quant_kernels.py --step-rows`): 5 rows 14.5 ->
  * 9.4 ms, 8 rows 19.3 -> 16.4, 16 rows 30.4 -> 23.3, 1 row 6.9 either way. */
