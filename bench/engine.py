@@ -369,17 +369,19 @@ def weight_formats(args, bandwidth: float, linear_rows: int) -> dict:
     bandwidth = max(bandwidth, again)
     any_model = next(iter(loaded.values()))
     layers, heads, dim = kv_geometry(any_model.model)
-    kv_token_bytes = layers * heads * dim * 2  # times the K/V element's bytes: the model's float dtype
+    element = {name: kv_element_bytes(m.model) for name, m in loaded.items()}
+    kv_token_bytes = {name: layers * heads * dim * 2 * element[name] for name in loaded}
+    # the measured native-linear row count is float32's; bfloat16 has no native linear kernel: its own plan
+    rows_for = {name: linear_rows if element[name] == 4 else "auto" for name in loaded}
     rows = []
     for positions, context, sessions in cells(args):
         tokens = sessions * (context + positions)
         runs = {name: Cell("new", m.model, context, sessions, positions, m.vocab_size,
-                           linear_rows=linear_rows if kv_element_bytes(m.model) == 4 else "auto").batched
-                for name, m in loaded.items()}  # no native linear kernel for bfloat16: its own engine plan
+                           linear_rows=rows_for[name]).batched for name, m in loaded.items()}
         row = {"positions": positions, "context": context, "sessions": sessions,
                **measure(runs, args.repeats, args.max_seconds)}
         for name, m in loaded.items():
-            floor = (m.weights.nbytes + tokens * kv_token_bytes * kv_element_bytes(m.model)) / bandwidth
+            floor = (m.weights.nbytes + tokens * kv_token_bytes[name]) / bandwidth
             row[name].update(format=m.weights.format, weight_bytes=m.weights.nbytes, floor_s=floor)
             if "median_s" in row[name]:
                 row[name]["over_floor"] = row[name]["median_s"] / floor
@@ -390,7 +392,7 @@ def weight_formats(args, bandwidth: float, linear_rows: int) -> dict:
             f"{row[name]['floor_s'] * 1e3:.1f}, {row[name]['over_floor']:.1f}x)" if "median_s" in row[name]
             else f"{name} skipped" for name in loaded), flush=True)
     return {"quantize_group": args.quantize_group,
-            "kv_bytes_per_token": {name: kv_token_bytes * kv_element_bytes(m.model) for name, m in loaded.items()},
+            "kv_bytes_per_token": kv_token_bytes,
             "read_bandwidth_gb_s": bandwidth / 1e9,
             "weights": {name: {"format": m.weights.format, "bytes": m.weights.nbytes,
                                "fingerprint": m.weights.fingerprint} for name, m in loaded.items()},
