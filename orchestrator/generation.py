@@ -57,7 +57,7 @@ class Orchestrator:
         self.eos_ids = set(target_info.eos_token_ids)
         self.requests = RequestParser(config, tokenizer, self.max_context, self.eos_ids, target_info.vocab_size,
                                       learns_outputs=lambda: self.draft is not None and self.draft.learns_outputs)
-        self.sessions = Sessions(store, config.session_lease_s, self.max_context, self.eos_ids)
+        self.sessions = Sessions(store, config.session_lease_s, self.max_context, self.eos_ids, spawn=self._spawn)
         self.policy_config = PolicyConfig(k_max=config.max_draft_length, ewma=config.policy_ewma,
                                           explore_every=config.policy_explore_every, overlap=config.overlap)
         self.corpus_groups = CorpusGroups.parse(config.corpus_groups)  # whose outputs may draft whose requests
@@ -282,13 +282,20 @@ class Orchestrator:
 
     async def close_session(self, session_id: str, principal: str = "") -> bool:
         """Delete the session and free its caches on every replica; False (and no call to any replica)
-        for a session that does not exist, or is another identity's."""
+        for a session that does not exist, or is another identity's. The caches are freed even when
+        the delete fails: it may have landed all the same, and then the client's retry finds no
+        session and frees nothing."""
         check_session_id(session_id)
         state = await self.sessions.closable(session_id, principal)
         if state is None:
             return False
-        closed = await self.store.delete(session_id)
-        await self._release_caches(session_id, forget_output=not self._shareable(state.generation))
+        forget = not self._shareable(state.generation)
+        try:
+            closed = await self.store.delete(session_id)
+        except BaseException:
+            self._spawn(self._release_caches(session_id, forget_output=forget))
+            raise
+        await self._release_caches(session_id, forget_output=forget)
         return closed
 
     def _shareable(self, gen: GenerationRecord | None) -> bool:

@@ -12,6 +12,7 @@ import logging
 import secrets
 import time
 import uuid
+from collections.abc import Callable, Coroutine
 from dataclasses import replace
 
 from orchestrator.requests import GenerationSpec
@@ -20,14 +21,22 @@ from specdec.errors import Aborted, FailedPrecondition, InvalidArgument, NotFoun
 
 log = logging.getLogger("specdec.orchestrator")
 MAX_SEED = 2**63 - 1
+# A new session whose opening write failed is deleted again (the write may have landed after its
+# caller gave up on it): attempts this far apart, and until a delete finds nothing this long after
+# the first one that ran.
+FORGET_PAUSES_S = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0)
+FORGET_SETTLE_S = 1.0
 
 
 class Sessions:
-    def __init__(self, store: SessionStore, lease_s: float, max_context: int, eos_ids: set[int]) -> None:
+    def __init__(self, store: SessionStore, lease_s: float, max_context: int, eos_ids: set[int],
+                 spawn: Callable[[Coroutine], None] | None = None) -> None:
+        """`spawn(coroutine)`: runs background work (the orchestrator's; None: asyncio's own tasks)."""
         self.store = store
         self.lease_s = lease_s
         self.max_context = max_context
         self.eos_ids = eos_ids
+        self._spawn = spawn or (lambda work: asyncio.get_running_loop().create_task(work))
 
     async def open(self, spec: GenerationSpec) -> SessionState:
         """Record a new generation: in a new session, or appended to an idle existing one."""
@@ -48,8 +57,36 @@ class Sessions:
             input_tokens=len(input_ids), share_output=spec.share_output,
             lease_until=time.time() + self.lease_s, owner=uuid.uuid4().hex,
         )
-        await self.store.save(state, input_ids)
+        try:
+            await self.store.save(state, input_ids)
+        except BaseException:
+            if not spec.session_id:
+                # Nobody was told this session's id, but its write may still land (a Redis that
+                # stalled past our timeout runs the command when it wakes): delete it in the
+                # background, or it would sit in Redis for the session TTL.
+                self._spawn(self._forget_unannounced(state.session_id))
+            raise
         return state
+
+    async def _forget_unannounced(self, session_id: str) -> None:
+        """Delete a new session whose opening write failed; retried while the store is down, and
+        repeated until a delete at least FORGET_SETTLE_S after the first that ran finds nothing
+        (a write that was late lands before that). Given up after the lease: the TTL then does it."""
+        deadline, first, attempt = time.monotonic() + self.lease_s, None, 0
+        while time.monotonic() < deadline:
+            await asyncio.sleep(FORGET_PAUSES_S[min(attempt, len(FORGET_PAUSES_S) - 1)])
+            attempt += 1
+            try:
+                removed = await self.store.delete(session_id)
+            except SpecdecError:
+                continue
+            now = time.monotonic()
+            if removed:
+                log.info("session %s, whose opening write failed, was written after all: deleted", session_id)
+            first = first if first is not None else now
+            if not removed and now - first >= FORGET_SETTLE_S:
+                return
+        log.info("session %s, whose opening write failed, may be left in the store until its TTL", session_id)
 
     async def _continued(self, spec: GenerationSpec) -> tuple[SessionState, list[int]]:
         """The idle session a request continues, and the input it appends."""

@@ -224,6 +224,71 @@ async def test_closing_a_session_that_does_not_exist_sends_no_release():
     assert target.released == [session] and draft.released == [session]
 
 
+class LostReplyStore(InMemorySessionStore):
+    """Applies a write, then fails as a store whose reply never came back does (a Redis that stalled
+    past the caller's timeout and ran the command when it woke): `lose` names the call ("open": the
+    write that opens a session; "delete")."""
+
+    def __init__(self, lose: str) -> None:
+        super().__init__()
+        self.lose = lose
+
+    async def save(self, state, new_tokens) -> None:
+        opening = state.version == 0
+        await super().save(state, new_tokens)
+        if opening and self.lose == "open":
+            raise Unavailable("session store unavailable (in memory, the reply was lost)")
+
+    async def delete(self, session_id: str) -> bool:
+        removed = await super().delete(session_id)
+        if self.lose == "delete":
+            raise Unavailable("session store unavailable (in memory, the reply was lost)")
+        return removed
+
+
+async def test_a_new_session_whose_opening_write_failed_but_landed_is_deleted_again():
+    """Its id never reached the client, so nobody could resume or close it: without the cleanup it
+    would sit in the store for the session TTL."""
+    store, target, draft = LostReplyStore("open"), FakeTarget(REFERENCE), FakeDraft(REFERENCE)
+    orch = orchestrator(store, target, draft, draft_length=4)
+    with pytest.raises(Unavailable, match="reply was lost"):
+        [c async for c in orch.generate(orch.parse(request(max_new_tokens=4)))]
+    assert len(store._sessions) == 1 and orch._background  # landed; the cleanup is under way
+    await settle(orch)
+    assert store._sessions == {} and target.calls == [] and target.released == []
+    store.lose = ""  # the next request opens its session as usual, and nothing deletes it
+    chunks = [c async for c in orch.generate(orch.parse(request(max_new_tokens=4)))]
+    await settle(orch)
+    assert generated(chunks) == REFERENCE[START:START + 4] and list(store._sessions) == [chunks[0].session_id]
+
+
+async def test_a_continued_session_whose_write_failed_is_not_deleted():
+    store, target, draft = InMemorySessionStore(), FakeTarget(REFERENCE), FakeDraft(REFERENCE)
+    orch = orchestrator(store, target, draft, draft_length=4)
+    session = [c async for c in orch.generate(orch.parse(request(max_new_tokens=4)))][0].session_id
+    store.down = True
+    with pytest.raises(Unavailable):
+        [c async for c in orch.generate(orch.parse(request(session_id=session, prompt=PROMPT)))]
+    assert not orch._background
+    store.down = False
+    assert (await store.load(session)).tokens == REFERENCE[:START + 4]
+
+
+async def test_a_close_whose_delete_failed_still_frees_the_caches():
+    """The delete may have landed: the client's retry then finds no session and frees nothing, so the
+    first attempt frees the caches whatever the store answered."""
+    store, target, draft = LostReplyStore("delete"), FakeTarget(REFERENCE), FakeDraft(REFERENCE)
+    orch = orchestrator(store, target, draft, draft_length=4)
+    session = [c async for c in orch.generate(orch.parse(request(max_new_tokens=4)))][0].session_id
+    with pytest.raises(Unavailable, match="reply was lost"):
+        await orch.close_session(session)
+    await settle(orch)
+    assert store._sessions == {} and target.released == [session] and draft.released == [session]
+    store.lose = ""
+    assert await orch.close_session(session) is False  # the retry: gone already, no second release
+    assert target.released == [session] and draft.released == [session]
+
+
 class HeldStore(InMemorySessionStore):
     """Holds every save of a round's tokens until `release` is set (`saving` tells one waits);
     `failing`: the n-th such save is held, then fails as an unreachable store does (writing nothing)
