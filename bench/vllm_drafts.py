@@ -13,7 +13,14 @@ The same vLLM server (CPU build, the packaged default model in float32) is start
   run the same prompts: an output learned in one would draft its own repeat in the next).
   `vllm-specdec+Nms` is the same with the draft service behind bench/relay.py, which delays every
   chunk by N ms each way (a draft pool on other machines), to show the draft length follow the
-  round trip.
+  round trip. The proposer drafts each request's next block during vLLM's step (the block guessed
+  accepted); `-serial` after either name turns that off (SPECDEC_DRAFT_AHEAD=0): drafts in the step.
+
+`--vllm-cpus` and `--draft-cpus` give vLLM (every server alike) and the draft service cores of their
+own (`--vllm-cpus 0 --draft-cpus 1` on two cores: the draft service stands in for a draft pool on
+other machines, and two OpenMP pools spinning over the same cores starve each other; docs/vllm.md).
+A model draft (`--proposer model`: the packaged GGUF, run on its blocks) answers in k passes of
+several ms each, so `--draft-timeout-ms` sets SPECDEC_DRAFT_TIMEOUT_MS above that.
 
 Each is driven by bench/peers.py's streaming OpenAI client over the same HumanEval and ShareGPT
 prompts at each concurrency of `--concurrency`; acceptance comes from vLLM's own spec-decode
@@ -47,6 +54,8 @@ def start_server(name: str, args, logs: Path) -> peers.Server:
     from specdec.runtime.models import resolve_model_path
 
     port, env, stops = peers.free_port(), {"VLLM_CPU_KVCACHE_SPACE": "4"}, []
+    if args.vllm_cpus:  # one OpenMP thread per core named, bound there
+        env.update({"VLLM_CPU_OMP_THREADS_BIND": args.vllm_cpus, "OMP_NUM_THREADS": str(len(cpu_list(args.vllm_cpus)))})
     cmd = [str(peers._python("vllm")), "-m", "vllm.entrypoints.openai.api_server", "--model",
            resolve_model_path("smollm2-135m-instruct"), "--served-model-name", "smollm2", "--dtype", "float32",
            "--max-model-len", "4096", "--port", str(port), "--host", "127.0.0.1"]
@@ -54,12 +63,20 @@ def start_server(name: str, args, logs: Path) -> peers.Server:
         spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 3, "prompt_lookup_min": 2}
         cmd += ["--speculative-config", json.dumps(spec)]
     if name.startswith("vllm-specdec"):
-        delay = re.fullmatch(r"vllm-specdec(?:\+(\d+(?:\.\d+)?)ms)?", name)
+        delay = re.fullmatch(r"vllm-specdec(?:\+(\d+(?:\.\d+)?)ms)?(-serial)?", name)
         if delay is None:
-            raise SystemExit(f"unknown server {name!r}: {', '.join(SERVERS)} or vllm-specdec+Nms")
+            raise SystemExit(f"unknown server {name!r}: {', '.join(SERVERS)}, vllm-specdec+Nms or either with -serial")
         draft_port = free_port()
-        draft = peers._process([sys.executable, "-m", "draft_service", "--host", "127.0.0.1", "--port",
-                                str(draft_port), "--proposer", args.proposer], logs / f"draft-{name}.log")
+        draft_cmd = [sys.executable, "-m", "draft_service", "--host", "127.0.0.1", "--port", str(draft_port),
+                     "--proposer", args.proposer]
+        if args.draft_cpus:
+            cpus = cpu_list(args.draft_cpus)
+            draft_cmd = ["taskset", "-c", args.draft_cpus, *draft_cmd]
+            if args.proposer in ("model", "hybrid"):
+                draft_cmd += ["--threads", str(len(cpus))]
+        if args.proposer in ("model", "hybrid"):
+            draft_cmd += ["--dtype", "float32"]  # activations; the GGUF's weights run as its blocks
+        draft = peers._process(draft_cmd, logs / f"draft-{name}.log")
         stops.append(peers._killer(draft))
         wait_healthy(f"127.0.0.1:{draft_port}", 300, draft)
         if delay.group(1):  # the proposer reaches the draft service through a relay that delays each chunk
@@ -73,7 +90,9 @@ def start_server(name: str, args, logs: Path) -> peers.Server:
         cmd += ["--speculative-config", json.dumps({"method": "custom_class", "model": PROPOSER,
                                                     "num_speculative_tokens": args.k})]
         env.update({"SPECDEC_DRAFT_ADDRESS": f"127.0.0.1:{draft_port}", "PYTHONPATH": str(ROOT),
-                    "SPECDEC_SHARE_OUTPUTS": "1" if args.share_outputs else "0"})
+                    "SPECDEC_SHARE_OUTPUTS": "1" if args.share_outputs else "0",
+                    "SPECDEC_DRAFT_TIMEOUT_MS": str(args.draft_timeout_ms),
+                    "SPECDEC_DRAFT_AHEAD": "0" if delay.group(2) else "1"})
     proc = peers._process(cmd, logs / f"{name}.log", env)
     stops.insert(0, peers._killer(proc))
     peers._wait_http(f"http://127.0.0.1:{port}/v1/models", proc, 900)
@@ -83,6 +102,15 @@ def start_server(name: str, args, logs: Path) -> peers.Server:
             s()
 
     return peers.Server(name, f"http://127.0.0.1:{port}/v1", "smollm2", stop=stop)
+
+
+def cpu_list(cpus: str) -> list[int]:
+    """The cores of a taskset-style list ("0", "0,1", "2-3")."""
+    out: list[int] = []
+    for part in cpus.split(","):
+        first, _, last = part.partition("-")
+        out += range(int(first), int(last or first) + 1)
+    return out
 
 
 def spec_counters(server: peers.Server) -> dict[str, float]:
@@ -119,6 +147,10 @@ def main() -> None:
     parser.add_argument("--proposer", default="suffix", choices=["suffix", "ngram", "model", "hybrid"],
                         help="the draft service's --proposer")
     parser.add_argument("--share-outputs", action="store_true", help="finished outputs join the suffix corpus")
+    parser.add_argument("--vllm-cpus", default="", help="cores of every vLLM server, e.g. 0 (default: vLLM's own)")
+    parser.add_argument("--draft-cpus", default="", help="cores of the draft service, e.g. 1 (default: any)")
+    parser.add_argument("--draft-timeout-ms", type=float, default=50.0,
+                        help="SPECDEC_DRAFT_TIMEOUT_MS (raise it for a model draft)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "vllm_drafts.json")
     args = parser.parse_args()
     if peers.available("vllm"):
@@ -139,7 +171,9 @@ def main() -> None:
     peers.compare(results, "vllm", "vllm")
     out = {"date": time.strftime("%Y-%m-%d"), "machine": {"cpu": peers._cpu_name(), "cores": os.cpu_count(),
                                                           "load_1min_at_start": os.getloadavg()[0]},
-           "max_tokens": args.max_tokens, "k": args.k, "proposer": args.proposer, "prompts": [p["id"] for p in work],
+           "max_tokens": args.max_tokens, "k": args.k, "proposer": args.proposer,
+           "vllm_cpus": args.vllm_cpus, "draft_cpus": args.draft_cpus, "draft_timeout_ms": args.draft_timeout_ms,
+           "prompts": [p["id"] for p in work],
            "servers": results, "command": " ".join(["python", "bench/vllm_drafts.py", *sys.argv[1:]])}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1))

@@ -157,6 +157,11 @@ def output_sink(config: DraftConfig, proposer: Proposer, fingerprint: str) -> Ou
     return publish
 
 
+# A batched call's session first seen with a longer history than this has its prompt prefilled by a
+# draft model in the background (specdec.runtime.batch_drafting): a few passes' worth of tokens.
+WARM_TOKENS = 16
+
+
 def build_servicer(config: DraftConfig) -> tuple[DraftServicer, ServiceMetrics]:
     """Build the configured proposer (its model, if it has one, loaded and batched on one thread), admission and
     metrics (call inside the event loop)."""
@@ -164,7 +169,8 @@ def build_servicer(config: DraftConfig) -> tuple[DraftServicer, ServiceMetrics]:
     proposer = build_proposer(config, host)
     info, grammars = host.info(config.proposer, proposer)
     drafter = Drafter(proposer, info.tokenizer_fingerprint, info.model, grammars=grammars)
-    batched = BatchDrafter(drafter, output_sink(config, proposer, info.tokenizer_fingerprint))
+    batched = BatchDrafter(drafter, output_sink(config, proposer, info.tokenizer_fingerprint),
+                           warm_tokens=WARM_TOKENS if host.batcher_if_loaded is not None else None)
     return DraftServicer(drafter, info, host.admission, host.batcher_if_loaded, batched), host.metrics
 
 

@@ -69,6 +69,7 @@ class DraftServicer(ModelServicer, draft_pb2_grpc.DraftServiceServicer):
             blocks, learned = await self.batched.propose(items, finished, deadline, arrived)
         return draft_pb2.ProposeBatchResponse(
             blocks=[draft_pb2.DraftBlock(token_ids=b.tokens, history_missing=b.history_missing, compute_ns=b.compute_ns,
-                                         source=SOURCES.get(b.source, draft_pb2.DRAFT_SOURCE_UNSPECIFIED))
+                                         source=SOURCES.get(b.source, draft_pb2.DRAFT_SOURCE_UNSPECIFIED),
+                                         prefill_tokens=b.prefill_tokens, warming=b.warming)
                     for b in blocks],
             compute_ns=int((time.monotonic() - arrived) * 1e9), outputs_learned=learned)

@@ -16,6 +16,15 @@ engine step, after sampling. Each call:
 4. returns each row's block: vLLM verifies the tokens as deterministic proposals (greedy drafts,
    no `q`: the custom-class interface takes token ids only), which keeps its output lossless.
 
+Drafting ahead (on by default): the call of step 3 goes out as step 4 returns, for the *next*
+step, so the pool drafts while vLLM verifies. Each request's block is sent as its history's guess
+(the pool keeps it; the next call rewrites it from the first token vLLM rejected) and one token
+more is asked for: the draft's guess of the token vLLM samples after the block. When vLLM accepts
+the whole block and samples that token, the next step's block is ready (no call waited for); for a
+request whose guess failed, that step makes its own call as in step 3. With a draft model, whose
+block takes about as long as vLLM's step and is mostly accepted, this takes the draft's time out
+of every step; with suffix speculation it changes little.
+
 With tensor parallelism vLLM builds the proposer on every rank but uses the first rank's drafts:
 only that one calls the pool.
 
@@ -29,7 +38,8 @@ its own for a custom class): `SPECDEC_DRAFT_ADDRESS` (a gRPC target, e.g. `draft
 `SPECDEC_DRAFT_TOKEN` (a bearer token), `SPECDEC_DRAFT_TIMEOUT_MS` (50), `SPECDEC_DRAFT_LENGTH`
 (`auto`, or a fixed k), `SPECDEC_CORPUS_GROUP` (the corpus group of this server's outputs, ""),
 `SPECDEC_SHARE_OUTPUTS` (1: finished outputs join the corpus; 0: never), `SPECDEC_METRICS_PORT`
-(the proposer's counters for Prometheus, from the engine process). See docs/vllm.md.
+(the proposer's counters for Prometheus, from the engine process), `SPECDEC_DRAFT_AHEAD` (1: draft
+ahead; 0: draft in the step). See docs/vllm.md.
 
 Importing this module needs neither vLLM nor torch: vLLM hands the proposer numpy arrays.
 """
@@ -53,6 +63,7 @@ from specdec.core.policy import Observation, PolicyConfig, PolicyState, initial_
 log = logging.getLogger(__name__)
 
 PREFIX = 64  # prompt tokens a request's identity checks
+AHEAD_DEADLINE_S = 30.0  # the gRPC deadline of a call drafting ahead (its wait is bounded by the timeout)
 MAX_FINISHED_QUEUED = 1024  # finished outputs waiting for the pool to answer (oldest dropped first)
 
 
@@ -70,6 +81,7 @@ class Settings:
     metrics_port: int | None = None  # serve the proposer's counters for Prometheus on this port
     retry_min_s: float = 0.2  # after a failure, the pool is left alone this long, doubling per failure
     retry_max_s: float = 2.0
+    ahead: bool = True  # draft each request's next block during vLLM's step, guessing its verdict
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> Settings:
@@ -86,7 +98,8 @@ class Settings:
                    draft_length=None if length == "auto" else int(length),
                    corpus_group=env.get("SPECDEC_CORPUS_GROUP", ""),
                    share_outputs=env.get("SPECDEC_SHARE_OUTPUTS", "1") not in ("0", "false", "no"),
-                   metrics_port=int(env["SPECDEC_METRICS_PORT"]) if env.get("SPECDEC_METRICS_PORT") else None)
+                   metrics_port=int(env["SPECDEC_METRICS_PORT"]) if env.get("SPECDEC_METRICS_PORT") else None,
+                   ahead=env.get("SPECDEC_DRAFT_AHEAD", "1") not in ("0", "false", "no"))
 
 
 # -- which request a row holds ----------------------------------------------------------------------
@@ -105,6 +118,11 @@ class Tracked:
     asked: int = 0  # the k asked for in the last step's call (0: none)
     proposed: int = 0  # tokens that call drafted for it
     draft_compute_s: float = 0.0
+    draft_prefill: int = 0  # history tokens that call (re-)prefilled: its compute is no steady draft cost
+    warming: bool = False  # that call found the pool prefilling its prompt (no block)
+    draft_wall_s: float = 0.0  # how long the step waited for that block
+    ahead_base: int = -1  # history length when its block was sent ahead (-1: none in flight)
+    ahead_block: list[int] = field(default_factory=list)  # the block sent ahead as its history's guess
     asked_failed: bool = False  # the last step's call failed or was not made (the pool is failing)
     seen: int = 0  # history length when the last step's draft length was chosen
     scheduled: bool = True  # vLLM scheduled it in the last step
@@ -223,13 +241,28 @@ class DraftPool:
 
     def call(self, entries: list, finished: list):
         """The pool's ProposeBatchResponse; raises (grpc.RpcError) past the timeout or on any failure."""
-        from specdec.v1 import draft_pb2
+        return self._stub_for_call().ProposeBatch(self._request(entries, finished), timeout=self.settings.timeout_s,
+                                                  metadata=self._metadata())
 
+    def start(self, entries: list, finished: list):
+        """The same call, not waited for: a future (`result(timeout)`, `cancel()`). Its own deadline is
+        long (AHEAD_DEADLINE_S): the caller bounds its wait when it needs the answer."""
+        return self._stub_for_call().ProposeBatch.future(self._request(entries, finished), timeout=AHEAD_DEADLINE_S,
+                                                         metadata=self._metadata())
+
+    def _stub_for_call(self):
         if self._stub is None:
             self._stub = self._connect()
-        metadata = [("authorization", f"Bearer {self.settings.token}")] if self.settings.token else None
-        request = draft_pb2.ProposeBatchRequest(entries=entries, finished=finished)
-        return self._stub.ProposeBatch(request, timeout=self.settings.timeout_s, metadata=metadata)
+        return self._stub
+
+    def _metadata(self):
+        return [("authorization", f"Bearer {self.settings.token}")] if self.settings.token else None
+
+    @staticmethod
+    def _request(entries: list, finished: list):
+        from specdec.v1 import draft_pb2
+
+        return draft_pb2.ProposeBatchRequest(entries=entries, finished=finished)
 
 
 # -- statistics ------------------------------------------------------------------------------------
@@ -296,7 +329,7 @@ class SpecdecProposer:
         self.finished: deque = deque(maxlen=MAX_FINISHED_QUEUED)
         self.stats = DraftStats()
         self._returned_at: float | None = None
-        self._last_call_s = 0.0
+        self._ahead = None  # the call drafting ahead during vLLM's step: (future, its requests)
         self._logged_at = clock()
         if self.settings.metrics_port is not None and self.active:
             serve_metrics(self.stats, self.settings.metrics_port)
@@ -312,12 +345,22 @@ class SpecdecProposer:
         started = self.clock()
         step_s = started - self._returned_at if self._returned_at is not None else 0.0
         rows, gone = self.tracker.step(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
+        ready = self._collect_ahead(started)
         self._observe(rows, step_s)
         for t in gone:
             self._finish(t)
         wanted = [t for t in rows if t is not None and t.state.k > 0]
-        blocks = self._draft(wanted, started) if (wanted or self.finished) else {}
+        blocks = {}
+        for t in wanted:
+            if t.session_id in ready:
+                tokens, compute_s, waited = ready[t.session_id]
+                blocks[t.session_id] = self._took(t, tokens[:t.state.k], compute_s, waited, 0)
+        missing = [t for t in wanted if t.session_id not in blocks]
+        if missing or (self.finished and not self.settings.ahead):
+            blocks.update(self._draft(missing, self.clock()))
         out = [blocks.get(t.session_id, []) if t is not None else [] for t in rows]
+        if self.settings.ahead:
+            self._send_ahead([t for t in rows if t is not None and blocks.get(t.session_id)], blocks)
         self.stats.steps += 1
         self.stats.drafted += sum(len(b) for b in out)
         self._returned_at = self.clock()
@@ -340,17 +383,20 @@ class SpecdecProposer:
                 self.stats.step_accepted += accepted
                 self.stats.step_verified += t.proposed
                 obs = Observation(k=t.asked, proposed=t.proposed, accepted=accepted,
-                                  draft_wall_s=self._last_call_s if t.asked else 0.0,
-                                  draft_compute_s=min(t.draft_compute_s, self._last_call_s) if t.asked else 0.0,
+                                  draft_wall_s=t.draft_wall_s if t.asked else 0.0,
+                                  draft_compute_s=min(t.draft_compute_s, t.draft_wall_s) if t.asked else 0.0,
+                                  draft_prefill_tokens=t.draft_prefill if t.asked else 0,
                                   verify_wall_s=step_s, verify_compute_s=step_s, draft_failed=t.asked_failed,
                                   batch_size=max(len(live), 1), batch_positions=positions)
-            k, _, t.state = step(t.state, obs, self.policy)
+            if not t.warming:  # while the pool prefills its prompt, its draft length waits as it was
+                k, _, t.state = step(t.state, obs, self.policy)
             if self.settings.draft_length is not None:
                 t.state = _with_k(t.state, min(self.settings.draft_length, self.k_max))
             if self.max_model_len and len(t.tokens) + t.state.k >= self.max_model_len:  # no drafts past the context
                 t.state = _with_k(t.state, max(self.max_model_len - len(t.tokens) - 1, 0))
-            t.asked, t.proposed, t.draft_compute_s, t.asked_failed = 0, 0, 0.0, False
-            t.seen = len(t.tokens)
+            t.asked, t.proposed, t.draft_compute_s, t.draft_prefill, t.asked_failed = 0, 0, 0.0, 0, False
+            t.draft_wall_s = 0.0
+            t.seen, t.warming = len(t.tokens), False
 
     def _finish(self, t: Tracked) -> None:
         """A request left the batch: its output may join the corpus; its estimates join the prior."""
@@ -393,8 +439,8 @@ class SpecdecProposer:
         if self.failover.failures:
             log.info("specdec draft pool at %s answers again", self.settings.address)
         self.failover.succeeded()
-        self._last_call_s = self.clock() - now
-        self.stats.draft_wall_s = self.stats.draft_wall_s[-999:] + [self._last_call_s]
+        waited = self.clock() - now
+        self.stats.draft_wall_s = self.stats.draft_wall_s[-999:] + [waited]
         for _ in finished:
             self.finished.popleft()
         self.stats.outputs_shared += reply.outputs_learned
@@ -404,10 +450,94 @@ class SpecdecProposer:
                 t.sent = 0  # a replica that lacks it: the whole history next time
                 continue
             t.sent = len(t.tokens)
+            if block.warming:  # its prompt is being prefilled: no block, and nothing to learn from
+                t.warming = True
+                continue
             tokens = [int(x) for x in block.token_ids[:t.state.k]]
-            t.asked, t.proposed, t.draft_compute_s = t.state.k, len(tokens), block.compute_ns / 1e9
-            blocks[t.session_id] = tokens
+            blocks[t.session_id] = self._took(t, tokens, block.compute_ns / 1e9, waited, block.prefill_tokens)
         return blocks
+
+    def _took(self, t: Tracked, tokens: list[int], compute_s: float, waited_s: float, prefilled: int) -> list[int]:
+        """Record the block a request gets this step (what the next step's verdict is judged against)."""
+        t.asked, t.proposed, t.draft_compute_s, t.draft_wall_s = t.state.k, len(tokens), compute_s, waited_s
+        t.draft_prefill = prefilled
+        return tokens
+
+    # -- drafting ahead ------------------------------------------------------------------------------
+
+    def _send_ahead(self, rows: list[Tracked], blocks: dict[str, list[int]]) -> None:
+        """While vLLM verifies this step's blocks, draft each request's next one: after its history and
+        its block, as if vLLM accepts the whole block; the first token drafted is the guess of the
+        token vLLM samples after it (one more than the request's draft length is asked for). The pool
+        keeps the block as the request's history (the next call rewrites it from where the guess failed)."""
+        if not rows and not self.finished:
+            return
+        if not self.failover.allowed(self.clock()):
+            return
+        from specdec.v1 import draft_pb2
+
+        entries = []
+        for t in rows:
+            block = blocks[t.session_id]
+            entries.append(draft_pb2.BatchEntry(
+                session_id=t.session_id, start=t.sent, tokens=t.tokens[t.sent:] + block, num_tokens=min(
+                    t.state.k, self.k_max) + 1, output_start=t.prompt_len, corpus_group=self.settings.corpus_group))
+            t.ahead_base, t.ahead_block = len(t.tokens), list(block)
+        finished = list(self.finished)
+        self.stats.calls += 1
+        try:
+            future = self.pool.start(entries, finished)
+        except Exception as exc:  # noqa: BLE001 (never an engine error)
+            self._ahead_failed(rows, exc)
+            return
+        self._ahead = (future, rows, finished, self.clock())
+
+    def _collect_ahead(self, now: float) -> dict[str, tuple[list[int], float, float]]:
+        """The blocks drafted ahead whose guess held: {session id: (tokens, compute s, s waited)}. Every
+        request sent ahead gets `sent` set to what the pool now holds of its history."""
+        if self._ahead is None:
+            return {}
+        future, rows, finished, sent_at = self._ahead
+        self._ahead = None
+        try:
+            reply = future.result(timeout=self.settings.timeout_s)
+        except Exception as exc:  # noqa: BLE001 (a timeout, the pool down, anything: this step drafts again)
+            future.cancel()
+            self._ahead_failed(rows, exc)
+            return {}
+        waited = self.clock() - now
+        if self.failover.failures:
+            log.info("specdec draft pool at %s answers again", self.settings.address)
+        self.failover.succeeded()
+        self.stats.draft_wall_s = self.stats.draft_wall_s[-999:] + [waited]
+        for _ in finished:
+            if self.finished:
+                self.finished.popleft()
+        self.stats.outputs_shared += reply.outputs_learned
+        ready = {}
+        for t, block in zip(rows, reply.blocks):
+            base, guess, t.ahead_base = t.ahead_base, t.ahead_block, -1
+            if block.history_missing:
+                t.sent = 0
+                continue
+            new = t.tokens[base:]
+            held = next((i for i, (a, b) in enumerate(zip(guess, new)) if a != b), min(len(guess), len(new)))
+            t.sent = min(base + held, len(t.tokens))  # the pool's history holds the guess up to there
+            tokens = [int(x) for x in block.token_ids]
+            if block.warming or held < len(guess) or len(new) != len(guess) + 1 or not tokens or tokens[0] != new[-1]:
+                continue  # the guess failed (a draft rejected, another bonus token): drafted again now
+            ready[t.session_id] = (tokens[1:], block.compute_ns / 1e9, waited)
+        return ready
+
+    def _ahead_failed(self, rows: list[Tracked], exc: Exception) -> None:
+        """A call drafting ahead that failed: its requests resend their history from before the guess."""
+        self.stats.failures += 1
+        self.failover.failed(self.clock())
+        if self.failover.failures == 1:
+            log.warning("specdec draft pool at %s failed (%s): no drafts until it answers",
+                        self.settings.address, _reason(exc))
+        for t in rows:
+            t.sent, t.ahead_base = min(t.sent, t.ahead_base if t.ahead_base >= 0 else t.sent), -1
 
 
 def serve_metrics(stats: DraftStats, port: int) -> None:

@@ -6,6 +6,11 @@ history each time: `SessionHistories` keeps it here (bounded, least recently use
 and an entry whose `start` is past what this replica holds comes back `history_missing` (a replica
 that just took over, or an evicted session): the caller sends the whole history next step.
 
+A draft model's first block of a session would prefill the whole prompt while the engine's step
+waits (hundreds of ms on a CPU, several engine steps). With `warm_tokens`, a session first seen with
+a longer history is prefilled in the background instead, and answered `warming` (no block) until
+that is done; its later blocks catch up on the few tokens generated meanwhile.
+
 Finished requests come in the same call: their output (the history from `output_start` on) goes
 to the `OutputSink` (the shared corpus stream when the service reads one, else the proposer's own
 corpus), in the corpus group their entries named, unless the caller said to forget it.
@@ -17,6 +22,7 @@ with `InvalidArgument` naming the field, e.g. `entries[3].num_tokens`.
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 import time
 from collections import OrderedDict
@@ -26,6 +32,8 @@ from dataclasses import dataclass, field
 from specdec.core.sampling import SamplingParams
 from specdec.errors import InvalidArgument
 from specdec.runtime.drafting import Drafter
+
+log = logging.getLogger("specdec.draft")
 
 SESSION_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")  # as the services' session ids
 MAX_ENTRIES = 1024  # requests per call (vLLM's max_num_seqs is 256 by default on GPUs)
@@ -71,6 +79,8 @@ class BlockResult:
     source: str = ""
     compute_ns: int = 0
     history_missing: bool = False
+    prefill_tokens: int = 0  # history tokens the draft (re-)prefilled for it
+    warming: bool = False  # no block: the session's history is being prefilled in the background
 
 
 def _check_tokens(name: str, start: int, tokens: list[int], vocab_size: int) -> None:
@@ -173,10 +183,15 @@ class BatchDrafter:
     outputs of finished sessions (None: nothing is learned)."""
 
     def __init__(self, drafter: Drafter, sink: OutputSink | None = None,
-                 histories: SessionHistories | None = None) -> None:
+                 histories: SessionHistories | None = None, warm_tokens: int | None = None) -> None:
+        """`warm_tokens`: a session first seen with a history longer than this is prefilled in the
+        background and answered `warming` until that is done (None: every block is drafted at once;
+        for a draft without a cache to fill)."""
         self.drafter = drafter
         self.sink = sink
         self.histories = histories or SessionHistories()
+        self.warm_tokens = warm_tokens
+        self._warming: dict[str, asyncio.Task] = {}
 
     async def finish(self, done: FinishedItem) -> bool:
         """Release a finished session; True when its output went to the sink."""
@@ -202,13 +217,34 @@ class BatchDrafter:
             return BlockResult([], history_missing=True)
         if item.k == 0:
             return BlockResult([])
+        if item.session_id in self._warming:
+            return BlockResult([], warming=True)
+        if self.warm_tokens is not None and item.start == 0 and len(history) > self.warm_tokens:
+            self._warm(item, list(history))
+            return BlockResult([], warming=True)
         params = SamplingParams(output_start=item.output_start)
-        tokens, source, compute_ns = [], "", 0
+        tokens, source, compute_ns, prefilled = [], "", 0, 0
         async for draft, step in self.drafter.stream(item.session_id, list(history), item.k, params, 0, deadline,
                                                      arrived, 0, item.group):
             tokens.append(draft.token_id)
-            source, compute_ns = draft.source, compute_ns + step.compute_ns
-        return BlockResult(tokens, source, compute_ns)
+            source, compute_ns, prefilled = draft.source, compute_ns + step.compute_ns, prefilled + draft.prefill_tokens
+        return BlockResult(tokens, source, compute_ns, prefill_tokens=prefilled)
+
+    def _warm(self, item: BatchItem, history: list[int]) -> None:
+        """Prefill the session's cache in the background (by drafting one token, not returned): the
+        caller's engine step does not wait for a whole prompt's prefill."""
+        async def warm() -> None:
+            try:
+                params = SamplingParams(output_start=item.output_start)
+                async for _ in self.drafter.stream(item.session_id, history, 1, params, 0, None, time.monotonic(),
+                                                   0, item.group):
+                    pass
+            except Exception as exc:  # noqa: BLE001 (released meanwhile, or failed: the next block prefills)
+                log.debug("warming session %s stopped: %s", item.session_id, exc)
+            finally:
+                self._warming.pop(item.session_id, None)
+
+        self._warming[item.session_id] = asyncio.get_running_loop().create_task(warm())
 
     async def propose(self, items: list[BatchItem], finished: list[FinishedItem], deadline: float | None = None,
                       arrived: float | None = None) -> tuple[list[BlockResult], int]:

@@ -1,6 +1,7 @@
 """ProposeBatch against a real draft service process (suffix speculation on the default model's tokenizer):
 one call per engine step, a block per request, histories kept by the service, finished outputs joining
-their corpus group, and hostile batches refused with INVALID_ARGUMENT naming the field."""
+their corpus group, and hostile batches refused with INVALID_ARGUMENT naming the field; and a model
+draft's blocks saying how much history they prefilled."""
 
 from __future__ import annotations
 
@@ -134,3 +135,40 @@ def test_two_replicas_share_finished_outputs_through_redis(tmp_path):
         for proc in reversed(procs):
             proc.terminate()
             proc.wait(10)
+
+
+def test_a_model_draft_warms_a_long_prompt_in_the_background_and_says_what_it_prefilled(tiny_models, tmp_path):
+    """A long prompt's first call is answered at once, `warming`, while the draft model prefills it
+    (the engine's step does not wait for it); later calls get blocks that prefilled only the tokens
+    past the cache, so the caller's draft-length policy does not take a prompt's prefill for the
+    cost of drafting. A short history is drafted at once, its prefill reported."""
+    port = free_port()
+    with open(tmp_path / "draft.log", "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "draft_service", "--host", "127.0.0.1", "--port", str(port),
+                                 "--proposer", "model", "--model", str(tiny_models["good_draft"]), "--dtype", "float64",
+                                 "--threads", "1"], stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_healthy(f"127.0.0.1:{port}", 120, proc)
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = draft_pb2_grpc.DraftServiceStub(channel)
+            short = [5, 9, 13, 17, 21, 25]
+            block = _call(stub, [draft_pb2.BatchEntry(session_id="s", tokens=short, num_tokens=3)]).blocks[0]
+            assert not block.warming and len(block.token_ids) == 3 and block.prefill_tokens >= len(short) - 1, block
+
+            history = [5 + (i * 7) % 90 for i in range(400)]
+            first = _call(stub, [draft_pb2.BatchEntry(session_id="m", tokens=history, num_tokens=3)]).blocks[0]
+            assert first.warming and not first.token_ids and not first.history_missing, first
+            blocks, deadline = [], time.monotonic() + 60
+            while not blocks or blocks[-1].warming:  # the engine's steps go on meanwhile, a token each
+                assert time.monotonic() < deadline, "the prompt was never prefilled"
+                history.append(7)
+                blocks.append(_call(stub, [draft_pb2.BatchEntry(session_id="m", start=len(history) - 1,
+                                                                tokens=history[-1:], num_tokens=3)]).blocks[0])
+            assert len(blocks[-1].token_ids) == 3 and 1 <= blocks[-1].prefill_tokens <= len(blocks), blocks[-1]
+            accepted = list(blocks[-1].token_ids) + [7]  # the whole block, and a bonus token
+            steady = _call(stub, [draft_pb2.BatchEntry(session_id="m", start=len(history), tokens=accepted,
+                                                       num_tokens=3)]).blocks[0]
+            assert len(steady.token_ids) == 3 and 1 <= steady.prefill_tokens <= 2, steady
+    finally:
+        proc.terminate()
+        proc.wait(10)
