@@ -192,11 +192,14 @@ class BatchDrafter:
         self.histories = histories or SessionHistories()
         self.warm_tokens = warm_tokens
         self._warming: dict[str, asyncio.Task] = {}
+        self._tasks: set[asyncio.Task] = set()  # releases under way
 
     async def finish(self, done: FinishedItem) -> bool:
-        """Release a finished session; True when its output went to the sink."""
+        """Release a finished session; True when its output went to the sink. Its caches are freed in
+        the background: a draft model frees them between passes, and the caller's call (its engine's
+        step) does not wait behind another session's prefill for that."""
         held = self.histories.pop(done.session_id)
-        await self.drafter.release(done.session_id, learn=False)  # the sink learns it, once
+        self._background(self.drafter.release(done.session_id, learn=False))  # the sink learns it, once
         if held is None and done.start == 0:  # not held here: the call carries the whole history
             held = _History([], done.output_start, done.group)
         if held is None or done.forget or self.sink is None:
@@ -229,6 +232,17 @@ class BatchDrafter:
             tokens.append(draft.token_id)
             source, compute_ns, prefilled = draft.source, compute_ns + step.compute_ns, prefilled + draft.prefill_tokens
         return BlockResult(tokens, source, compute_ns, prefill_tokens=prefilled)
+
+    def _background(self, work) -> None:
+        async def run() -> None:
+            try:
+                await work
+            except Exception as exc:  # noqa: BLE001 (logged: a failed release leaves the cache to eviction)
+                log.warning("releasing a finished session failed: %s", exc)
+
+        task = asyncio.get_running_loop().create_task(run())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def _warm(self, item: BatchItem, history: list[int]) -> None:
         """Prefill the session's cache in the background (by drafting one token, not returned): the
