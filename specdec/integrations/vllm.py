@@ -329,7 +329,9 @@ class SpecdecProposer:
         self.finished: deque = deque(maxlen=MAX_FINISHED_QUEUED)
         self.stats = DraftStats()
         self._returned_at: float | None = None
-        self._ahead = None  # the call drafting ahead during vLLM's step: (future, its requests)
+        # The call drafting ahead during vLLM's step: (its future, its requests, the finished sessions
+        # it carries, when it was sent); None when none is out.
+        self._ahead: tuple[Any, list[Tracked], list, float] | None = None
         self._logged_at = clock()
         if self.settings.metrics_port is not None and self.active:
             serve_metrics(self.stats, self.settings.metrics_port)
