@@ -16,7 +16,8 @@ The same vLLM server (CPU build, the packaged default model in float32) is start
   round trip. The proposer drafts each request's next block during vLLM's step (the block guessed
   accepted); `-serial` after either name turns that off (SPECDEC_DRAFT_AHEAD=0): drafts in the step.
 
-`--vllm-cpus` and `--draft-cpus` give vLLM (every server alike) and the draft service cores of their
+`--vllm-cpus` and `--draft-cpus` give vLLM (every server alike: its API process and its engine,
+under taskset, the model's OpenMP threads bound there) and the draft service cores of their
 own (`--vllm-cpus 0 --draft-cpus 1` on two cores: the draft service stands in for a draft pool on
 other machines, and two OpenMP pools spinning over the same cores starve each other; docs/vllm.md).
 A model draft (`--proposer model`: the packaged GGUF, run on its blocks) answers in k passes of
@@ -93,6 +94,8 @@ def start_server(name: str, args, logs: Path) -> peers.Server:
                     "SPECDEC_SHARE_OUTPUTS": "1" if args.share_outputs else "0",
                     "SPECDEC_DRAFT_TIMEOUT_MS": str(args.draft_timeout_ms),
                     "SPECDEC_DRAFT_AHEAD": "0" if delay.group(2) else "1"})
+    if args.vllm_cpus:  # the whole server (its API process too), not only the model's threads
+        cmd = ["taskset", "-c", args.vllm_cpus, *cmd]
     proc = peers._process(cmd, logs / f"{name}.log", env)
     stops.insert(0, peers._killer(proc))
     peers._wait_http(f"http://127.0.0.1:{port}/v1/models", proc, 900)
