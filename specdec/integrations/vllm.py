@@ -64,6 +64,11 @@ log = logging.getLogger(__name__)
 
 PREFIX = 64  # prompt tokens a request's identity checks
 AHEAD_DEADLINE_S = 30.0  # the gRPC deadline of a call drafting ahead (its wait is bounded by the timeout)
+# A step waits for the blocks drafted ahead during it at most this share of vLLM's step (and at least
+# AHEAD_WAIT_MIN_S, at most the timeout): a draft held up (behind prompts it prefills, say) costs those
+# requests this step's drafts, not every request's step.
+AHEAD_WAIT_SHARE = 0.5
+AHEAD_WAIT_MIN_S = 0.005
 MAX_FINISHED_QUEUED = 1024  # finished outputs waiting for the pool to answer (oldest dropped first)
 
 
@@ -278,6 +283,7 @@ class DraftStats:
     steps: int = 0
     calls: int = 0
     failures: int = 0
+    late: int = 0  # calls drafting ahead given up as not done by the end of vLLM's step (no failure)
     drafted: int = 0  # draft tokens returned to vLLM
     accepted: int = 0  # of those, accepted by vLLM's verification
     verified: int = 0  # draft tokens whose verdict is known
@@ -298,7 +304,7 @@ class DraftStats:
     def summary(self) -> str:
         walls = sorted(self.draft_wall_s)
         p50 = walls[len(walls) // 2] * 1e3 if walls else 0.0
-        return (f"specdec drafts: {self.steps} steps, {self.calls} calls ({self.failures} failed), "
+        return (f"specdec drafts: {self.steps} steps, {self.calls} calls ({self.failures} failed, {self.late} late), "
                 f"acceptance {self.acceptance:.2f} ({self.accepted}/{self.verified}), draft latency p50 {p50:.1f} ms")
 
 
@@ -347,7 +353,7 @@ class SpecdecProposer:
         started = self.clock()
         step_s = started - self._returned_at if self._returned_at is not None else 0.0
         rows, gone = self.tracker.step(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
-        ready = self._collect_ahead(started)
+        ready = self._collect_ahead(started, step_s)
         self._observe(rows, step_s)
         for t in gone:
             self._finish(t)
@@ -494,18 +500,28 @@ class SpecdecProposer:
             return
         self._ahead = (future, rows, finished, self.clock())
 
-    def _collect_ahead(self, now: float) -> dict[str, tuple[list[int], float, float]]:
+    def _collect_ahead(self, now: float, step_s: float) -> dict[str, tuple[list[int], float, float]]:
         """The blocks drafted ahead whose guess held: {session id: (tokens, compute s, s waited)}. Every
-        request sent ahead gets `sent` set to what the pool now holds of its history."""
+        request sent ahead gets `sent` set to what the pool now holds of its history. Waited for at
+        most AHEAD_WAIT_SHARE of vLLM's step: past that the call is given up (its requests draft in
+        the step, resending their history from before the guess), the pool not counted failing."""
         if self._ahead is None:
             return {}
         future, rows, finished, sent_at = self._ahead
         self._ahead = None
+        wait = self.settings.timeout_s
+        if step_s > 0:
+            wait = min(wait, max(AHEAD_WAIT_MIN_S, AHEAD_WAIT_SHARE * step_s))
         try:
-            reply = future.result(timeout=self.settings.timeout_s)
-        except Exception as exc:  # noqa: BLE001 (a timeout, the pool down, anything: this step drafts again)
+            reply = future.result(timeout=wait)
+        except Exception as exc:  # noqa: BLE001 (late, the pool down, anything: this step drafts again)
             future.cancel()
-            self._ahead_failed(rows, exc)
+            if _late(exc):
+                self.stats.late += 1
+                for t in rows:
+                    t.sent, t.ahead_base = min(t.sent, t.ahead_base), -1
+            else:
+                self._ahead_failed(rows, exc)
             return {}
         waited = self.clock() - now
         if self.failover.failures:
@@ -553,6 +569,8 @@ def serve_metrics(stats: DraftStats, port: int) -> None:
                     ("steps", "Engine steps the proposer served.", stats.steps),
                     ("draft_calls", "ProposeBatch calls made to the draft pool.", stats.calls),
                     ("draft_failures", "Calls that failed or timed out (their steps had no drafts).", stats.failures),
+                    ("draft_late", "Calls drafting ahead not done half a step after vLLM's step ended (their "
+                     "requests drafted in the step).", stats.late),
                     ("draft_tokens", "Draft tokens returned to vLLM.", stats.drafted),
                     ("verified_tokens", "Draft tokens whose verdict is known.", stats.verified),
                     ("accepted_tokens", "Draft tokens vLLM accepted.", stats.accepted),
@@ -587,6 +605,13 @@ def _with_k(state: PolicyState, k: int) -> PolicyState:
     from dataclasses import replace
 
     return replace(state, k=k)
+
+
+def _late(exc: Exception) -> bool:
+    """Whether a wait for a gRPC future ended because it was not done in time."""
+    import grpc
+
+    return isinstance(exc, grpc.FutureTimeoutError)
 
 
 def _reason(exc: Exception) -> str:

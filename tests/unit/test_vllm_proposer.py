@@ -88,6 +88,22 @@ class Pool:
         return Answered(lambda: self.call(entries, finished))
 
 
+class Late:
+    """A call drafting ahead still running when the step ends: `result` times out, recording its wait."""
+
+    def __init__(self) -> None:
+        self.waits: list[float] = []
+        self.cancelled = False
+
+    def result(self, timeout=None):
+        self.waits.append(timeout)
+        raise grpc.FutureTimeoutError()
+
+    def cancel(self) -> bool:
+        self.cancelled = True
+        return True
+
+
 class Answered:
     """A finished call as a gRPC future: its reply, or its error, on `result`."""
 
@@ -161,6 +177,33 @@ def test_drafting_ahead_the_next_block_is_ready_when_the_step_ends():
         assert all(e.num_tokens == K + 1 and len(e.tokens) in (K, K + 1) for e in call.entries)
     assert engine.accepted > 0 and proposer.stats.acceptance == 1.0 and all(len(d) == K for d in drafts)
     assert max(proposer.stats.draft_wall_s[1:]) <= 0.0011  # the blocks were waiting (one clock tick)
+
+
+def test_a_late_block_drafted_ahead_costs_its_requests_the_step_not_the_pool():
+    """A call drafting ahead still running at the end of vLLM's step (the draft held up behind prompts it
+    prefills) is waited for at most half the step, then given up: its requests draft in the step,
+    resending their history from before the guess; the pool is not counted failing."""
+    refs = _refs()
+    clock = Clock()
+    engine, pool = Engine(refs, prompt_len=10), Pool(refs)
+    proposer = _proposer(pool, clock=clock, timeout_s=2.0)
+    drafts = _run(engine, proposer, 2)
+    late = Late()
+    real_start, pool.start = pool.start, lambda entries, finished: late
+    engine.step(drafts)
+    clock.now += 0.050  # vLLM's step
+    drafts = proposer.propose(engine.sampled, engine.num_tokens, engine.token_ids)  # sends the late call
+    bases = {t.session_id: t.sent for t in proposer.tracker.by_row.values()}  # what the pool held before it
+    engine.step(drafts)
+    clock.now += 0.050
+    calls = len(pool.calls)
+    drafts = proposer.propose(engine.sampled, engine.num_tokens, engine.token_ids)
+    assert late.waits == [pytest.approx(0.025, abs=0.002)] and late.cancelled  # half the step, not 2 s
+    assert proposer.stats.late == 1 and proposer.stats.failures == 0 and proposer.failover.failures == 0
+    resent = pool.calls[calls].entries  # drafted in the step, from before the guess
+    assert {e.session_id: e.start for e in resent} == bases
+    assert all(len(d) == K for d in drafts)
+    pool.start = real_start
 
 
 def test_a_failed_guess_drafts_again_from_where_it_failed():
