@@ -336,8 +336,8 @@ class SpecdecProposer:
         self.stats = DraftStats()
         self._returned_at: float | None = None
         # The call drafting ahead during vLLM's step: (its future, its requests, the finished sessions
-        # it carries, when it was sent); None when none is out.
-        self._ahead: tuple[Any, list[Tracked], list, float] | None = None
+        # it carries); None when none is out.
+        self._ahead: tuple[Any, list[Tracked], list] | None = None
         self._logged_at = clock()
         if self.settings.metrics_port is not None and self.active:
             serve_metrics(self.stats, self.settings.metrics_port)
@@ -433,25 +433,34 @@ class SpecdecProposer:
         try:
             reply = self.pool.call(entries, finished)
         except Exception as exc:  # noqa: BLE001 (timeout, unavailable, refused, anything: never an engine error)
-            self.stats.failures += 1
-            self.failover.failed(self.clock())
-            if self.failover.failures == 1:
-                log.warning("specdec draft pool at %s failed (%s): no drafts until it answers",
-                            self.settings.address, _reason(exc))
+            self._pool_failed(exc)
             for t in wanted:
                 t.asked, t.asked_failed = t.state.k, True
             return {}
         return self._answered(wanted, finished, reply, now)
 
-    def _answered(self, wanted: list[Tracked], finished: list, reply, now: float) -> dict[str, list[int]]:
+    def _pool_failed(self, exc: Exception) -> None:
+        """A call that failed: the pool is left alone for a while (`Failover`), the first failure logged."""
+        self.stats.failures += 1
+        self.failover.failed(self.clock())
+        if self.failover.failures == 1:
+            log.warning("specdec draft pool at %s failed (%s): no drafts until it answers",
+                        self.settings.address, _reason(exc))
+
+    def _pool_answered(self, finished: list, reply, waited: float) -> None:
+        """A call that answered after `waited` s: the pool is well, the finished sessions it carried are sent."""
         if self.failover.failures:
             log.info("specdec draft pool at %s answers again", self.settings.address)
         self.failover.succeeded()
-        waited = self.clock() - now
         self.stats.draft_wall_s = self.stats.draft_wall_s[-999:] + [waited]
         for _ in finished:
-            self.finished.popleft()
+            if self.finished:
+                self.finished.popleft()
         self.stats.outputs_shared += reply.outputs_learned
+
+    def _answered(self, wanted: list[Tracked], finished: list, reply, now: float) -> dict[str, list[int]]:
+        waited = self.clock() - now
+        self._pool_answered(finished, reply, waited)
         blocks: dict[str, list[int]] = {}
         for t, block in zip(wanted, reply.blocks):
             if block.history_missing:
@@ -496,9 +505,10 @@ class SpecdecProposer:
         try:
             future = self.pool.start(entries, finished)
         except Exception as exc:  # noqa: BLE001 (never an engine error)
-            self._ahead_failed(rows, exc)
+            self._pool_failed(exc)
+            _forget_guesses(rows)
             return
-        self._ahead = (future, rows, finished, self.clock())
+        self._ahead = (future, rows, finished)
 
     def _collect_ahead(self, now: float, step_s: float) -> dict[str, tuple[list[int], float, float]]:
         """The blocks drafted ahead whose guess held: {session id: (tokens, compute s, s waited)}. Every
@@ -507,7 +517,7 @@ class SpecdecProposer:
         the step, resending their history from before the guess), the pool not counted failing."""
         if self._ahead is None:
             return {}
-        future, rows, finished, sent_at = self._ahead
+        future, rows, finished = self._ahead
         self._ahead = None
         wait = self.settings.timeout_s
         if step_s > 0:
@@ -518,20 +528,12 @@ class SpecdecProposer:
             future.cancel()
             if _late(exc):
                 self.stats.late += 1
-                for t in rows:
-                    t.sent, t.ahead_base = min(t.sent, t.ahead_base), -1
             else:
-                self._ahead_failed(rows, exc)
+                self._pool_failed(exc)
+            _forget_guesses(rows)
             return {}
         waited = self.clock() - now
-        if self.failover.failures:
-            log.info("specdec draft pool at %s answers again", self.settings.address)
-        self.failover.succeeded()
-        self.stats.draft_wall_s = self.stats.draft_wall_s[-999:] + [waited]
-        for _ in finished:
-            if self.finished:
-                self.finished.popleft()
-        self.stats.outputs_shared += reply.outputs_learned
+        self._pool_answered(finished, reply, waited)
         ready = {}
         for t, block in zip(rows, reply.blocks):
             base, guess, t.ahead_base = t.ahead_base, t.ahead_block, -1
@@ -546,16 +548,6 @@ class SpecdecProposer:
                 continue  # the guess failed (a draft rejected, another bonus token): drafted again now
             ready[t.session_id] = (tokens[1:], block.compute_ns / 1e9, waited)
         return ready
-
-    def _ahead_failed(self, rows: list[Tracked], exc: Exception) -> None:
-        """A call drafting ahead that failed: its requests resend their history from before the guess."""
-        self.stats.failures += 1
-        self.failover.failed(self.clock())
-        if self.failover.failures == 1:
-            log.warning("specdec draft pool at %s failed (%s): no drafts until it answers",
-                        self.settings.address, _reason(exc))
-        for t in rows:
-            t.sent, t.ahead_base = min(t.sent, t.ahead_base if t.ahead_base >= 0 else t.sent), -1
 
 
 def serve_metrics(stats: DraftStats, port: int) -> None:
@@ -605,6 +597,15 @@ def _with_k(state: PolicyState, k: int) -> PolicyState:
     from dataclasses import replace
 
     return replace(state, k=k)
+
+
+def _forget_guesses(rows: list[Tracked]) -> None:
+    """Requests whose call drafting ahead was given up: whether the pool kept their guesses is unknown,
+    so each resends its history from before its guess."""
+    for t in rows:
+        if t.ahead_base >= 0:
+            t.sent = min(t.sent, t.ahead_base)
+        t.ahead_base = -1
 
 
 def _late(exc: Exception) -> bool:

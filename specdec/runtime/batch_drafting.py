@@ -192,14 +192,15 @@ class BatchDrafter:
         self.histories = histories or SessionHistories()
         self.warm_tokens = warm_tokens
         self._warming: dict[str, asyncio.Task] = {}
-        self._tasks: set[asyncio.Task] = set()  # releases under way
+        self._tasks: set[asyncio.Task] = set()  # releases and warm-ups under way
 
     async def finish(self, done: FinishedItem) -> bool:
         """Release a finished session; True when its output went to the sink. Its caches are freed in
         the background: a draft model frees them between passes, and the caller's call (its engine's
         step) does not wait behind another session's prefill for that."""
         held = self.histories.pop(done.session_id)
-        self._background(self.drafter.release(done.session_id, learn=False))  # the sink learns it, once
+        self._background(self.drafter.release(done.session_id, learn=False),  # the sink learns it, once
+                         f"releasing finished session {done.session_id}")
         if held is None and done.start == 0:  # not held here: the call carries the whole history
             held = _History([], done.output_start, done.group)
         if held is None or done.forget or self.sink is None:
@@ -233,16 +234,18 @@ class BatchDrafter:
             source, compute_ns, prefilled = draft.source, compute_ns + step.compute_ns, prefilled + draft.prefill_tokens
         return BlockResult(tokens, source, compute_ns, prefill_tokens=prefilled)
 
-    def _background(self, work) -> None:
+    def _background(self, work, what: str, level: int = logging.WARNING) -> asyncio.Task:
+        """Run `work` on the event loop, holding it until it is done; a failure is logged at `level`."""
         async def run() -> None:
             try:
                 await work
-            except Exception as exc:  # noqa: BLE001 (logged: a failed release leaves the cache to eviction)
-                log.warning("releasing a finished session failed: %s", exc)
+            except Exception as exc:  # noqa: BLE001 (a failed release leaves the cache to eviction; a failed
+                log.log(level, "%s failed: %s", what, exc)  # warm-up, to the next block's own prefill)
 
         task = asyncio.get_running_loop().create_task(run())
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     def _warm(self, item: BatchItem, history: list[int]) -> None:
         """Prefill the session's cache in the background (by drafting one token, not returned): the
@@ -253,12 +256,11 @@ class BatchDrafter:
                 async for _ in self.drafter.stream(item.session_id, history, 1, params, 0, None, time.monotonic(),
                                                    0, item.group):
                     pass
-            except Exception as exc:  # noqa: BLE001 (released meanwhile, or failed: the next block prefills)
-                log.debug("warming session %s stopped: %s", item.session_id, exc)
             finally:
                 self._warming.pop(item.session_id, None)
 
-        self._warming[item.session_id] = asyncio.get_running_loop().create_task(warm())
+        self._warming[item.session_id] = self._background(warm(), f"warming session {item.session_id}",
+                                                            logging.DEBUG)  # released meanwhile, say
 
     async def propose(self, items: list[BatchItem], finished: list[FinishedItem], deadline: float | None = None,
                       arrived: float | None = None) -> tuple[list[BlockResult], int]:
