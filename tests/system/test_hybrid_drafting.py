@@ -11,11 +11,13 @@ import urllib.request
 
 import numpy as np
 import pytest
+import redis
 
 from orchestrator.sources import BY_SOURCE
 from orchestrator.store import RedisSessionStore
 from specdec import Client
 from specdec.core.sampling import SamplingParams
+from specdec.keys import PRIOR_KEY
 from specdec.launcher import free_port
 from tests.conftest import orchestrator_address, start_tiny_pipeline
 from tests.reference import Reference
@@ -77,7 +79,12 @@ def test_hybrid_greedy_equals_the_target_alone(hybrid_pipeline, reference, draft
 
 def test_rounds_name_their_source_and_each_sources_acceptance_is_learnt_apart(hybrid_pipeline, reference):
     """On a text that repeats, suffix speculation drafts once the loop is in the history and the model
-    before; the controller keeps one acceptance estimate per source in the session's record."""
+    before; the controller keeps one acceptance estimate per source in the session's record.
+
+    The session starts without a prior: the earlier tests' sessions, folded into it, teach that the
+    poor model does not pay, and a session that starts at k = 0 asks the draft for nothing."""
+    plan = hybrid_pipeline.plan
+    redis.Redis(host=plan.host, port=plan.redis_port).delete(PRIOR_KEY)
     proposed, accepted = by_source(hybrid_pipeline), by_source(hybrid_pipeline, "accepted_tokens")
     with Client(orchestrator_address(hybrid_pipeline)) as client:
         out = client.generate(LOOP, max_new_tokens=48, draft_length="auto")
@@ -86,8 +93,6 @@ def test_rounds_name_their_source_and_each_sources_acceptance_is_learnt_apart(hy
     accepted = delta(by_source(hybrid_pipeline, "accepted_tokens"), accepted)
     assert proposed.get("model", 0) > 0 and proposed.get("suffix", 0) > 0, proposed
     assert accepted["suffix"] / proposed["suffix"] > accepted.get("model", 0) / proposed["model"]
-
-    plan = hybrid_pipeline.plan
 
     async def load():
         store = RedisSessionStore(f"redis://{plan.host}:{plan.redis_port}/0", ttl_s=3600)
