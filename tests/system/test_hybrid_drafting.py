@@ -84,7 +84,8 @@ def test_rounds_name_their_source_and_each_sources_acceptance_is_learnt_apart(hy
     The session starts without a prior: the earlier tests' sessions, folded into it, teach that the
     poor model does not pay, and a session that starts at k = 0 asks the draft for nothing."""
     plan = hybrid_pipeline.plan
-    redis.Redis(host=plan.host, port=plan.redis_port).delete(PRIOR_KEY)
+    with redis.Redis(host=plan.host, port=plan.redis_port) as connection:
+        connection.delete(PRIOR_KEY)
     proposed, accepted = by_source(hybrid_pipeline), by_source(hybrid_pipeline, "accepted_tokens")
     with Client(orchestrator_address(hybrid_pipeline)) as client:
         out = client.generate(LOOP, max_new_tokens=48, draft_length="auto")
