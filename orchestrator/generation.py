@@ -281,22 +281,16 @@ class Orchestrator:
     # -- sessions and caches ----------------------------------------------------------------
 
     async def close_session(self, session_id: str, principal: str = "") -> bool:
-        """Delete the session and free its caches on every replica; False (and no call to any replica)
-        for a session that does not exist, or is another identity's. The caches are freed even when
-        the delete fails: it may have landed all the same, and then the client's retry finds no
-        session and frees nothing."""
+        """Free the session's caches on every replica, then delete it; False (and no call to any
+        replica) for a session that does not exist, or is another identity's. The caches go first:
+        once the delete lands, a client's retry (after a lost reply, or on another orchestrator
+        after this one died) finds no session and frees nothing, so nothing may be left to free."""
         check_session_id(session_id)
         state = await self.sessions.closable(session_id, principal)
         if state is None:
             return False
-        forget = not self._shareable(state.generation)
-        try:
-            closed = await self.store.delete(session_id)
-        except BaseException:
-            self._spawn(self._release_caches(session_id, forget_output=forget))
-            raise
-        await self._release_caches(session_id, forget_output=forget)
-        return closed
+        await self._release_caches(session_id, forget_output=not self._shareable(state.generation))
+        return await self.store.delete(session_id)
 
     def _shareable(self, gen: GenerationRecord | None) -> bool:
         """Whether a generation's output may join the suffix drafts' corpus: finished, and allowed by

@@ -276,17 +276,41 @@ async def test_a_continued_session_whose_write_failed_is_not_deleted():
 
 async def test_a_close_whose_delete_failed_still_frees_the_caches():
     """The delete may have landed: the client's retry then finds no session and frees nothing, so the
-    first attempt frees the caches whatever the store answered."""
+    first attempt frees the caches before it deletes."""
     store, target, draft = LostReplyStore("delete"), FakeTarget(REFERENCE), FakeDraft(REFERENCE)
     orch = orchestrator(store, target, draft, draft_length=4)
     session = [c async for c in orch.generate(orch.parse(request(max_new_tokens=4)))][0].session_id
     with pytest.raises(Unavailable, match="reply was lost"):
         await orch.close_session(session)
-    await settle(orch)
+    assert not orch._background  # freed in the call, not after it
     assert store._sessions == {} and target.released == [session] and draft.released == [session]
     store.lose = ""
     assert await orch.close_session(session) is False  # the retry: gone already, no second release
     assert target.released == [session] and draft.released == [session]
+
+
+async def test_a_close_interrupted_before_its_delete_frees_the_caches_on_the_retry():
+    """An orchestrator killed while it frees the caches (or before the delete) leaves the session in
+    the store: the retry, on any orchestrator, frees them again and deletes it."""
+    store, target, draft = InMemorySessionStore(), FakeTarget(REFERENCE), FakeDraft(REFERENCE)
+    orch = orchestrator(store, target, draft, draft_length=4)
+    session = [c async for c in orch.generate(orch.parse(request(max_new_tokens=4)))][0].session_id
+    deleting = asyncio.Event()
+    real_delete = store.delete
+
+    async def killed(session_id: str) -> bool:
+        deleting.set()
+        await asyncio.Event().wait()  # never answers: the process is gone
+        return await real_delete(session_id)
+
+    store.delete = killed
+    call = asyncio.ensure_future(orch.close_session(session))
+    await deleting.wait()
+    call.cancel()
+    assert target.released == [session] and draft.released == [session]  # freed before the delete
+    store.delete = real_delete
+    assert await orch.close_session(session) is True
+    assert store._sessions == {} and target.released == [session] * 2 and draft.released == [session] * 2
 
 
 class HeldStore(InMemorySessionStore):
