@@ -2,6 +2,7 @@
 
     python bench/round_overhead.py --out bench/results/round_overhead.json
     python bench/round_overhead.py --config serial=--no-save-behind --config behind=--save-behind
+    python bench/round_overhead.py --config ahead= --config serial=--no-verify-ahead --target-threads 1
 
 Starts the real pipeline on the packaged default model (Redis, the target service, one
 orchestrator and one HTTP gateway per `--config`: NAME=ORCHESTRATOR-ARGS, all sharing the target
@@ -17,7 +18,11 @@ one round's verify and the next round's call (`between_ns`), of which the sessio
 (`save_ns`) and detokenizing (`detokenize_ns`). The client's time per output token
 (`(last chunk - first token) / (tokens - 1)`) is set against the step; the gateway's share is the
 HTTP client's time per output token minus the gRPC client's. Figures are medians over rounds
-(parts) and requests (time per token). Outputs are compared across configurations and with the
+(parts) and requests (time per token). A round the target verified ahead (`--verify-ahead`, the
+default: `ahead` is the share of such rounds) reports the pass it ran before the request came:
+its `step` is that pass, its queue 0, and `tgt rpc` what was left of the call after the pass (it
+may fall below zero); the time per output token is the figure to compare, against the `step` of a
+`--no-verify-ahead` configuration run beside it. Outputs are compared across configurations and with the
 gateway's text: they must be identical.
 """
 
@@ -58,7 +63,8 @@ def parts_of(rnd: dict) -> dict[str, float]:
     step, queue, wall = rnd.get("verify_compute_ns", 0), rnd.get("verify_queue_ns", 0), rnd.get("verify_ns", 0)
     return {"step": step / 1e6, "target_queue": queue / 1e6, "target_rpc": (wall - step - queue) / 1e6,
             "between": rnd.get("between_ns", 0) / 1e6, "save": rnd.get("save_ns", 0) / 1e6,
-            "detokenize": rnd.get("detokenize_ns", 0) / 1e6, "verify_wall": wall / 1e6}
+            "detokenize": rnd.get("detokenize_ns", 0) / 1e6, "verify_wall": wall / 1e6,
+            "ahead": 1.0 if rnd.get("verify_decoded_ahead") else 0.0}
 
 
 def run_grpc(client: Client, messages, max_new: int) -> dict:
@@ -124,6 +130,7 @@ def summarise(runs: list[dict]) -> dict:
                                      for run in runs)
     out["gateway_ms"] = median(run["http"]["tpot_ms"] - run["tpot_ms"] for run in runs)
     out["grpc_ttft_ms"] = median(run["ttft_ms"] for run in runs)
+    out["decoded_ahead_share"] = round(statistics.fmean(r["ahead"] for r in rounds), 4) if rounds else 0.0
     return out
 
 
@@ -216,12 +223,13 @@ def main() -> None:
 
 def print_table(summary: dict) -> None:
     header = ["config", "step", "tgt queue", "tgt rpc", "between", "(save)", "(detok)", "outside", "gRPC tpot",
-              "tpot-step", "HTTP tpot", "gateway"]
+              "tpot-step", "HTTP tpot", "gateway", "ahead"]
     print(" | ".join(f"{h:>9}" for h in header))
     for name, s in summary.items():
         p = s["parts_ms"]
         row = [name, p["step"], p["target_queue"], p["target_rpc"], p["between"], p["save"], p["detokenize"],
-               s["outside_ms"], s["grpc_tpot_ms"], s["grpc_overhead_ms"], s["http_tpot_ms"], s["gateway_ms"]]
+               s["outside_ms"], s["grpc_tpot_ms"], s["grpc_overhead_ms"], s["http_tpot_ms"], s["gateway_ms"],
+               s["decoded_ahead_share"]]
         print(" | ".join(f"{v:>9}" if isinstance(v, str) else f"{v:9.3f}" for v in row))
 
 

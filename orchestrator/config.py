@@ -76,6 +76,11 @@ class OrchestratorConfig(RedisClientOptions, ServiceConfig):
         description="Send a round's calls while the previous round's session save runs (that round is still "
         "streamed only once saved).",
     )
+    verify_ahead: bool = Field(
+        True,
+        description="Tell the target when a round's next round will draft nothing (k = 0), so that a target "
+        "with nothing else to run verifies it while the answer travels (VerifyRequest.continues).",
+    )
     verify_stream: Literal["auto", "on", "off"] = Field(
         "auto",
         description="Send each round's verify over a long-lived VerifyStream call to the target (saves a call's "

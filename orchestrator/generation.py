@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 from orchestrator.config import OrchestratorConfig
 from orchestrator.corpus import CorpusGroups
 from orchestrator.detokenizer import Detokenizer
-from orchestrator.draft_length import DraftLengthController, within_budget
+from orchestrator.draft_length import DraftLengthController, continues_at_k0, within_budget
 from orchestrator.loop import Round, Speculator
 from orchestrator.replicas import Drafts, Pool, Targets
 from orchestrator.requests import GenerationSpec, RequestParser
@@ -152,7 +152,7 @@ class Orchestrator:
                     remaining = state.remaining(self.max_context)
                     k, k_next = within_budget(lengths.wanted, lengths.upcoming, remaining, first, drafting)
                     round_start, first = time.perf_counter_ns(), False
-                    rnd = await speculator.round(state.tokens, k, k_next)
+                    rnd = await speculator.round(state.tokens, k, k_next, self._continues(k, k_next, remaining))
                 else:
                     (pending, round_start), ahead = ahead, None
                     rnd = await pending
@@ -190,7 +190,12 @@ class Orchestrator:
         tokens), with when it started."""
         remaining = state.remaining(self.max_context)
         k, k_next = within_budget(lengths.wanted, lengths.upcoming, remaining, False, drafting)
-        return asyncio.ensure_future(speculator.round(state.tokens, k, k_next)), time.perf_counter_ns()
+        round_ = speculator.round(state.tokens, k, k_next, self._continues(k, k_next, remaining))
+        return asyncio.ensure_future(round_), time.perf_counter_ns()
+
+    def _continues(self, k: int, k_next: int, remaining: int) -> bool:
+        """--verify-ahead: whether to tell the target that this round's next round follows at k = 0."""
+        return self.config.verify_ahead and continues_at_k0(k, k_next, remaining, self.draft is not None)
 
     async def _prompt_chunk(self, state: SessionState, top: int, deadline: float | None) -> pb.GenerateChunk:
         """The input's log-probabilities (raw), scored in one target pass that also prefills its cache."""

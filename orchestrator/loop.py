@@ -74,9 +74,11 @@ class Speculator:
             raise DeadlineExceeded("the request's deadline passed; the tokens sent so far stay in the session")
         return left
 
-    @traced("orchestrator.round", lambda self, history, k, k_next: {"specdec.k": k, "specdec.history": len(history)})
-    async def round(self, history: list[int], k: int, k_next: int) -> Round:
-        """One round at draft length k; with overlap, start drafting the next block (of k_next)."""
+    @traced("orchestrator.round", lambda self, history, k, k_next, continues=False: {
+        "specdec.k": k, "specdec.history": len(history)})
+    async def round(self, history: list[int], k: int, k_next: int, continues: bool = False) -> Round:
+        """One round at draft length k; with overlap, start drafting the next block (of k_next).
+        `continues`: the next round is expected at k = 0 (the target may verify it ahead)."""
         proposal, fallback, overlapped = DraftReply(), False, False
         if k > 0 and self.draft is not None:
             taken = await self._take_ahead(history, k)
@@ -95,7 +97,8 @@ class Speculator:
         else:
             self.close()
         verifying = self.target.verify(self.session_id, history, proposal, self.params, self.seed,
-                                       timeout=self._remaining(), top_logprobs=self.top_logprobs)
+                                       timeout=self._remaining(), top_logprobs=self.top_logprobs,
+                                       continues=continues)
         try:
             if self.overlap and k_next > 0 and self.draft is not None and self.draft.available:
                 verify = asyncio.ensure_future(verifying)  # sent first: the next block is drafted meanwhile
@@ -113,6 +116,7 @@ class Speculator:
             overlapped=overlapped, verify_queue_ns=reply.queue_ns, verify_batch_size=reply.batch_size,
             verify_batch_positions=reply.batch_positions, draft_prefill_tokens=proposal.prefill_tokens,
             verify_prefill_tokens=reply.prefill_tokens, drafted=proposal.drafted,
+            verify_decoded_ahead=reply.decoded_ahead,
         )
         return Round(reply.emitted(proposal.tokens), stats, reply.logprobs,
                      proposal.source if proposal.tokens else "")

@@ -128,7 +128,8 @@ class Targets(Pool, Protocol):
     """The target replicas as the loop sees them (TargetPool; a fake in unit tests)."""
 
     async def verify(self, session_id: str, history: list[int], proposal: DraftReply, params: SamplingParams,
-                     seed: int, timeout: float | None = None, top_logprobs: int | None = None) -> VerifyReply: ...
+                     seed: int, timeout: float | None = None, top_logprobs: int | None = None,
+                     continues: bool = False) -> VerifyReply: ...
 
     async def score(self, session_id: str, tokens: list[int], start: int, top: int, params: SamplingParams | None,
                     timeout: float | None = None) -> ScoreReply: ...
@@ -393,9 +394,10 @@ class TargetPool(ReplicaPool[TargetBackend]):
     MAX_LOST = 2  # replicas a call may leave not answering before it is refused
 
     async def verify(self, session_id: str, history: list[int], proposal: DraftReply, params: SamplingParams,
-                     seed: int, timeout: float | None = None, top_logprobs: int | None = None) -> VerifyReply:
+                     seed: int, timeout: float | None = None, top_logprobs: int | None = None,
+                     continues: bool = False) -> VerifyReply:
         return await self._call(session_id, "verify", lambda backend, limit: backend.verify(
-            session_id, history, proposal, params, seed, timeout, top_logprobs, limit))
+            session_id, history, proposal, params, seed, timeout, top_logprobs, limit, continues))
 
     async def score(self, session_id: str, tokens: list[int], start: int, top: int, params: SamplingParams | None,
                     timeout: float | None = None) -> ScoreReply:

@@ -30,6 +30,7 @@ def build_servicer(config: TargetConfig) -> tuple[TargetServicer, ServiceMetrics
     verifier = Verifier(caches, loaded.vocab_size, grammars, batcher.config.score_positions)
     servicer = TargetServicer(verifier, info, batcher, admission, config.logprobs_mode)
     servicer.grammars = grammars
+    metrics.track_ahead(servicer.ahead)
     return servicer, metrics
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 from specdec.core.logprobs import MAX_TOP_LOGPROBS
 from specdec.errors import InvalidArgument
@@ -16,6 +17,7 @@ from specdec.server.admission import Admission, deadline_of
 from specdec.server.model_service import ModelServicer
 from specdec.server.wire import logprobs_to_pb, probs_from_bytes
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
+from target_service.ahead import DecodeAhead
 
 
 class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
@@ -26,6 +28,7 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
         super().__init__(info, admission, batcher)
         self.verifier = verifier
         self.batcher: Batcher = batcher
+        self.ahead = DecodeAhead(batcher, verifier, info.eos_token_ids)
         self.logprobs_mode = logprobs_mode
         self._idle_streams: set[asyncio.Task | None] = set()  # VerifyStream calls waiting for a request
         self._stopping = False
@@ -74,6 +77,10 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
                 self._idle_streams.discard(task)
             yield await self._verify(request, context)
 
+    async def Release(self, request: common_pb2.ReleaseRequest, context) -> common_pb2.ReleaseResponse:
+        self.ahead.cancel(request.session_id)  # (its job goes with the session's other work)
+        return await super().Release(request, context)
+
     def end_idle_calls(self) -> None:
         """End the VerifyStream calls that wait for a request (a graceful stop lets calls in flight
         finish, and would wait out its grace for these)."""
@@ -95,17 +102,26 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
         if request.timeout_ms:
             own = arrived + request.timeout_ms / 1e3
             deadline = own if deadline is None else min(deadline, own)
+        history = list(request.history)
         async with self.admission.slot(deadline, context):
             await prepare(self.verifier.grammars, params)  # compiled off the model thread
-            job = self.verifier.job(request.session_id, list(request.history), draft_tokens, q, params,
-                                    request.seed, deadline, logprobs)
-            job.enqueued = arrived  # the queue wait includes the admission queue
-            job.sent_unix_ns = request.sent_unix_ns
-            verified, step = await self.batcher.run(job)
+            job = self.verifier.job(request.session_id, history, draft_tokens, q, params, request.seed, deadline,
+                                    logprobs)
+            guessed = await self.ahead.take(request.session_id, history, draft_tokens, params, request.seed,
+                                            logprobs, request.continues, request.sent_unix_ns)
+            if guessed is None:
+                job.enqueued = arrived  # the queue wait includes the admission queue
+                job.sent_unix_ns = request.sent_unix_ns
+                if request.continues:
+                    self.ahead.plan(job, request.sent_unix_ns)
+                verified, step = await self.batcher.run(job)
+            else:
+                verified, step = guessed
+                step = replace(step, queue_ns=0)  # it ran before the request came
         verdict = verified.verdict
         return target_pb2.VerifyResponse(
             num_accepted=verdict.num_accepted, token_id=verdict.token, bonus=verdict.bonus,
             compute_ns=step.compute_ns, prefill_tokens=verified.prefilled, batch_size=step.batch_size,
             queue_ns=step.queue_ns, batch_positions=step.positions,
-            logprobs=[logprobs_to_pb(entry) for entry in verified.logprobs],
+            logprobs=[logprobs_to_pb(entry) for entry in verified.logprobs], decoded_ahead=guessed is not None,
         )

@@ -134,6 +134,10 @@ class Job:
         self.cancelled = False
         self.done = False
         self.fetching: asyncio.Future | None = None  # its cache's fetch from Redis, until done
+        # Called on the event loop with the job's last item when it finishes with one, once the pass's
+        # jobs are settled and before the next pass is scheduled: it may submit the job that follows
+        # (`Batcher.start`), which then joins that very pass (set while the job waits or runs).
+        self.follow: Callable[[Any], None] | None = None
         self._items: asyncio.Queue = asyncio.Queue()
 
     # -- worker thread -----------------------------------------------------------------------
@@ -230,20 +234,40 @@ class Batcher:
             return 0.0
         return max(0.0, now - max(self._last_step_end, min(waiting)))
 
+    @property
+    def idle(self) -> bool:
+        """No job queued or running (the event loop's view: a job submitted later is not counted)."""
+        return not self._pending and not self._active
+
     # -- the API a servicer uses ----------------------------------------------------------------
 
     async def run(self, job: Job) -> tuple[Any, StepInfo]:
         """Submit a one-step job and wait for its result; cancelling the caller cancels the job."""
+        self._submit(job)
+        return await self._result(job)
+
+    def start(self, job: Job) -> asyncio.Task:
+        """`run(job)` as a task, the job submitted now rather than when the task first runs (it may
+        join a pass that starts before then); cancelling the task cancels the job."""
+        self._submit(job)
+        return asyncio.ensure_future(self._result(job))
+
+    async def stream(self, job: Job) -> AsyncIterator[tuple[Any, StepInfo]]:
+        """Submit a job and yield its items as its steps complete."""
+        self._submit(job)
+        async for item in self._follow(job):
+            yield item
+
+    async def _result(self, job: Job) -> tuple[Any, StepInfo]:
         result = None
-        async for item in self.stream(job):
+        async for item in self._follow(job):
             result = item
         if result is None:  # a cancelled job ends with Cancelled, a failed one with its error
             raise RuntimeError(f"job for session {job.session_id!r} finished without a result")
         return result
 
-    async def stream(self, job: Job) -> AsyncIterator[tuple[Any, StepInfo]]:
-        """Submit a job and yield its items as its steps complete."""
-        self._submit(job)
+    async def _follow(self, job: Job) -> AsyncIterator[tuple[Any, StepInfo]]:
+        """A submitted job's items as its steps complete."""
         try:
             async for item in job.results():
                 yield item
@@ -359,6 +383,7 @@ class Batcher:
                     job.finish(exc)
                 self._active = [j for j in self._active if j not in batch]
                 continue
+            follow_ups = []
             for job, item, finished, step in outcomes:
                 if item is _PREFILLING and not job.cancelled:
                     continue  # fed a chunk of its prefill (or waited for the pass's prefill budget)
@@ -370,6 +395,8 @@ class Batcher:
                     job.deliver(item, step)
                     if finished:
                         job.finish()
+                        if job.follow is not None:
+                            follow_ups.append((job.follow, item))
             self._active = [j for j in self._active if not j.done]
             self._last_sessions = {job.session_id for job in batch}
             self._last_step_end = time.monotonic()
@@ -379,6 +406,11 @@ class Batcher:
                     self._finished_at[job.session_id] = self._last_step_end
             while len(self._finished_at) > 4 * self.config.max_batch + 16:
                 del self._finished_at[next(iter(self._finished_at))]  # sessions that did not come back
+            for follow, item in follow_ups:
+                try:
+                    follow(item)
+                except Exception:  # a follow-up is an optimisation: its failure must not stop the batcher
+                    log.exception("a job's follow-up failed")
 
     def _missing(self) -> set[str]:
         """The sessions of the previous pass with no job queued or running now."""

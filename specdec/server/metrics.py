@@ -137,6 +137,10 @@ class ServiceMetrics:
         self.kv_sessions.set_function(kv_sessions)
         self.kv_tokens.set_function(kv_tokens)
 
+    def track_ahead(self, ahead) -> None:
+        """Export the rounds a target verified ahead (`target_service.ahead.DecodeAhead`) at every scrape."""
+        self.registry.register(_AheadCollector(self.service, ahead))
+
     def track_kv(self, caches) -> None:
         """Export the KV memory and prefix cache figures of `caches` (a `SessionCaches`) at every scrape."""
         self.registry.register(_KVCollector(self.service, caches))
@@ -368,6 +372,21 @@ class OrchestratorMetrics:
     def _finished(self) -> None:
         with self._lock:
             self._active -= 1
+
+
+class _AheadCollector(Collector):
+    """Reads a `DecodeAhead`'s counts of rounds verified ahead, by what came of them."""
+
+    def __init__(self, service: str, ahead) -> None:
+        self.service, self.ahead = service, ahead
+
+    def collect(self):
+        metric = CounterMetricFamily("specdec_verified_ahead", "Rounds verified before their request came "
+                                     "(VerifyRequest.continues): used to answer it, or dropped.",
+                                     labels=["service", "outcome"])
+        metric.add_metric([self.service, "used"], self.ahead.used)
+        metric.add_metric([self.service, "dropped"], self.ahead.dropped)
+        yield metric
 
 
 class _KVCollector(Collector):

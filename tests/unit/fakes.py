@@ -111,13 +111,15 @@ class FakeTarget(_FakePool):
     def __init__(self, reference: list[int], gate: asyncio.Event | None = None) -> None:
         super().__init__(reference)
         self.calls: list[tuple[int, list[int]]] = []  # (len(history), draft tokens)
+        self.continues: list[bool] = []  # each call's `continues`
         self.gate = gate
         self.error: Exception | None = None  # raised by every verify when set
 
     async def verify(self, session_id, history, proposal, params, seed, timeout=None,
-                     top_logprobs=None) -> VerifyReply:
+                     top_logprobs=None, continues=False) -> VerifyReply:
         assert history == self.reference[:len(history)], "the loop sent a history the target did not write"
         self.calls.append((len(history), list(proposal.tokens)))
+        self.continues.append(continues)
         if self.gate is not None:
             await self.gate.wait()
         if self.error is not None:

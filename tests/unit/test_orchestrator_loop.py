@@ -308,3 +308,27 @@ async def test_a_rounds_time_outside_the_model_is_in_its_stats_and_in_the_metric
     for part in ("target_rpc", "target_queue", "between", "save", "detokenize"):
         labels = {"service": "orchestrator", "part": part}
         assert orch.metrics.registry.get_sample_value("specdec_round_part_seconds_count", labels) == 4
+
+
+@pytest.mark.parametrize("draft", [True, False])
+async def test_rounds_at_k0_tell_the_target_that_the_next_one_follows_except_the_last(draft):
+    """`continues` (the target may verify the next round ahead): every round at k = 0 whose next round
+    is still wanted, with or without a draft pool; not the last round, which nothing follows."""
+    target = FakeTarget(REFERENCE)
+    orch = orchestrator(InMemorySessionStore(), target, FakeDraft(REFERENCE) if draft else None, draft_length=0)
+    assert generated(await run(orch, max_new_tokens=6)) == REFERENCE[START:START + 6]
+    assert target.continues == [True] * 5 + [False]
+
+
+async def test_a_round_followed_by_a_block_does_not_continue_and_the_switch_turns_it_off():
+    """Rounds of 1, 5, 5 tokens, then the 12th alone: only the round before that one is followed at
+    k = 0 (the first, at k = 0 itself, is followed by a block)."""
+    target = FakeTarget(REFERENCE)
+    orch = orchestrator(InMemorySessionStore(), target, FakeDraft(REFERENCE), draft_length=4)
+    assert generated(await run(orch, max_new_tokens=12)) == REFERENCE[START:START + 12]
+    assert [len(drafts) for _, drafts in target.calls] == [0, 4, 4, 0]
+    assert target.continues == [False, False, True, False]
+    target = FakeTarget(REFERENCE)
+    orch = orchestrator(InMemorySessionStore(), target, None, draft_length=0, verify_ahead=False)
+    assert generated(await run(orch, max_new_tokens=6)) == REFERENCE[START:START + 6]
+    assert target.continues == [False] * 6

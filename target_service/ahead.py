@@ -1,0 +1,126 @@
+"""Verifying a session's next round ahead of its request (`VerifyRequest.continues`).
+
+At k = 0 and one client, a round is the target's pass plus the trip around it: the answer to the
+orchestrator, its bookkeeping, the next request back, and the hops into and out of the batcher
+(about 1.6 ms a round on a CPU, beside a 10-15 ms pass). The next request is known before it
+comes: the history extended by the tokens this answer emits, with the same sampling, seed and
+logprobs request, no draft tokens. When the caller says that request follows (`continues`), the
+batcher submits it the moment the request's own pass ends (`Job.follow`: before the answer is
+even sent), so the session's passes run back to back while answers and requests travel. The real
+request, when it comes, is answered from that pass if it is exactly the request guessed; any
+other request is verified as usual (the guess is dropped, the session's cache cut back to the
+common prefix as for any request; if the guess's pass is running, the request waits for it, as
+it would behind any pass). Nothing is inferred: the guessed job is the very job the request
+would have made, so its answer is the one the request would have had.
+
+A guess is not made when the batcher has other work (other sessions' jobs come first), after a
+token that ends the text (the model's end of sequence, the request's end tokens), or beyond
+`MAX_GUESSES` sessions; a Release drops its session's guess with the rest of its work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from specdec.core.sampling import SamplingParams
+from specdec.errors import SpecdecError
+from specdec.runtime.batching import Batcher, StepInfo
+from specdec.runtime.verifier import LogprobRequest, Verified, Verifier, VerifyJob
+
+MAX_GUESSES = 64  # sessions with a round verified ahead (the oldest is dropped beyond)
+
+
+@dataclass(frozen=True)
+class _Request:
+    """What a verify request's answer depends on, besides the session."""
+
+    history: tuple[int, ...]
+    params: SamplingParams
+    seed: int
+    logprobs: LogprobRequest | None
+
+
+class DecodeAhead:
+    """Each session's round verified ahead: planned on a request that `continues` (`plan`, or `take`
+    for one answered from a guess), submitted by the batcher the moment that request's pass ends,
+    and taken by the next request (`take`)."""
+
+    def __init__(self, batcher: Batcher, verifier: Verifier, end_tokens: Sequence[int] = ()) -> None:
+        self.batcher = batcher
+        self.verifier = verifier
+        self.end_tokens = frozenset(end_tokens)
+        self._guesses: OrderedDict[str, tuple[_Request, VerifyJob, asyncio.Task]] = OrderedDict()
+        self.used = 0  # requests answered from a guess
+        self.dropped = 0  # guesses dropped: the request differed, its session was released, or it never came
+
+    def plan(self, job: VerifyJob, sent_unix_ns: int) -> None:
+        """`job`'s request continues: when its pass ends, verify the round after it (`_guess`)."""
+        job.follow = functools.partial(self._guess, job, sent_unix_ns)
+
+    async def take(self, session_id: str, history: list[int], draft_tokens: list[int], params: SamplingParams,
+                   seed: int, logprobs: LogprobRequest | None, continues: bool,
+                   sent_unix_ns: int) -> tuple[Verified, StepInfo] | None:
+        """The answer to this request from its session's guess, if it is the request guessed and the
+        guess ran to its end; None otherwise (the guess, if any, is dropped). `continues`: this
+        request's own next round is then guessed in turn."""
+        entry = self._guesses.pop(session_id, None)
+        if entry is None:
+            return None
+        guessed, job, task = entry
+        if draft_tokens or guessed != _Request(tuple(history), params, seed, logprobs):
+            self._drop_guess(task)
+            return None
+        ran_out = job.done  # its pass ended (and its follow-up time passed) before this request came
+        if continues and not ran_out:
+            self.plan(job, sent_unix_ns)
+        try:
+            await asyncio.wait([task])
+        except BaseException:  # the request itself was cancelled: nobody wants the guess
+            self._drop_guess(task)
+            raise
+        if task.cancelled() or task.exception() is not None:  # released, or failed: verified as usual
+            return None
+        self.used += 1
+        answer = task.result()
+        if continues and ran_out:
+            self._guess(job, sent_unix_ns, answer[0])
+        return answer
+
+    def cancel(self, session_id: str) -> None:
+        """Drop the session's guess (its Release cancels the job with the session's other work)."""
+        entry = self._guesses.pop(session_id, None)
+        if entry is not None:
+            self._drop_guess(entry[2])
+
+    def _guess(self, job: VerifyJob, sent_unix_ns: int, verified: Verified) -> None:
+        """Submit the k = 0 round after `job`, answered `verified`, if the batcher has nothing else to run."""
+        emitted = verified.verdict.emitted(job.draft_tokens)
+        if (job.cancelled or not self.batcher.idle or emitted[-1] in self.end_tokens
+                or emitted[-1] in job.params.end_token_ids):
+            return
+        following = job.history + emitted
+        try:
+            after = self.verifier.job(job.session_id, following, [], None, job.params, job.seed, None, job.logprobs)
+        except SpecdecError:  # (past the context, say): the request itself will be told
+            return
+        after.sent_unix_ns = sent_unix_ns  # a Release sent after the request drops it, as it would the request
+        task = self.batcher.start(after)
+        task.add_done_callback(_retrieved)
+        self.cancel(job.session_id)
+        self._guesses[job.session_id] = (_Request(tuple(following), job.params, job.seed, job.logprobs), after, task)
+        while len(self._guesses) > MAX_GUESSES:
+            self.cancel(next(iter(self._guesses)))
+
+    def _drop_guess(self, task: asyncio.Task) -> None:
+        if not task.done():
+            task.cancel()  # its job leaves the batcher at the next step boundary
+        self.dropped += 1
+
+
+def _retrieved(task: asyncio.Task) -> None:
+    if not task.cancelled():
+        task.exception()  # a failed guess is not an error of anyone's: the request is verified as usual

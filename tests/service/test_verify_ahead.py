@@ -1,0 +1,152 @@
+"""A real target service verifying rounds ahead (`VerifyRequest.continues`): a session's k = 0
+rounds, each saying the next follows, are answered from passes run before their requests came,
+with exactly the tokens (greedy and sampled) and log-probabilities of rounds verified one by one;
+a request other than the one guessed is verified as usual; a Release drops the guess and leaves
+no cache; the guesses are counted in /metrics."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
+from tests.reference import Reference
+from tests.service.test_batching_services import scrape, service
+
+PROMPT = "The quick brown fox"
+ROUNDS = 10
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_models) -> Reference:
+    return Reference(str(tiny_models["target"]))
+
+
+@pytest.fixture(scope="module")
+def target(tiny_models, tmp_path_factory):
+    with service("target_service", tmp_path_factory.mktemp("target-logs"), "--model", str(tiny_models["target"]),
+                 "--dtype", "float64") as running:
+        yield running
+
+
+def used_and_dropped(metrics_port: int) -> tuple[float, float]:
+    samples = scrape(metrics_port)
+    return (samples[("specdec_verified_ahead_total", (("outcome", "used"),))],
+            samples[("specdec_verified_ahead_total", (("outcome", "dropped"),))])
+
+
+async def rounds(address: str, session: str, history: list[int], continues: bool, sampling: common_pb2.SamplingParams,
+                 count: int = ROUNDS) -> list[target_pb2.VerifyResponse]:
+    """`count` rounds at k = 0 on one VerifyStream call, each request sent once the previous answer
+    came, each saying the next follows (`continues`: the last one leaves a guess behind)."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        call = target_pb2_grpc.TargetServiceStub(channel).VerifyStream()
+        history, replies = list(history), []
+        for _ in range(count):
+            await call.write(target_pb2.VerifyRequest(
+                session_id=session, history=history, sampling=sampling, seed=7, logprobs=True, top_logprobs=3,
+                continues=continues))
+            reply = await call.read()
+            replies.append(reply)
+            history.append(reply.token_id)
+        await call.done_writing()
+        return replies
+
+
+def summary(replies: list[target_pb2.VerifyResponse]) -> list[tuple]:
+    return [(r.token_id, r.num_accepted, [(e.token_id, round(e.logprob, 9), list(e.top_token_ids)) for e in r.logprobs])
+            for r in replies]
+
+
+def release(address: str, session: str) -> None:
+    async def go():
+        async with grpc.aio.insecure_channel(address) as channel:
+            await target_pb2_grpc.TargetServiceStub(channel).Release(common_pb2.ReleaseRequest(session_id=session))
+    asyncio.run(go())
+
+
+def cached_sessions(address: str) -> int:
+    async def go():
+        async with grpc.aio.insecure_channel(address) as channel:
+            info = await target_pb2_grpc.TargetServiceStub(channel).GetInfo(common_pb2.GetInfoRequest())
+            return info.cached_sessions
+    return asyncio.run(go())
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_rounds_that_continue_are_answered_ahead_with_the_tokens_of_rounds_verified_one_by_one(
+        target, reference, temperature):
+    address, metrics_port = target
+    prompt = reference.encode(PROMPT)
+    sampling = common_pb2.SamplingParams(temperature=temperature)
+    used, dropped = used_and_dropped(metrics_port)
+    ahead = asyncio.run(rounds(address, f"ahead-{temperature}", prompt, True, sampling))
+    plain = asyncio.run(rounds(address, f"plain-{temperature}", prompt, False, sampling))
+    assert summary(ahead) == summary(plain)
+    if temperature == 0:
+        assert [r.token_id for r in plain] == reference.greedy(PROMPT, ROUNDS)
+    # Every round after the first came from a pass run ahead (none after a token that ends the text).
+    ends = set(reference.loaded.eos_token_ids)
+    expected = [i > 0 and ahead[i - 1].token_id not in ends for i in range(ROUNDS)]
+    assert [r.decoded_ahead for r in ahead] == expected and not any(r.decoded_ahead for r in plain)
+    assert all(r.queue_ns == 0 and r.compute_ns > 0 for r, e in zip(ahead, expected) if e)
+    assert used_and_dropped(metrics_port) == (used + sum(expected), dropped)
+    for session in (f"ahead-{temperature}", f"plain-{temperature}"):
+        release(address, session)
+    assert cached_sessions(address) == 0
+    held = ahead[-1].token_id not in ends  # the last round's guess, dropped by the Release
+    assert used_and_dropped(metrics_port) == (used + sum(expected), dropped + held)
+
+
+def test_a_request_other_than_the_one_guessed_is_verified_as_usual(target, reference):
+    """Rounds that all continue, but only the third asks what was guessed: the others (a block of
+    drafts, a history gone back) are verified as a session with no guess is, and the guesses they
+    did not ask for are counted dropped."""
+    address, metrics_port = target
+    prompt, g = reference.encode(PROMPT), reference.greedy(PROMPT, 8)
+    wrong = (g[3] + 1) % reference.loaded.vocab_size
+    requests = [(prompt, []), (prompt + g[:1], [g[1], g[2], wrong]), (prompt + g[:4], []), (prompt, [g[0], g[1]])]
+    sampling = common_pb2.SamplingParams()
+
+    async def send(session: str, continues: bool) -> list[target_pb2.VerifyResponse]:
+        async with grpc.aio.insecure_channel(address) as channel:
+            call = target_pb2_grpc.TargetServiceStub(channel).VerifyStream()
+            replies = []
+            for history, drafts in requests:
+                await call.write(target_pb2.VerifyRequest(session_id=session, history=history, draft_tokens=drafts,
+                                                          sampling=sampling, seed=1, continues=continues))
+                replies.append(await call.read())
+            await call.done_writing()
+            return replies
+
+    used, dropped = used_and_dropped(metrics_port)
+    guessed = asyncio.run(send("other-ahead", True))
+    plain = asyncio.run(send("other-plain", False))
+    verdicts = [(0, g[0]), (2, g[3]), (0, g[4]), (2, g[2])]
+    assert [(r.num_accepted, r.token_id) for r in guessed] == [(r.num_accepted, r.token_id) for r in plain] == verdicts
+    assert [r.decoded_ahead for r in guessed] == [False, False, True, False]
+    assert used_and_dropped(metrics_port) == (used + 1, dropped + 2)  # the last round's guess is still held
+    for session in ("other-ahead", "other-plain"):
+        release(address, session)
+    assert cached_sessions(address) == 0
+    assert used_and_dropped(metrics_port) == (used + 1, dropped + 3)
+
+
+def test_a_release_drops_the_guess_and_leaves_no_cache(target, reference):
+    """Released while its guess may still be running: nothing of the session stays, and the same
+    request afterwards is verified from scratch."""
+    address, metrics_port = target
+    prompt = reference.encode(PROMPT)
+    sampling = common_pb2.SamplingParams()
+    first = asyncio.run(rounds(address, "released", prompt, True, sampling, count=2))
+    assert first[1].decoded_ahead
+    again = asyncio.run(rounds(address, "released", prompt + [first[0].token_id], True, sampling, count=1))
+    # (a lone request that continues leaves a guess behind, running or done)
+    release(address, "released")
+    assert cached_sessions(address) == 0
+    after = asyncio.run(rounds(address, "released", prompt + [first[0].token_id], False, sampling, count=1))
+    assert not after[0].decoded_ahead and after[0].token_id == again[0].token_id == first[1].token_id
+    release(address, "released")
+    assert cached_sessions(address) == 0
