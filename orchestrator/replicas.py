@@ -52,7 +52,7 @@ from orchestrator.discovery import (
     usable,
 )
 from specdec.core.sampling import SamplingParams
-from specdec.errors import FailedPrecondition, Unavailable
+from specdec.errors import FailedPrecondition, SpecdecError, Unavailable
 from specdec.v1 import common_pb2
 
 log = logging.getLogger("specdec.orchestrator")
@@ -60,6 +60,7 @@ B = TypeVar("B", DraftBackend, TargetBackend)
 MAX_AFFINITY = 100_000  # sessions remembered per pool (oldest forgotten first)
 MAX_UNRELEASED = 10_000  # releases a replica owes, kept until it answers again (oldest dropped first)
 RELEASE_RETRIES_AT_ONCE = 64
+LEDGER_TIMEOUT_S = 1.0  # a ledger read or write past this is skipped: probes and closes do not wait on Redis
 
 
 @dataclass
@@ -161,6 +162,17 @@ class Drafts(Pool, Protocol):
                       corpus_group: str = "") -> DraftReply: ...
 
 
+class ReleaseLedger(Protocol):
+    """Where the releases a replica did not answer are kept for every orchestrator (the session
+    store: `RedisSessionStore.owe_release` and the two after it)."""
+
+    async def owe_release(self, address: str, session_id: str, forget_output: bool) -> None: ...
+
+    async def owed_releases(self, address: str, limit: int) -> dict[str, bool]: ...
+
+    async def paid_releases(self, address: str, session_ids: list[str]) -> None: ...
+
+
 class ReplicaPool(Generic[B]):
     """One role's replicas; subclasses add the role's calls with failover."""
 
@@ -183,6 +195,9 @@ class ReplicaPool(Generic[B]):
         self._without_store: set[str] = set()  # replicas that answered SaveSnapshot with "no store"
         self._task: asyncio.Task | None = None
         self._retiring: set[asyncio.Task] = set()
+        # Releases a replica did not answer, also kept here for every orchestrator: one killed before
+        # the replica answers again would otherwise take them along (None: this orchestrator's only).
+        self.ledger: ReleaseLedger | None = None
 
     # -- membership ---------------------------------------------------------------------
 
@@ -269,17 +284,34 @@ class ReplicaPool(Generic[B]):
         if replica.info is None or replica.down_until:
             log.info("%s replica %s is serving %s", self.role, replica.address, info.model)
         replica.info, replica.fingerprint, replica.error, replica.down_until = info, info.tokenizer_fingerprint, "", 0.0
-        if replica.unreleased:
+        if replica.unreleased or self.ledger is not None:
             await self._release_owed(replica)
 
     async def _release_owed(self, replica: Replica[B]) -> None:
-        """Send the releases `replica` did not answer, a batch at a time; any still failing stay owed."""
-        owed = list(replica.unreleased.items())[:RELEASE_RETRIES_AT_ONCE]
-        results = await asyncio.gather(*(replica.backend.release(s, forget) for s, forget in owed),
+        """Send the releases `replica` did not answer (this orchestrator's, and those the ledger holds
+        from any orchestrator), a batch at a time; any still failing stay owed."""
+        owed = dict(list(replica.unreleased.items())[:RELEASE_RETRIES_AT_ONCE])
+        if self.ledger is not None:
+            try:
+                stored = await asyncio.wait_for(self.ledger.owed_releases(replica.address, RELEASE_RETRIES_AT_ONCE),
+                                                LEDGER_TIMEOUT_S)
+            except (SpecdecError, asyncio.TimeoutError) as exc:  # the store is down: our own releases go anyway
+                log.debug("reading the releases %s owes failed: %r", replica.address, exc)
+            else:
+                for session_id, forget in stored.items():
+                    owed.setdefault(session_id, forget)
+        if not owed:
+            return
+        results = await asyncio.gather(*(replica.backend.release(s, forget) for s, forget in owed.items()),
                                        return_exceptions=True)
-        for (session_id, _), result in zip(owed, results):
-            if not isinstance(result, Exception):
-                replica.unreleased.pop(session_id, None)
+        paid = [session_id for session_id, result in zip(owed, results) if not isinstance(result, Exception)]
+        for session_id in paid:
+            replica.unreleased.pop(session_id, None)
+        if paid and self.ledger is not None:
+            try:
+                await asyncio.wait_for(self.ledger.paid_releases(replica.address, paid), LEDGER_TIMEOUT_S)
+            except (SpecdecError, asyncio.TimeoutError) as exc:  # sent again later: it frees nothing then
+                log.debug("recording the releases %s answered failed: %r", replica.address, exc)
 
     # -- placement ----------------------------------------------------------------------
 
@@ -331,8 +363,18 @@ class ReplicaPool(Generic[B]):
                 log.info("release of %s on %s failed (%s); sent again once it answers", session_id,
                          replica.address, result.code().name)
                 replica.owe_release(session_id, forget_output)
+                await self._record_owed(replica.address, session_id, forget_output)
             elif isinstance(result, Exception):
                 log.warning("release of %s on %s failed: %s", session_id, replica.address, result)
+
+    async def _record_owed(self, address: str, session_id: str, forget_output: bool) -> None:
+        """Keep an owed release in the ledger too (best effort: this orchestrator keeps it anyway)."""
+        if self.ledger is None:
+            return
+        try:
+            await asyncio.wait_for(self.ledger.owe_release(address, session_id, forget_output), LEDGER_TIMEOUT_S)
+        except (SpecdecError, asyncio.TimeoutError) as exc:
+            log.info("the release of %s owed by %s is kept by this orchestrator only: %r", session_id, address, exc)
 
     async def save_snapshot(self, session_id: str) -> int:
         """Snapshot the session's cache on the replica that holds it (0 if none is known).

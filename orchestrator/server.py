@@ -63,6 +63,9 @@ async def build_orchestrator(config: OrchestratorConfig) -> Orchestrator:
                           config.draft_retry_s, config.replica_refresh_s, node, zone) if config.draft else None
     except ValueError as exc:
         raise StartupError(str(exc)) from exc
+    for pool in (target, draft):
+        if pool is not None:
+            pool.ledger = store  # releases a replica misses are resent by whichever orchestrator sees it back
     try:
         target_info = await target.start(timeout_s=60.0)
     except Unavailable as exc:

@@ -39,7 +39,8 @@ from redis.exceptions import (
 from specdec.core.sampling import SamplingParams
 from specdec.core.suffix import encode_entry
 from specdec.errors import Aborted, FailedPrecondition, ResourceExhausted, Unavailable
-from specdec.keys import PRIOR_KEY, session_meta_key, session_tokens_key, suffix_outputs_key
+from specdec.keys import PRIOR_KEY, owed_releases_key, session_meta_key, session_tokens_key, suffix_outputs_key
+from specdec.server.limits import SESSION_ID
 from specdec.server.redis import RedisSettings, connect
 from specdec.server.wire import constants_digest
 from specdec.v1 import orchestrator_pb2 as pb
@@ -310,6 +311,16 @@ class SessionStore(Protocol):
         """Offer a finished generation's output to the suffix corpus of corpus group `group` in every
         draft replica (evictable)."""
 
+    async def owe_release(self, address: str, session_id: str, forget_output: bool) -> None:
+        """Remember that the replica at `address` did not answer the session's Release."""
+
+    async def owed_releases(self, address: str, limit: int) -> dict[str, bool]:
+        """Up to `limit` of the releases owed by `address` (session id -> forget_output); ids that
+        are not session ids are dropped, never returned."""
+
+    async def paid_releases(self, address: str, session_ids: list[str]) -> None:
+        """`address` answered these sessions' Releases."""
+
     async def close(self) -> None: ...
 
 
@@ -385,6 +396,40 @@ class RedisSessionStore:
         fields = encode_entry(tokens, group)
         await self._call(lambda: self.redis.xadd(suffix_outputs_key(), fields,
                                                  maxlen=SHARED_OUTPUTS_MAXLEN, approximate=True))
+
+    async def owe_release(self, address: str, session_id: str, forget_output: bool) -> None:
+        """One field of `owed_releases_key(address)`, the key's TTL the session TTL (a release owed
+        for longer has nothing left to free: the replica's cache went by eviction or a restart)."""
+        key = owed_releases_key(address)
+
+        async def write() -> None:
+            pipe = self.redis.pipeline(transaction=False)  # one key: one slot in a cluster
+            pipe.hset(key, session_id, "1" if forget_output else "0")
+            pipe.expire(key, self.ttl_s)
+            await pipe.execute()
+
+        await self._call(write)
+
+    async def owed_releases(self, address: str, limit: int) -> dict[str, bool]:
+        """One HSCAN page of the owed releases; a field that is not a session id (a hostile or
+        corrupted entry) is deleted, never sent."""
+        key = owed_releases_key(address)
+        _, fields = await self._call(lambda: self.redis.hscan(key, 0, count=limit))
+        owed, bad = {}, []
+        for raw, value in list(fields.items())[:limit]:
+            session = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
+            if SESSION_ID.fullmatch(session) and value in (b"0", b"1", "0", "1"):
+                owed[session] = value in (b"1", "1")
+            else:
+                bad.append(raw)
+        if bad:
+            log.warning("dropping %d malformed entries of %s", len(bad), key)
+            await self._call(lambda: self.redis.hdel(key, *bad))
+        return owed
+
+    async def paid_releases(self, address: str, session_ids: list[str]) -> None:
+        if session_ids:
+            await self._call(lambda: self.redis.hdel(owed_releases_key(address), *session_ids))
 
     async def refresh_memory(self) -> None:
         """Read Redis's used memory and maxmemory (INFO memory; a cluster: the fullest node)."""

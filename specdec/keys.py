@@ -45,3 +45,10 @@ def prefix_block_key(role: str, identity: str, name: str) -> str:
     (stored as a KV snapshot of role `<role>-prefix` under the segment's id). `identity`: a hash of
     the model, dtype and tokenizer the keys/values belong to; `name`: the block's chained hash."""
     return f"{PREFIX}:prefix:{role}:{identity}:{name}"
+
+
+def owed_releases_key(address: str) -> str:
+    """Hash: the sessions whose Release the replica at `address` did not answer (down, restarting),
+    field a session id, value "1" when its output must not join a corpus ("0": it may). Read by
+    every orchestrator once the replica answers again; expires with the session TTL."""
+    return f"{PREFIX}:owed-releases:{address}"

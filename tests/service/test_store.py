@@ -13,7 +13,7 @@ import redis
 from orchestrator.store import GenerationRecord, RedisSessionStore, SessionState
 from specdec.core.sampling import SamplingParams
 from specdec.errors import Aborted, Unavailable
-from specdec.keys import session_meta_key, session_tokens_key
+from specdec.keys import owed_releases_key, session_meta_key, session_tokens_key
 from specdec.server.redis import RedisSettings
 from tests.redis_ha import LocalCluster
 from tests.unit.fakes import InMemorySessionStore
@@ -230,3 +230,30 @@ async def test_a_full_store_refuses_new_writes_clearly_and_loses_no_session(capp
     assert value("specdec_session_store_used_bytes") > 0.9 * 3 * 1024 * 1024
     assert await store.delete(saved[0].session_id)  # closing a session frees room, also when full
     await store.close()
+
+
+async def test_owed_releases_round_trip(store):
+    """A release one orchestrator could not deliver, read back by any other, gone once paid."""
+    assert await store.owed_releases("10.0.0.7:50053", 64) == {}
+    await store.owe_release("10.0.0.7:50053", "s1", True)
+    await store.owe_release("10.0.0.7:50053", "s2", False)
+    await store.owe_release("10.0.0.8:50053", "s3", True)
+    assert await store.owed_releases("10.0.0.7:50053", 64) == {"s1": True, "s2": False}
+    await store.paid_releases("10.0.0.7:50053", ["s1"])
+    assert await store.owed_releases("10.0.0.7:50053", 64) == {"s2": False}
+    assert await store.owed_releases("10.0.0.8:50053", 64) == {"s3": True}
+
+
+@pytest.mark.parametrize("kind", ["redis", "cluster"])
+async def test_owed_releases_expire_and_a_hostile_entry_is_dropped_never_sent(request, kind):
+    store, raw = redis_store(request, kind, 120)
+    try:
+        await store.owe_release("t:1", "s1", False)
+        key = owed_releases_key("t:1")
+        assert 0 < raw.ttl(key) <= 120
+        raw.hset(key, mapping={"not a session id!": "1", "s2": "yes", "s3": "1"})
+        assert await store.owed_releases("t:1", 64) == {"s1": False, "s3": True}
+        assert sorted(raw.hkeys(key)) == [b"s1", b"s3"]  # the malformed ones are deleted
+    finally:
+        raw.delete(owed_releases_key("t:1"))
+        await store.close()

@@ -27,6 +27,7 @@ class InMemorySessionStore:
         self._prior: str | None = None
         self.published: list[list[int]] = []
         self.published_groups: list[str] = []  # the corpus group of each published output
+        self.owed: dict[str, dict[str, bool]] = {}  # releases owed: address -> session -> forget_output
         self.down = False
 
     def _check(self) -> None:
@@ -70,6 +71,19 @@ class InMemorySessionStore:
         self._check()
         self.published.append(list(tokens))
         self.published_groups.append(group)
+
+    async def owe_release(self, address: str, session_id: str, forget_output: bool) -> None:
+        self._check()
+        self.owed.setdefault(address, {})[session_id] = forget_output
+
+    async def owed_releases(self, address: str, limit: int) -> dict[str, bool]:
+        self._check()
+        return dict(list(self.owed.get(address, {}).items())[:limit])
+
+    async def paid_releases(self, address: str, session_ids: list[str]) -> None:
+        self._check()
+        for session_id in session_ids:
+            self.owed.get(address, {}).pop(session_id, None)
 
     async def close(self) -> None:
         pass

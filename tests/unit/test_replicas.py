@@ -13,6 +13,7 @@ from orchestrator.replicas import DraftPool, Replica, TargetPool, parse_addresse
 from specdec.core.sampling import SamplingParams
 from specdec.errors import FailedPrecondition, Unavailable
 from specdec.v1 import common_pb2
+from tests.unit.fakes import InMemorySessionStore
 
 
 class FakeTarget:
@@ -262,3 +263,43 @@ def test_a_replica_that_fails_a_call_but_still_answers_is_not_counted_against_th
     pool.replicas["b:1"].rtt_s, pool.replicas["c:1"].rtt_s = 0.001, 0.010
     assert verify(pool, "s").token_id == 3
     assert [len(pool.replicas[n].backend.calls) for n in ("a:1", "b:1", "c:1")] == [1, 1, 1]
+
+
+class RestartedTarget(FakeTarget):
+    """A replica whose releases fail as a down one's do (`down`), and that answers GetInfo."""
+
+    def __init__(self, address: str) -> None:
+        super().__init__(address)
+        self.down = False
+
+    async def release(self, session_id, forget_output=True):
+        if self.down:
+            raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "down")
+        self.calls.append(f"release:{session_id}:{forget_output}")
+
+    async def info(self, timeout=10.0, wait=True):
+        return common_pb2.ModelInfo(tokenizer_fingerprint="fp")
+
+
+def test_a_release_a_replica_missed_is_sent_by_any_orchestrator_once_it_answers():
+    """Orchestrator A's release reaches a replica that is down: owed in A and in the shared ledger.
+    A is killed; orchestrator B's probe finds the replica back and sends it; the ledger forgets it.
+    Without a ledger (Redis down) A still keeps its own."""
+    ledger = InMemorySessionStore()
+    a = TargetPool("t:1", RestartedTarget, retry_s=60.0)
+    a.replicas["t:1"] = Replica(a.make("t:1"), fingerprint="fp")
+    a.ledger = ledger
+    a.replicas["t:1"].backend.down = True
+    asyncio.run(a.release("s1", forget_output=False))
+    assert a.replicas["t:1"].unreleased == {"s1": False} and ledger.owed == {"t:1": {"s1": False}}
+
+    b = TargetPool("t:1", RestartedTarget, retry_s=60.0)
+    b.replicas["t:1"] = Replica(b.make("t:1"))
+    b.ledger = ledger
+    asyncio.run(b._probe(b.replicas["t:1"]))
+    assert b.replicas["t:1"].backend.calls == ["release:s1:False"] and ledger.owed == {"t:1": {}}
+
+    ledger.down = True  # the store is unreachable: A's own release goes all the same when t1 is back
+    a.replicas["t:1"].backend.down = False
+    asyncio.run(a._probe(a.replicas["t:1"]))
+    assert a.replicas["t:1"].backend.calls == ["release:s1:False"] and a.replicas["t:1"].unreleased == {}
