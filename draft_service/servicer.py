@@ -34,10 +34,11 @@ class DraftServicer(ModelServicer, draft_pb2_grpc.DraftServiceServicer):
         params = self.constants.resolve(request.session_id, request.sampling, self.info.vocab_size)
         history = list(request.history)
         self.drafter.check(history, request.num_tokens, request.tokenizer_fingerprint)
+        sources = self.drafter.check_sources(request.sources)
         deadline = deadline_of(context)
         async with self.admission.slot(deadline, context):
             drafts = self.drafter.stream(request.session_id, history, request.num_tokens, params, request.seed,
-                                         deadline, arrived, request.sent_unix_ns, request.corpus_group)
+                                         deadline, arrived, request.sent_unix_ns, request.corpus_group, sources)
             index = 0
             async for draft, step in drafts:
                 yield draft_pb2.Proposal(

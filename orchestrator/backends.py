@@ -14,6 +14,7 @@ import math
 import sys
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -209,16 +210,18 @@ class DraftBackend(_ModelBackend):
     async def propose(self, session_id: str, history: list[int], k: int, params: SamplingParams,
                       seed: int, fingerprint: str, into: DraftReply | None = None,
                       progress: asyncio.Event | None = None, timeout: float | None = None,
-                      corpus_group: str = "") -> DraftReply:
+                      corpus_group: str = "", sources: Sequence[str] = ()) -> DraftReply:
         """Collect the streamed proposals (into `into`, as they arrive, if given).
 
         `timeout` is what is left of the request's deadline (the call's own limit if shorter);
-        `corpus_group`: whose earlier outputs may draft it (orchestrator.corpus).
+        `corpus_group`: whose earlier outputs may draft it (orchestrator.corpus); `sources`: the
+        draft's sources that may draft it (empty: any).
         """
         start = time.perf_counter_ns()
         request = draft_pb2.ProposeRequest(
             session_id=session_id, history=history, num_tokens=k, sampling=self._sampling(session_id, params),
             seed=seed, tokenizer_fingerprint=fingerprint, sent_unix_ns=time.time_ns(), corpus_group=corpus_group,
+            sources=list(sources),
         )
         proposal = into if into is not None else DraftReply()
         try:

@@ -35,9 +35,15 @@ class DraftLengthController(Protocol):
     def upcoming(self) -> int:
         """What the controller would choose now: the length of a block drafted ahead (overlap)."""
 
-    def observe(self, state: SessionState, stats: pb.RoundStats, loop_s: float, source: str = "") -> None:
+    @property
+    def sources(self) -> tuple[str, ...]:
+        """The draft's sources the next round's block may come from (empty: any)."""
+
+    def observe(self, state: SessionState, stats: pb.RoundStats, loop_s: float, source: str = "",
+                asked: tuple[str, ...] = ()) -> None:
         """Learn from a round (`loop_s`: the orchestrator's own time since the previous one; `source`:
-        the source that drafted its block, "" when none did); the state travels with the session."""
+        the source that drafted its block, "" when none did; `asked`: the sources it was asked to
+        draft from, empty for any); the state travels with the session."""
 
     async def finish(self, store: SessionStore) -> None:
         """The generation ended: fold what it learnt into the prior new sessions start from."""
@@ -106,7 +112,12 @@ class DraftLength:
     def wanted(self) -> int:
         return self.policy.k if self.policy is not None else self.fixed
 
-    def observe(self, state: SessionState, stats: pb.RoundStats, loop_s: float, source: str = "") -> None:
+    @property
+    def sources(self) -> tuple[str, ...]:
+        return ()
+
+    def observe(self, state: SessionState, stats: pb.RoundStats, loop_s: float, source: str = "",
+                asked: tuple[str, ...] = ()) -> None:
         """Let the controller learn from a round, whichever source drafted it."""
         if self.policy is not None:
             _, self.upcoming, self.policy = step(self.policy, observation(stats, loop_s), self.config)

@@ -152,14 +152,15 @@ class Orchestrator:
                     remaining = state.remaining(self.max_context)
                     k, k_next = within_budget(lengths.wanted, lengths.upcoming, remaining, first, drafting)
                     round_start, first = time.perf_counter_ns(), False
-                    rnd = await speculator.round(state.tokens, k, k_next, self._continues(k, k_next, remaining))
+                    rnd = await speculator.round(state.tokens, k, k_next, self._continues(k, k_next, remaining),
+                                                 lengths.sources if k else ())
                 else:
                     (pending, round_start), ahead = ahead, None
                     rnd = await pending
                     remaining = state.remaining(self.max_context)
                 between_ns = round_start - round_end if round_end is not None else 0
                 round_end = time.perf_counter_ns()
-                lengths.observe(state, rnd.stats, between_ns / 1e9, rnd.source)
+                lengths.observe(state, rnd.stats, between_ns / 1e9, rnd.source, rnd.asked)
                 kept, finish = gen.apply_stops(rnd.emitted, remaining, text, self.eos_ids)
                 stopped = time.perf_counter_ns()
                 state.record_round(rnd.stats, kept, finish, self.config.session_lease_s, time.perf_counter() - start)
@@ -190,7 +191,8 @@ class Orchestrator:
         tokens), with when it started."""
         remaining = state.remaining(self.max_context)
         k, k_next = within_budget(lengths.wanted, lengths.upcoming, remaining, False, drafting)
-        round_ = speculator.round(state.tokens, k, k_next, self._continues(k, k_next, remaining))
+        round_ = speculator.round(state.tokens, k, k_next, self._continues(k, k_next, remaining),
+                                  lengths.sources if k else ())
         return asyncio.ensure_future(round_), time.perf_counter_ns()
 
     def _continues(self, k: int, k_next: int, remaining: int) -> bool:

@@ -33,6 +33,7 @@ class Round:
     stats: orchestrator_pb2.RoundStats
     logprobs: list = field(default_factory=list)  # common_pb2.TokenLogprobs per emitted token, when asked
     source: str = ""  # the proposer that drafted the block ("model", "ngram", "suffix"; "" when none was drafted)
+    asked: tuple[str, ...] = ()  # the sources the draft was asked to draft it from (empty: any)
 
 
 @dataclass
@@ -74,11 +75,13 @@ class Speculator:
             raise DeadlineExceeded("the request's deadline passed; the tokens sent so far stay in the session")
         return left
 
-    @traced("orchestrator.round", lambda self, history, k, k_next, continues=False: {
+    @traced("orchestrator.round", lambda self, history, k, k_next, continues=False, sources=(): {
         "specdec.k": k, "specdec.history": len(history)})
-    async def round(self, history: list[int], k: int, k_next: int, continues: bool = False) -> Round:
+    async def round(self, history: list[int], k: int, k_next: int, continues: bool = False,
+                    sources: tuple[str, ...] = ()) -> Round:
         """One round at draft length k; with overlap, start drafting the next block (of k_next).
-        `continues`: the next round is expected at k = 0 (the target may verify it ahead)."""
+        `continues`: the next round is expected at k = 0 (the target may verify it ahead);
+        `sources`: the draft's sources that may draft this block (empty: any)."""
         proposal, fallback, overlapped = DraftReply(), False, False
         if k > 0 and self.draft is not None:
             taken = await self._take_ahead(history, k)
@@ -91,7 +94,7 @@ class Speculator:
                         raise DraftUnavailable("in back-off after a failure")
                     proposal = await self.draft.propose(self.session_id, history, k, self.params, self.seed,
                                                         self.fingerprint, timeout=self._remaining(),
-                                                        corpus_group=self.corpus_group)
+                                                        corpus_group=self.corpus_group, sources=sources)
                 except DraftUnavailable:
                     fallback = True  # the session goes on at k = 0; no client-visible error
         else:
@@ -119,7 +122,7 @@ class Speculator:
             verify_decoded_ahead=reply.decoded_ahead,
         )
         return Round(reply.emitted(proposal.tokens), stats, reply.logprobs,
-                     proposal.source if proposal.tokens else "")
+                     proposal.source if proposal.tokens else "", () if overlapped else sources)
 
     def _start_ahead(self, history: list[int], block: list[int], k_next: int) -> None:
         self.close()

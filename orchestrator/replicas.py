@@ -23,7 +23,7 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
@@ -159,7 +159,7 @@ class Drafts(Pool, Protocol):
     async def propose(self, session_id: str, history: list[int], k: int, params: SamplingParams, seed: int,
                       fingerprint: str, into: DraftReply | None = None,
                       progress: asyncio.Event | None = None, timeout: float | None = None,
-                      corpus_group: str = "") -> DraftReply: ...
+                      corpus_group: str = "", sources: Sequence[str] = ()) -> DraftReply: ...
 
 
 class ReleaseLedger(Protocol):
@@ -569,7 +569,7 @@ class DraftPool(ReplicaPool[DraftBackend]):
     async def propose(self, session_id: str, history: list[int], k: int, params: SamplingParams, seed: int,
                       fingerprint: str, into: DraftReply | None = None,
                       progress: asyncio.Event | None = None, timeout: float | None = None,
-                      corpus_group: str = "") -> DraftReply:
+                      corpus_group: str = "", sources: Sequence[str] = ()) -> DraftReply:
         replica = self.pick(session_id)
         if replica is None:
             raise DraftUnavailable("no healthy draft replica")
@@ -577,7 +577,7 @@ class DraftPool(ReplicaPool[DraftBackend]):
         try:
             proposal = await replica.backend.propose(session_id, history, k, params, seed, fingerprint,
                                                      into=into, progress=progress, timeout=timeout,
-                                                     corpus_group=corpus_group)
+                                                     corpus_group=corpus_group, sources=sources)
         except DraftReleased:
             raise  # the session's caches were released after the call was sent: the replica is fine
         except DraftUnavailable as exc:

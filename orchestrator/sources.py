@@ -21,7 +21,15 @@ blend that fits neither. `SourcedDraftLength` keeps one `PolicyState` per source
 - the next round is priced with the state of the source predicted to draft it: another source
   after a round it drafted (a confident match tends to last while the text repeats), the primary
   otherwise. The draft still decides per call: a round priced for the suffix that the model
-  drafts teaches the model's state, and the next is priced for the model.
+  drafts teaches the model's state, and the next is priced for the model;
+- where the primary's state would draft nothing (k = 0: the model does not pay), the round is
+  asked of the other sources alone (`ProposeRequest.sources`): priced for the one predicted to
+  draft it, or, after a round nobody drafted, for the other source whose state would draft the
+  most (one not measured yet is asked for a first block while it keeps proposing). A hybrid
+  draft asked for its suffix alone answers a confident match or nothing, never a model block:
+  without this a session whose prior says the model does not pay would ask for nothing, and find
+  its suffix matches only at the primary's exploration probes. Such a round teaches the sources
+  it was asked of; one that drafted nothing is a plain round for the others.
 
 Another source's state starts from the primary's as it stands (verify cost, round trips, the
 loop's own time are the session's, whatever drafts), with its acceptance, draft cost and proposal
@@ -39,6 +47,8 @@ from specdec.core.policy import PolicyConfig, PolicyState, choose_k, step
 from specdec.v1 import orchestrator_pb2 as pb
 
 BY_SOURCE = "by_source"  # key of the other sources' states inside SessionState.policy
+UNMEASURED_K = 2  # the block asked of a source whose acceptance is not measured yet
+UNMEASURED_MIN_RATE = 0.25  # ... while it proposes at least this share of the tokens it is asked for
 
 
 async def controller_for(state: SessionState, store: SessionStore, config: PolicyConfig, drafting: bool,
@@ -87,25 +97,64 @@ class SourcedDraftLength:
 
     @property
     def wanted(self) -> int:
-        policy = self.policy
-        return policy.k if policy is not None else self.main.fixed
+        return self._plan()[0]
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        return self._plan()[1]
+
+    def _plan(self) -> tuple[int, tuple[str, ...]]:
+        """The next round's draft length and the sources it is asked of (empty: any)."""
+        main = self.main.policy
+        if main is None:
+            return self.main.fixed, ()
+        other = self.others.get(self.next_source)
+        if other is not None:  # priced for the source that drafted the last round
+            return other.k, ((self.next_source,) if main.k == 0 else ())
+        if main.k > 0:
+            return main.k, ()
+        k, name = max(((self._ask(policy), name) for name, policy in self.others.items()), default=(0, ""))
+        return (k, (name,)) if k > 0 else (0, ())
+
+    def _ask(self, policy: PolicyState) -> int:
+        """The block to ask of another source alone where the primary would draft nothing: its own
+        choice once its acceptance is measured; before that, a new session's first block
+        (`UNMEASURED_K`) while it proposes at least `UNMEASURED_MIN_RATE` of what it is asked (a
+        source that keeps finding nothing is asked no more: its exploration probes retry it)."""
+        if policy.alpha is not None or policy.backoff > 0:
+            return policy.k
+        rate = policy.proposal_rate
+        return min(UNMEASURED_K, self.config.k_max) if rate is None or rate >= UNMEASURED_MIN_RATE else policy.k
 
     @property
     def upcoming(self) -> int:
         return self.others_upcoming.get(self.next_source, self.main.upcoming)
 
-    def observe(self, state: SessionState, stats: pb.RoundStats, loop_s: float, source: str = "") -> None:
-        """Let the state of the round's source learn from it (every state, when it drafted nothing)."""
+    def observe(self, state: SessionState, stats: pb.RoundStats, loop_s: float, source: str = "",
+                asked: tuple[str, ...] = ()) -> None:
+        """Let the state of the round's source learn from it (every state, when it drafted nothing);
+        a round asked of some sources alone (`asked`) teaches those, and is a plain round for the
+        others when it drafted nothing."""
         drafted = stats.proposed > 0
         self.next_source = source if drafted and source in self.others else self.primary
         if self.main.policy is None:
             return
         obs = observation(stats, loop_s)
-        if not drafted or source not in self.others:
-            _, self.main.upcoming, self.main.policy = step(self.main.policy, obs, self.config)
-        for name, policy in self.others.items():
-            if not drafted or source == name:
-                _, self.others_upcoming[name], self.others[name] = step(policy, obs, self.config)
+        only = {name for name in asked if name in self.others}
+        if only:
+            for name in only:
+                _, self.others_upcoming[name], self.others[name] = step(self.others[name], obs, self.config)
+            if not drafted:  # for the sources not asked, a round that verified one position
+                plain = replace(obs, k=0, draft_wall_s=0.0, draft_compute_s=0.0, drafted=0, draft_prefill_tokens=0)
+                _, self.main.upcoming, self.main.policy = step(self.main.policy, plain, self.config)
+                for name in set(self.others) - only:
+                    _, self.others_upcoming[name], self.others[name] = step(self.others[name], plain, self.config)
+        else:
+            if not drafted or source not in self.others:
+                _, self.main.upcoming, self.main.policy = step(self.main.policy, obs, self.config)
+            for name, policy in self.others.items():
+                if not drafted or source == name:
+                    _, self.others_upcoming[name], self.others[name] = step(policy, obs, self.config)
         state.policy = {**self.main.policy.to_dict(),
                         BY_SOURCE: {name: policy.to_dict() for name, policy in self.others.items()}}
 

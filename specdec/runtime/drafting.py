@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Protocol, TypeVar
@@ -69,6 +69,11 @@ class DraftRequest:
     arrived: float = 0.0
     sent_unix_ns: int = 0
     corpus_group: str = ""
+    sources: tuple[str, ...] = ()  # the sources that may draft it (empty: any)
+
+    def allows(self, source: str) -> bool:
+        """Whether `source` may draft this request's block."""
+        return not self.sources or source in self.sources
 
     @property
     def grammar(self) -> GrammarSpec | None:
@@ -233,14 +238,26 @@ class Drafter:
                 f"{self.fingerprint}; start the draft with a model that shares the target's tokenizer"
             )
 
+    def check_sources(self, sources: Sequence[str]) -> tuple[str, ...]:
+        """The sources a request names, refused if this draft lacks one of them."""
+        unknown = sorted(set(sources) - set(self.proposer.sources))
+        if unknown:
+            raise InvalidArgument(f"sources names {', '.join(repr(s[:32]) for s in unknown[:4])}, which this draft "
+                                  f"does not have (it has: {', '.join(self.proposer.sources)}); name those or none")
+        return tuple(dict.fromkeys(sources))
+
     async def stream(self, session_id: str, history: list[int], k: int, params: SamplingParams, seed: int,
                      deadline: float | None, arrived: float, sent_unix_ns: int = 0,
-                     corpus_group: str = "") -> AsyncIterator[Drafted]:
+                     corpus_group: str = "", sources: tuple[str, ...] = ()) -> AsyncIterator[Drafted]:
         """Up to `k` draft tokens as each is made: those the grammar forces (proposed without the
         proposer), then the proposer's block (see `DraftRequest` for the arguments)."""
-        request = DraftRequest(session_id, history, k, params, seed, deadline, arrived, sent_unix_ns, corpus_group)
+        request = DraftRequest(session_id, history, k, params, seed, deadline, arrived, sent_unix_ns, corpus_group,
+                               sources)
         forced = await self.env.forced(request)
-        block = await self.proposer.block(request.after(forced), self.env)
+        if any(request.allows(source) for source in self.proposer.sources):
+            block = await self.proposer.block(request.after(forced), self.env)
+        else:
+            block = Block.empty(self.proposer.sources[0])
         for token in forced:
             yield block.forced(token)
         async for drafted in block.tokens:

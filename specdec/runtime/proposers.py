@@ -356,10 +356,14 @@ class HybridProposer(ProposerBase):
         yield from drafts or self.model.propose(session_id, history, k, params, seed)
 
     async def block(self, request: DraftRequest, env: DraftEnv) -> Block:
+        """The suffix proposal if it makes one (and may: `DraftRequest.sources`), else the model's
+        block, or nothing when the request names the suffix alone."""
         if request.k > 0:
             drafts = await env.proposal(self.suffix.for_group(request.corpus_group), request)
-            if drafts:
+            if drafts and request.allows(SUFFIX):
                 return Block.listed(SUFFIX, drafts, request.arrived)
+        if not request.allows(MODEL):
+            return Block.empty(SUFFIX)
         return await self.model.block(request, env)
 
     def add_output(self, tokens: list[int], group: str = "") -> None:

@@ -5,6 +5,7 @@ acceptance learnt apart, and a flag combination that means hybrid refused with a
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 import urllib.request
@@ -16,6 +17,7 @@ import redis
 from orchestrator.sources import BY_SOURCE
 from orchestrator.store import RedisSessionStore
 from specdec import Client
+from specdec.core.policy import PolicyConfig, PolicyState, initial_state
 from specdec.core.sampling import SamplingParams
 from specdec.keys import PRIOR_KEY
 from specdec.launcher import free_port
@@ -106,6 +108,29 @@ def test_rounds_name_their_source_and_each_sources_acceptance_is_learnt_apart(hy
     model_alpha, suffix_alpha = state.policy["alpha"], state.policy[BY_SOURCE]["suffix"]["alpha"]
     assert model_alpha is not None and suffix_alpha is not None
     assert suffix_alpha > model_alpha  # a loop is mostly accepted; the poor draft's guesses are not
+
+
+# A prior learnt from sessions where the poor model's drafts were all rejected.
+UNPAID_PRIOR = {"version": 1, "rounds": 90, "k": 1, "alpha": 0.0, "accepted_ewma": 0.0, "rejected_ewma": 0.2,
+                "rtt_draft_s": 0.0089, "rtt_target_s": 0.0007, "draft_token_s": 0.00016,
+                "verify_s": [0.00106, None, 0.00164] + [None] * 14, "batch_ewma": 1.0, "queue_ratio": 0.69,
+                "proposal_rate": 1.0, "loop_s": 0.00018, "backoff": 0, "resume_probe": False, "speculating": False}
+
+
+def test_where_the_prior_says_the_model_does_not_pay_suffix_matches_still_draft(hybrid_pipeline, reference):
+    """The session starts with the model at k = 0; its rounds are then asked of suffix speculation
+    alone (never the model's block), so a text that repeats is drafted from the start: before, such
+    a session asked for nothing and found its suffix matches only at exploration probes."""
+    assert initial_state(PolicyConfig(k_max=16), PolicyState.from_dict(UNPAID_PRIOR)).k == 0  # the premise
+    plan = hybrid_pipeline.plan
+    with redis.Redis(host=plan.host, port=plan.redis_port) as connection:
+        connection.set(PRIOR_KEY, json.dumps(UNPAID_PRIOR))
+    proposed = by_source(hybrid_pipeline)
+    with Client(orchestrator_address(hybrid_pipeline)) as client:
+        out = client.generate(LOOP, max_new_tokens=48, draft_length="auto")
+    assert out.token_ids == reference.greedy(LOOP, 48)
+    proposed = delta(by_source(hybrid_pipeline), proposed)
+    assert proposed.get("suffix", 0) >= 8 and proposed["suffix"] > proposed.get("model", 0), proposed
 
 
 def test_suffix_options_without_suffix_speculation_are_refused_at_startup_pointing_to_hybrid(tiny_models):

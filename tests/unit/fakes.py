@@ -168,7 +168,7 @@ class FakeDraft(_FakePool):
         self.corpus_groups: list[str] = []  # the corpus group of each call
 
     async def propose(self, session_id, history, k, params, seed, fingerprint, into=None, progress=None,
-                      timeout=None, corpus_group="") -> DraftReply:
+                      timeout=None, corpus_group="", sources=()) -> DraftReply:
         self.calls.append((len(history), k))
         self.corpus_groups.append(corpus_group)
         if self.fail == "released":

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ from orchestrator.sources import BY_SOURCE, SourcedDraftLength, controller_for
 from orchestrator.store import SessionState
 from specdec.core.policy import PolicyConfig, initial_state
 from specdec.core.sampling import SamplingParams
+from specdec.errors import InvalidArgument
 from specdec.runtime.batching import BatchConfig, Batcher
 from specdec.runtime.drafting import Drafter
 from specdec.runtime.grammars import SessionGrammars
@@ -314,3 +316,63 @@ def test_rounds_are_counted_by_source_in_the_metrics():
                  {"service": "orchestrator", "source": "model"}) == 1
     assert value("specdec_spec_decode_num_drafts_by_source_total",
                  {"service": "orchestrator", "source": "unspecified"}) == 1
+
+
+async def test_a_block_asked_of_one_source_comes_from_it_or_is_empty(loaded):
+    """`sources` names the suffix alone: its match, or nothing, and the model never runs; the model
+    alone: its block even where the suffix is sure. A source the draft lacks is refused by name."""
+    drafter, caches = hybrid(loaded)
+
+    async def asked(session: str, history: list[int], sources: tuple[str, ...]):
+        return [d async for d, _ in drafter.stream(session, history, 4, SamplingParams(), 0, None, time.monotonic(),
+                                                   0, "", sources)]
+
+    sure = await asked("a", REPEATING, ("suffix",))
+    assert [d.token_id for d in sure] == [8, 9, 5, 6] and {d.source for d in sure} == {"suffix"}
+    assert await asked("b", FRESH, ("suffix",)) == [] and caches.cached_tokens == 0  # no forward pass
+    model = await asked("c", REPEATING, ("model",))
+    assert len(model) == 4 and {d.source for d in model} == {"model"} and caches.cached_tokens > 0
+    assert drafter.check_sources(("suffix", "suffix")) == ("suffix",)
+    with pytest.raises(InvalidArgument, match="'ngram'"):
+        drafter.check_sources(("suffix", "ngram"))
+
+
+def unpaid() -> tuple[SourcedDraftLength, SessionState]:
+    """A session whose model does not pay (its state at k = 0), its suffix not measured yet."""
+    lengths, state = sourced()
+    lengths.main.policy = replace(lengths.main.policy, k=0)
+    lengths.others["suffix"] = replace(lengths.others["suffix"], k=0)
+    return lengths, state
+
+
+def test_where_the_model_does_not_pay_the_suffix_is_asked_alone_and_then_prices_the_rounds():
+    lengths, state = unpaid()
+    assert (lengths.wanted, lengths.sources) == (2, ("suffix",))  # a first block, of the suffix alone
+    model_rounds = lengths.main.policy.rounds
+    lengths.observe(state, round_stats(2, 2, 2), 0.001, "suffix", ("suffix",))
+    assert lengths.main.policy.rounds == model_rounds  # the model learnt nothing from the suffix's block
+    assert lengths.next_source == "suffix" and lengths.sources == ("suffix",)
+    assert lengths.wanted == lengths.others["suffix"].k > 0
+    # While the model's own state would draft, nothing is restricted.
+    lengths.main.policy, lengths.next_source = replace(lengths.main.policy, k=3), "model"
+    assert (lengths.wanted, lengths.sources) == (3, ())
+
+
+def test_a_suffix_that_finds_nothing_waits_for_its_probes_and_its_misses_are_plain_rounds_for_the_model():
+    """Its first block found nothing (proposal rate 0 < UNMEASURED_MIN_RATE): it is not asked alone
+    again; the model's exploration rounds (k = 1, any source: the draft decides) retry both."""
+    lengths, state = unpaid()
+    misses = 0
+    while lengths.sources == ("suffix",) and misses < 20:
+        before = lengths.main.policy.rounds
+        lengths.observe(state, round_stats(2, 0, 0), 0.001, "", ("suffix",))
+        misses += 1
+        assert lengths.main.policy.rounds == before + 1  # a plain round for the model ...
+        assert lengths.main.policy.proposal_rate is None  # ... which was not asked to propose
+    assert misses == 1 and lengths.others["suffix"].proposal_rate == 0.0
+    assert (lengths.wanted, lengths.sources) == (0, ())
+    plans = []
+    for _ in range(CONFIG.explore_every):
+        plans.append((lengths.wanted, lengths.sources))
+        lengths.observe(state, round_stats(lengths.wanted, 0, 0), 0.001, "", lengths.sources)
+    assert sorted(plans) == [(0, ())] * (CONFIG.explore_every - 1) + [(1, ())]
