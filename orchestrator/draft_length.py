@@ -78,10 +78,10 @@ def within_budget(wanted: int, upcoming: int, remaining: int, first: bool, draft
 
 
 def continues_at_k0(k: int, k_next: int, remaining: int, drafting: bool) -> bool:
-    """Whether the round after this one (at draft length `k`, `k_next` its own from
-    `within_budget`) is expected to follow and to draft nothing: the tokens still wanted
-    (`remaining`) outlast this round's at most k + 1, and no block is planned after it. The target
-    may then verify that round before it is asked (VerifyRequest.continues)."""
+    """Whether a round at draft length `k` (`k_next`: its own from `within_budget`) is expected to
+    be followed by one that drafts nothing: the tokens still wanted (`remaining`) outlast the at
+    most k + 1 it emits, and no block is planned after it. The target may then verify that
+    following round before it is asked (VerifyRequest.continues)."""
     return remaining > k + 1 and (not drafting or k_next == 0)
 
 

@@ -12,7 +12,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any
 
 from orchestrator.config import OrchestratorConfig
 from orchestrator.corpus import CorpusGroups
@@ -149,15 +150,13 @@ class Orchestrator:
         try:
             while not gen.finish:
                 if ahead is None:
-                    remaining = state.remaining(self.max_context)
-                    k, k_next = within_budget(lengths.wanted, lengths.upcoming, remaining, first, drafting)
+                    planned = self._round(speculator, state, lengths, drafting, first)
                     round_start, first = time.perf_counter_ns(), False
-                    rnd = await speculator.round(state.tokens, k, k_next, self._continues(k, k_next, remaining),
-                                                 lengths.sources if k else ())
+                    rnd = await planned
                 else:
                     (pending, round_start), ahead = ahead, None
                     rnd = await pending
-                    remaining = state.remaining(self.max_context)
+                remaining = state.remaining(self.max_context)
                 between_ns = round_start - round_end if round_end is not None else 0
                 round_end = time.perf_counter_ns()
                 lengths.observe(state, rnd.stats, between_ns / 1e9, rnd.source, rnd.asked)
@@ -189,15 +188,16 @@ class Orchestrator:
                     drafting: bool) -> tuple[asyncio.Future, int]:
         """Start the round after the one whose save is running (the history already holds its
         tokens), with when it started."""
-        remaining = state.remaining(self.max_context)
-        k, k_next = within_budget(lengths.wanted, lengths.upcoming, remaining, False, drafting)
-        round_ = speculator.round(state.tokens, k, k_next, self._continues(k, k_next, remaining),
-                                  lengths.sources if k else ())
-        return asyncio.ensure_future(round_), time.perf_counter_ns()
+        return asyncio.ensure_future(self._round(speculator, state, lengths, drafting, False)), time.perf_counter_ns()
 
-    def _continues(self, k: int, k_next: int, remaining: int) -> bool:
-        """--verify-ahead: whether to tell the target that this round's next round follows at k = 0."""
-        return self.config.verify_ahead and continues_at_k0(k, k_next, remaining, self.draft is not None)
+    def _round(self, speculator: Speculator, state: SessionState, lengths: DraftLengthController, drafting: bool,
+               first: bool) -> Coroutine[Any, Any, Round]:
+        """The next round, as the controller plans it within the tokens still wanted; with
+        --verify-ahead it tells the target when the round after it follows at k = 0."""
+        remaining = state.remaining(self.max_context)
+        k, k_next = within_budget(lengths.wanted, lengths.upcoming, remaining, first, drafting)
+        continues = self.config.verify_ahead and continues_at_k0(k, k_next, remaining, drafting)
+        return speculator.round(state.tokens, k, k_next, continues, lengths.sources)
 
     async def _prompt_chunk(self, state: SessionState, top: int, deadline: float | None) -> pb.GenerateChunk:
         """The input's log-probabilities (raw), scored in one target pass that also prefills its cache."""

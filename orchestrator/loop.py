@@ -121,8 +121,9 @@ class Speculator:
             verify_prefill_tokens=reply.prefill_tokens, drafted=proposal.drafted,
             verify_decoded_ahead=reply.decoded_ahead,
         )
+        asked = sources if k > 0 and not overlapped else ()  # a block drafted ahead was asked of any source
         return Round(reply.emitted(proposal.tokens), stats, reply.logprobs,
-                     proposal.source if proposal.tokens else "", () if overlapped else sources)
+                     proposal.source if proposal.tokens else "", asked)
 
     def _start_ahead(self, history: list[int], block: list[int], k_next: int) -> None:
         self.close()

@@ -51,6 +51,7 @@ from orchestrator.discovery import (
     source_of,
     usable,
 )
+from orchestrator.store import ReleaseLedger
 from specdec.core.sampling import SamplingParams
 from specdec.errors import FailedPrecondition, SpecdecError, Unavailable
 from specdec.v1 import common_pb2
@@ -160,17 +161,6 @@ class Drafts(Pool, Protocol):
                       fingerprint: str, into: DraftReply | None = None,
                       progress: asyncio.Event | None = None, timeout: float | None = None,
                       corpus_group: str = "", sources: Sequence[str] = ()) -> DraftReply: ...
-
-
-class ReleaseLedger(Protocol):
-    """Where the releases a replica did not answer are kept for every orchestrator (the session
-    store: `RedisSessionStore.owe_release` and the two after it)."""
-
-    async def owe_release(self, address: str, session_id: str, forget_output: bool) -> None: ...
-
-    async def owed_releases(self, address: str, limit: int) -> dict[str, bool]: ...
-
-    async def paid_releases(self, address: str, session_ids: list[str]) -> None: ...
 
 
 class ReplicaPool(Generic[B]):

@@ -287,7 +287,22 @@ class SessionStoreFull(ResourceExhausted):
     """Redis refused a write: it holds its maxmemory and evicts nothing (as it must not evict sessions)."""
 
 
-class SessionStore(Protocol):
+class ReleaseLedger(Protocol):
+    """Where the releases a replica did not answer are kept for every orchestrator (the session
+    store's part that `ReplicaPool` uses)."""
+
+    async def owe_release(self, address: str, session_id: str, forget_output: bool) -> None:
+        """Remember that the replica at `address` did not answer the session's Release."""
+
+    async def owed_releases(self, address: str, limit: int) -> dict[str, bool]:
+        """Up to `limit` of the releases owed by `address` (session id -> forget_output); ids that
+        are not session ids are dropped, never returned."""
+
+    async def paid_releases(self, address: str, session_ids: list[str]) -> None:
+        """`address` answered these sessions' Releases."""
+
+
+class SessionStore(ReleaseLedger, Protocol):
     """Where sessions live. `save` is optimistic: it raises Aborted when the stored version is
     not `state.version` (another request wrote since this one loaded) and bumps it on success.
     `load` returns a fresh copy: changing it changes nothing stored until `save`. Failures of the
@@ -310,16 +325,6 @@ class SessionStore(Protocol):
     async def publish_output(self, tokens: list[int], group: str = "") -> None:
         """Offer a finished generation's output to the suffix corpus of corpus group `group` in every
         draft replica (evictable)."""
-
-    async def owe_release(self, address: str, session_id: str, forget_output: bool) -> None:
-        """Remember that the replica at `address` did not answer the session's Release."""
-
-    async def owed_releases(self, address: str, limit: int) -> dict[str, bool]:
-        """Up to `limit` of the releases owed by `address` (session id -> forget_output); ids that
-        are not session ids are dropped, never returned."""
-
-    async def paid_releases(self, address: str, session_ids: list[str]) -> None:
-        """`address` answered these sessions' Releases."""
 
     async def close(self) -> None: ...
 

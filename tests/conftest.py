@@ -10,6 +10,7 @@ import pytest
 
 from specdec import launcher
 from specdec.launcher import Pipeline, PipelineSpec, free_port
+from tests.reference import Reference
 
 
 def pytest_configure(config):
@@ -88,6 +89,12 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
         "poor_draft": make_tiny_model(root / "poor_draft", base=target, perturb=1.5, seed=2),
         "mismatched": make_mismatched_tokenizer_model(root / "mismatched", base=target),
     }
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_models) -> Reference:
+    """The tiny target run directly by transformers in float64: what lossless output must equal."""
+    return Reference(str(tiny_models["target"]))
 
 
 def start_pipeline(log_dir: Path, **plan_fields) -> Pipeline:

@@ -51,11 +51,6 @@ def scrape(port: int) -> dict[tuple[str, tuple], float]:
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_models) -> Reference:
-    return Reference(str(tiny_models["target"]))
-
-
-@pytest.fixture(scope="module")
 def target(tiny_models, tmp_path_factory):
     with service("target_service", tmp_path_factory.mktemp("target-logs"), "--model", str(tiny_models["target"]),
                  "--dtype", "float64", "--max-batch", "16", "--batch-window-ms", "20") as running:

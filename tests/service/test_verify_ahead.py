@@ -12,16 +12,10 @@ import grpc
 import pytest
 
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
-from tests.reference import Reference
 from tests.service.test_batching_services import scrape, service
 
 PROMPT = "The quick brown fox"
 ROUNDS = 10
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_models) -> Reference:
-    return Reference(str(tiny_models["target"]))
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ import pytest
 
 from specdec import Client
 from tests.conftest import orchestrator_address, start_tiny_pipeline
-from tests.reference import Reference
 
 PROMPTS = [
     "The quick brown fox", "Once upon a time", "def main():\n", "Hello, world!", "1, 2, 3, 4,",
@@ -16,11 +15,6 @@ PROMPTS = [
     "The capital of France is",
 ]
 MAX_NEW = 24
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_models) -> Reference:
-    return Reference(str(tiny_models["target"]))
 
 
 @pytest.fixture(scope="module")

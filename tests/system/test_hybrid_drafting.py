@@ -22,17 +22,11 @@ from specdec.core.sampling import SamplingParams
 from specdec.keys import PRIOR_KEY
 from specdec.launcher import free_port
 from tests.conftest import orchestrator_address, start_tiny_pipeline
-from tests.reference import Reference
 from tests.system.test_pipeline_sampling import _pooled_chisquare
 
 PROMPTS = ["The quick brown fox", "Once upon a time", "Hello, world!", "abcabcabc", "The answer is"]
 LOOP = "x y z x y z x y z x y z x y z"  # the tiny target settles into a short loop: suffix speculation takes over
 MAX_NEW = 24
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_models) -> Reference:
-    return Reference(str(tiny_models["target"]))
 
 
 @pytest.fixture(scope="module")

@@ -37,11 +37,6 @@ class OpenAIPenalties(LogitsProcessor):
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_models) -> Reference:
-    return Reference(str(tiny_models["target"]))
-
-
-@pytest.fixture(scope="module")
 def client(http_pipeline):
     with Client(orchestrator_address(http_pipeline)) as c:
         yield c

@@ -22,7 +22,7 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.reference import Reference, full_logits
+from tests.reference import full_logits
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "real_clients"
 MC_TASK, GEN_TASK = "specdec_tiny_mc", "specdec_tiny_gen"
@@ -76,11 +76,6 @@ def lm_eval_run(http_pipeline, tiny_models, model, tmp_path_factory) -> dict:
     run_client([sys.executable, "-c", LM_EVAL_DRIVER, http_pipeline.plan.http_url(), str(tiny_models["target"]),
                 model, str(DATA), str(out)], tmp, cwd=DATA, timeout=300)
     return json.loads(out.read_text())
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_models) -> Reference:
-    return Reference(str(tiny_models["target"]))
 
 
 def test_lm_eval_completes_with_numeric_metrics(lm_eval_run):

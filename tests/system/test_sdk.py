@@ -18,15 +18,9 @@ import pytest
 from specdec import AsyncClient, Client, errors
 from specdec.launcher import free_port, wait_healthy
 from tests.conftest import orchestrator_address
-from tests.reference import Reference
 
 PROMPTS = ["Once upon a time", "def main():\n", "Roses are red,", "The answer is", "SELECT * FROM",
            "It was a dark and stormy night", "abcabcabc"]
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_models) -> Reference:
-    return Reference(str(tiny_models["target"]))
 
 
 @pytest.fixture(scope="module")

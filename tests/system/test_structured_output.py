@@ -44,11 +44,6 @@ class GrammarMask(LogitsProcessor):
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_models) -> Reference:
-    return Reference(str(tiny_models["target"]))
-
-
-@pytest.fixture(scope="module")
 def compiler(reference) -> GrammarCompiler:
     return GrammarCompiler(reference.tokenizer, reference.loaded.vocab_size, reference.loaded.eos_token_ids)
 

@@ -17,16 +17,10 @@ from specdec.keys import suffix_outputs_key
 from specdec.runtime.proposers import SuffixProposer
 from specdec.v1 import common_pb2, draft_pb2_grpc
 from tests.conftest import orchestrator_address, start_tiny_pipeline
-from tests.reference import Reference
 
 PROMPTS = ["The quick brown fox", "Once upon a time", "Hello, world!", "abcabcabc", "The answer is",
            "Roses are red,"]
 MAX_NEW = 24
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_models) -> Reference:
-    return Reference(str(tiny_models["target"]))
 
 
 @pytest.fixture(scope="module")
