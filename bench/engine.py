@@ -37,7 +37,8 @@ the `new` engine on the same model loaded each way, timed interleaved in one run
 `gguf` (a GGUF's blocks as stored, `--weights gguf`), `float32` (the same weights de-quantized,
 `--weights dense`), `bf16` (those weights rounded to bfloat16, `--dtype bfloat16`: oneDNN's bf16
 kernels, on AVX512-BF16 / AMX where the CPU has them), `int8`, `int4` (the float32 model quantized
-at load, `--quantize`, groups of `--quantize-group`).
+at load, `--quantize`, groups of `--quantize-group`), and `gguf_loop` (`gguf` with its layers' kernels
+called one at a time from Python instead of in one call, `stack.LayerStack`: the A/B of that call).
 
 Each figure also appears as a multiple of its floor: (weight bytes + every row's K/V bytes read)
 / the read bandwidth this script measures (sum of a ~500 MB float32 tensor, median of several).
@@ -165,7 +166,7 @@ class Cell:
     def __init__(self, engine: str, model, context: int, sessions: int, positions: int, vocab: int,
                  compiled=None, linear_rows: int | str = 48) -> None:
         options: dict = {"kernels": "torch"} if engine == "torch_kernels" else {}
-        if engine in ("new", "avx2_kernels", "compiled"):
+        if engine in ("new", "avx2_kernels", "compiled", "loop"):
             options["linear_rows"] = linear_rows
         if engine == "old":
             self.caches = legacy.SessionCaches(model, max_context=context + positions + 1, max_sessions=sessions + 1)
@@ -178,6 +179,8 @@ class Cell:
                 projection.parts = []
         if engine == "compiled":
             self.caches.forward = compiled  # compiled once for every cell
+        if engine == "loop":  # the layers one kernel call at a time from Python, not the layer stack
+            self.caches.forward.stack = None
         self.library = avx2_library() if engine == "avx2_kernels" else None
         gen = torch.Generator().manual_seed(0)
         layers, heads, dim = kv_geometry(model)
@@ -267,7 +270,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--max-seconds", type=float, default=15.0, help="skip a cell (and larger ones) past this")
     ap.add_argument("--max-gb", type=float, default=6.0, help="skip a cell whose caches need more memory")
-    ap.add_argument("--formats", default="", help="weight formats to time side by side: gguf,float32,bf16,int8,int4")
+    ap.add_argument("--formats", default="",
+                    help="weight formats to time side by side: gguf,float32,bf16,int8,int4,gguf_loop")
     ap.add_argument("--quantize-group", type=int, default=32, help="group size of the int8 / int4 formats")
     ap.add_argument("--out", default="bench/results/engine.json")
     args = ap.parse_args()
@@ -353,7 +357,9 @@ def main() -> None:
 
 FORMATS = {"gguf": {"weights": "gguf"}, "float32": {"weights": "dense"},
            "bf16": {"weights": "dense", "dtype": "bfloat16"},
-           "int8": {"weights": "dense", "quantize": "int8"}, "int4": {"weights": "dense", "quantize": "int4"}}
+           "int8": {"weights": "dense", "quantize": "int8"}, "int4": {"weights": "dense", "quantize": "int4"},
+           "gguf_loop": {"weights": "gguf"}}
+LOOPED = {"gguf_loop"}  # formats whose pass calls the layers' kernels one at a time (no `stack.LayerStack`)
 
 
 def weight_formats(args, bandwidth: float, linear_rows: int) -> dict:
@@ -376,7 +382,7 @@ def weight_formats(args, bandwidth: float, linear_rows: int) -> dict:
     rows = []
     for positions, context, sessions in cells(args):
         tokens = sessions * (context + positions)
-        runs = {name: Cell("new", m.model, context, sessions, positions, m.vocab_size,
+        runs = {name: Cell("loop" if name in LOOPED else "new", m.model, context, sessions, positions, m.vocab_size,
                            linear_rows=rows_for[name]).batched for name, m in loaded.items()}
         row = {"positions": positions, "context": context, "sessions": sessions,
                **measure(runs, args.repeats, args.max_seconds)}

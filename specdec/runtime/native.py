@@ -48,8 +48,8 @@ from specdec.runtime.engine_options import LINEAR_MAX_ROWS
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("attend.c", "linear.c", "quant.c", "layer.c")  # compiled and linked into one library
-HEADERS = ("simd.h", "status.h", "attend_impl.h")  # included by them
+SOURCES = ("attend.c", "linear.c", "quant.c", "layer.c", "stack.c")  # compiled and linked into one library
+HEADERS = ("simd.h", "status.h", "kernels.h", "attend_impl.h")  # included by them
 _FLAGS = ["-O3", "-ffast-math", "-fopenmp", "-fPIC", "-std=gnu11"]
 NATIVE = ["-march=native", "-mtune=generic"]
 """This machine's instructions, generic scheduling: a compiler older than the CPU tunes for the
@@ -92,6 +92,18 @@ class KernelStatus(enum.IntEnum):
     NO_MEMORY = -2  # its scratch memory could not be allocated
     PREFIX_WRITE = -3  # a row's new keys/values would be stored inside its shared prefix
     OUT_OF_BOUNDS = -4  # the call would read or write past a buffer it was given
+
+
+def raise_status(code: int, what: str) -> None:
+    """Raise what a kernel's status `code` (not OK) means for a call of `what`: MemoryError where its
+    scratch memory could not be had, ValueError for a call it refused."""
+    status = KernelStatus(code)
+    if status == KernelStatus.NO_MEMORY:
+        raise MemoryError(f"{what} could not allocate its scratch memory")
+    reason = {KernelStatus.BAD_SHAPE: "a size outside what the kernels take",
+              KernelStatus.PREFIX_WRITE: "a row's new positions lie in its shared prefix (read-only)",
+              KernelStatus.OUT_OF_BOUNDS: "it would read or write past its buffers"}
+    raise ValueError(f"{what} refused the call: {reason.get(status, status.name)}")
 
 
 def storage_bytes(tensor: torch.Tensor) -> int:
@@ -235,6 +247,9 @@ def load(path: Path) -> Any:
     lib.specdec_rope_f32.argtypes = [i32, i32, i32, ptr, i64, ptr, ptr, i64, i32]
     lib.specdec_silu_mul_f32.restype = i32
     lib.specdec_silu_mul_f32.argtypes = [i32, i32, ptr, i64, ptr, i64, i32]
+    lib.specdec_llama_layers_f32.restype = i32
+    lib.specdec_llama_layers_f32.argtypes = [i32, ptr, *[i32] * 6, *[ptr] * 9, i32, ptr, i32, ptr, ctypes.c_double,
+                                             i32]
     return lib
 
 

@@ -46,6 +46,8 @@ from specdec.runtime.engine_plan import EnginePlan, supports
 from specdec.runtime.kv_buffer import SessionKV
 from specdec.runtime.native_attention import AttentionPlan
 from specdec.runtime.projection import LINEAR_ROW_CANDIDATES, Projection, measure_linear_rows
+from specdec.runtime.quantized import QuantizedProjection
+from specdec.runtime.stack import LayerStack
 from specdec.runtime.weights import matrix, output_layer
 
 # With the pass's own names, those its callers knew it by before attention and projections moved out.
@@ -117,6 +119,7 @@ class PackedForward:
         self._set_linear_rows(plan.linear_rows)
         self.compiled = CompiledLayers(self) if plan.torch_compile else None
         self.ops = self._layer_ops(plan)
+        self.stack = self._layer_stack()
         self._pass_plan: tuple[list[PackedRow] | None, AttentionPlan | None, list[bool]] = (None, None, [])
 
     def __call__(self, rows: list[PackedRow]) -> list[torch.Tensor]:
@@ -187,15 +190,40 @@ class PackedForward:
         self._norms = [(a.weight, b.weight, float(a.variance_epsilon), float(b.variance_epsilon)) for a, b in norms]
         return native.LayerOps()
 
+    def _layer_stack(self) -> LayerStack | None:
+        """The layers as one native call (`stack.LayerStack`), where the native layer kernels run and
+        every projection of every layer is one run of quantized weights."""
+        if self.ops is None or not self.layers:
+            return None
+        layers = []
+        for projections, (norm_in, norm_post, eps_in, eps_post) in zip(self.layers, self._norms):
+            runs = [p.pieces[0][0] for p in projections if len(p.pieces) == 1]
+            if len(runs) != 4 or not all(isinstance(run, QuantizedProjection) for run in runs):
+                return None
+            layers.append((*runs, norm_in, eps_in, norm_post, eps_post))
+        config = self.model.config
+        try:
+            return LayerStack(layers, config.hidden_size, config.intermediate_size, self.heads, self.kv_heads,
+                              self.head_dim)
+        except ValueError as e:  # a geometry the stack does not take: the loop below runs it
+            log.info("the layers run one kernel call at a time: %s", e)
+            return None
+
     def _native_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        rows: list[PackedRow]) -> torch.Tensor:
         """Every layer for `x` `[T, hidden]` (updated in place: the residual stream) with the
         elementwise work in the native kernels (`native.LayerOps`: RMSNorm with the residual add
         before it, the rotary embedding of q and k in place, SiLU times up) and every product written
         into buffers made once per pass: a layer is 9 calls into C and no tensor allocated. The same
-        arithmetic as `_fused_layers` to float32 rounding. `cos`, `sin` `[T, D]`."""
+        arithmetic as `_fused_layers` to float32 rounding. `cos`, `sin` `[T, D]`. Where the layer stack
+        runs (`_layer_stack`) and the native attention kernel takes every row, the same calls are made
+        from C in one (`LayerStack.run`)."""
         ops, t, d, heads, hkv = self.ops, x.shape[0], self.head_dim, self.heads, self.kv_heads
         assert ops is not None
+        if self.stack is not None and self.stack.takes(t):
+            plan, short = self._native_plan(rows)
+            if plan is not None and all(short):
+                return self.stack.run(x, cos, sin, plan, self.scaling)
         q_width, qk_width = heads * d, (heads + hkv) * d
         qkv_p, _, gate_up_p, _ = self.layers[0]
         qkv, attended = x.new_empty((t, qkv_p.width)), x.new_empty((t, q_width))

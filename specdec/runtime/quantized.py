@@ -147,7 +147,7 @@ class QuantizedProjection:
                                w.raw.data_ptr()))
             column += w.shape[0]
         self._specs = (_Spec * len(specs))(*specs)
-        self._address = ctypes.addressof(self._specs)  # passed as an address: converting the array costs ~4 us
+        self.address = ctypes.addressof(self._specs)  # passed as an address: converting the array costs ~4 us
         lib = _library()
         self._kernels = {torch.float32: lib.specdec_qlinear_many_f32, torch.float64: lib.specdec_qlinear_many_f64}
 
@@ -172,12 +172,12 @@ class QuantizedProjection:
         fn = self._kernels[x.dtype]
         threads, size, x_t, y_t = torch.get_num_threads(), x.element_size(), x.stride(0), out.stride(0)
         if m <= CHUNK_ROWS:  # a decode or verify pass: one call
-            code = fn(len(self._specs), self._address, m, self.k, x.data_ptr(), x_t, out.data_ptr(), y_t, threads)
+            code = fn(len(self._specs), self.address, m, self.k, x.data_ptr(), x_t, out.data_ptr(), y_t, threads)
             if code:
                 raise RuntimeError(f"the quantized linear kernel failed ({native.KernelStatus(code).name})")
             return out
         for start in range(0, m, CHUNK_ROWS):
-            code = fn(len(self._specs), self._address, min(CHUNK_ROWS, m - start), self.k,
+            code = fn(len(self._specs), self.address, min(CHUNK_ROWS, m - start), self.k,
                       x.data_ptr() + start * x_t * size, x_t, out.data_ptr() + start * y_t * size, y_t, threads)
             if code:
                 raise RuntimeError(f"the quantized linear kernel failed ({native.KernelStatus(code).name})")

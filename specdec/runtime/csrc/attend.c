@@ -36,6 +36,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels.h"
 #include "status.h"
 
 /* Key positions per work item: a chunk's keys and values (512 KB at head_dim 64) stay in L2 between
@@ -69,26 +70,22 @@ static inline void fetch_row(const void *row, int bytes) {
     for (int o = 0; o < bytes; o += 64) __builtin_prefetch((const char *)row + o, 0, 3);
 }
 
-typedef struct {
-    const void *base; /* element [0, 0, 0, 0, 0] of the segment: keys at base, values at base + kv_stride */
-    int64_t kv_stride, layer_stride, head_stride, pos_stride; /* in elements */
-    int64_t start, width; /* absolute position of its first key; positions the row reads from it */
-    int64_t layers, heads, positions, dim; /* its sizes, [2, layers, heads, positions, dim] */
-    int64_t bytes; /* of storage from base on: every element its sizes and strides reach lies within */
-} segment_t;
-
-/* Queries, outputs, new keys or values: `[tokens, heads, dim]` from base, with strides (dim contiguous). */
-typedef struct {
-    void *base;
-    int64_t t_stride, h_stride; /* in elements */
-    int64_t bytes;              /* of storage from base on */
-} rows_t;
-
-typedef struct {
-    int32_t first_segment, segments; /* into the segment array, in position order */
-    int32_t first_query, queries;    /* rows of q and out holding the block's positions */
-    int64_t past;                    /* keys before the block: query j sees keys 0 .. past + j */
-} row_t;
+/* This thread's buffer `slot` of at least `bytes`, kept for its next call (OpenMP keeps its threads):
+ * a work item's scores (256 KB) were an mmap and a munmap through malloc per thread and call, a
+ * decode step 30 calls of a few microseconds' work each. Slots: 0 scores, 1 key/value row pointers
+ * (any thread); 2 the items' first indices, 3 their states (the calling thread, outside the
+ * parallel region). */
+static void *scratch_bytes(int slot, size_t bytes) {
+    static __thread void *buf[4];
+    static __thread size_t size[4];
+    if (!buf[slot] || size[slot] < bytes) {
+        free(buf[slot]);
+        size[slot] = (bytes / 4096 + 1) * 4096; /* never 0: a call with no items still gets a buffer */
+        buf[slot] = aligned_alloc(64, size[slot]);
+        if (!buf[slot]) size[slot] = 0;
+    }
+    return buf[slot];
+}
 
 /* Plain loops: scores[i * CHUNK + p] = scale * q_i . k_p; acc[i] = sum_p w[i * CHUNK + p] v_p. */
 #define DEFINE_LOOPS(T, NAME)                                                                       \

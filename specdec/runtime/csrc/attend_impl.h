@@ -90,8 +90,8 @@ static void FN(store_new)(int rows, const row_t *row, const segment_t *segs, int
 static void FN(run_items)(int rows, const row_t *row, const segment_t *segs, const int64_t *first, int layer,
                           int heads_kv, int groups, int dim, const T *q, int64_t q_t, int64_t q_h, T scale,
                           T *state, int64_t stride, int *failed) {
-    T *scores = malloc(sizeof(T) * MAXQ * CHUNK);
-    const T **ptrs = malloc(sizeof(T *) * 2 * CHUNK);
+    T *scores = scratch_bytes(0, sizeof(T) * MAXQ * CHUNK);
+    const T **ptrs = scratch_bytes(1, sizeof(T *) * 2 * CHUNK);
     int64_t items = first[rows];
     int r = 0;
     if (!scores || !ptrs) {
@@ -110,8 +110,6 @@ static void FN(run_items)(int rows, const row_t *row, const segment_t *segs, con
         FN(attend_item)(row + r, segs, layer, (int)(local / chunks), groups, dim, q, q_t, q_h, scale, p0, p1,
                         state + it * stride, scores, ptrs, ptrs + CHUNK);
     }
-    free(scores);
-    free(ptrs);
 }
 
 /* Query i's output from its chunks' states (`base`, one every `stride`): the flash-decoding merge,
@@ -158,10 +156,10 @@ int FN(specdec_attend)(int rows, const row_t *row, int nsegs, const segment_t *s
     int status = check_call(rows, row, nsegs, segs, layer, heads_kv, groups, dim, tokens, q, k, v, out, sizeof(T));
     if (status != SPECDEC_OK) return status;
     int storing = k && k->base;
-    int64_t *first = malloc(sizeof(int64_t) * (rows + 1)); /* first item of each row */
+    int64_t *first = scratch_bytes(2, sizeof(int64_t) * (rows + 1)); /* first item of each row */
     if (!first) return SPECDEC_NO_MEMORY;
     int64_t stride = (int64_t)(2 + dim) * plan_items(rows, row, heads_kv, groups, first);
-    T *state = malloc(sizeof(T) * stride * first[rows]);
+    T *state = scratch_bytes(3, sizeof(T) * stride * first[rows]);
     if (storing && state)
         FN(store_new)(rows, row, segs, layer, heads_kv, dim, (const T *)k->base, k->t_stride, k->h_stride,
                       (const T *)v->base, v->t_stride, v->h_stride);
@@ -174,8 +172,6 @@ int FN(specdec_attend)(int rows, const row_t *row, int nsegs, const segment_t *s
         FN(merge_items)(rows, row, first, heads_kv, groups, dim, state, stride, (T *)out->base, out->t_stride,
                         out->h_stride, &failed);
     }
-    free(state);
-    free(first);
     return failed ? SPECDEC_NO_MEMORY : SPECDEC_OK;
 }
 

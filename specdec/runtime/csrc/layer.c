@@ -18,6 +18,7 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "kernels.h"
 #include "status.h"
 
 #define PARALLEL_ROWS 16 /* fewer rows run on the calling thread */

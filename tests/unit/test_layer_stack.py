@@ -1,0 +1,85 @@
+"""The layer stack (`stack.LayerStack`, `csrc/stack.c`): a short pass's layers in one native call
+compute what the pass's own loop of kernel calls computes, bit for bit, and passes it does not take
+run that loop."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec.runtime.kv import ScoreRequest, SessionCaches
+from specdec.runtime.stack import LayerStack
+
+
+@pytest.fixture(scope="module")
+def quantized_target(tiny_models):
+    from specdec.runtime.models import load_model
+
+    return load_model(str(tiny_models["target"]), dtype="float32", quantize="int4", progress=False).model
+
+
+def _pair(model) -> tuple[SessionCaches, SessionCaches]:
+    """The same model twice: through the layer stack, and through the loop of kernel calls."""
+    stacked, looped = SessionCaches(model, 512, max_sessions=8), SessionCaches(model, 512, max_sessions=8)
+    assert stacked.forward.stack is not None
+    looped.forward.stack = None
+    return stacked, looped
+
+
+def _count_runs(monkeypatch) -> list[int]:
+    runs: list[int] = []
+    run = LayerStack.run
+    monkeypatch.setattr(LayerStack, "run", lambda self, x, *a: runs.append(x.shape[0]) or run(self, x, *a))
+    return runs
+
+
+def test_decode_verify_and_mixed_passes_equal_the_loop_bit_for_bit(quantized_target, monkeypatch, one_torch_thread):
+    stacked, looped = _pair(quantized_target)
+    runs = _count_runs(monkeypatch)
+    gen = torch.Generator().manual_seed(3)
+    histories = {f"s{i}": [int(t) for t in torch.randint(3, 100, (5 + 7 * i,), generator=gen)] for i in range(3)}
+    for caches in (stacked, looped):  # prefills of 5, 12 and 19 positions
+        for sid, history in histories.items():
+            caches.score(sid, history, [])
+    for step in range(6):  # every session a decode row, a block of 4 or both, in one pass
+        drafts = {sid: [int(t) for t in torch.randint(3, 100, ((step + i) % 5,), generator=gen)]
+                  for i, sid in enumerate(histories)}
+        got, want = ([caches.score_batch([ScoreRequest(sid, histories[sid], drafts[sid]) for sid in histories])
+                      for caches in (stacked, looped)])
+        for sid, a, b in zip(histories, got, want):
+            assert torch.equal(a.logits, b.logits)
+            histories[sid] = histories[sid] + drafts[sid] + [int(a.logits[-1].argmax())]  # every draft kept
+    assert len(runs) >= 3 + 6  # the prefills (short enough for the kernel) and every batched pass
+    assert max(runs) > 1
+
+
+def test_a_pass_the_attention_kernel_does_not_take_runs_the_loop(quantized_target, monkeypatch, one_torch_thread):
+    stacked, looped = _pair(quantized_target)
+    runs = _count_runs(monkeypatch)
+    prompt = list(range(3, 3 + 40))  # one row of 40 new positions: more queries than the kernel takes
+    a, _ = stacked.score("p", prompt, [])
+    b, _ = looped.score("p", prompt, [])
+    assert runs == [] and torch.equal(a, b)
+    a, _ = stacked.score("p", prompt + [7], [8, 9])
+    b, _ = looped.score("p", prompt + [7], [8, 9])
+    assert runs == [3] and torch.equal(a, b)
+
+
+def test_models_whose_projections_are_not_all_quantized_have_no_stack(tiny_models):
+    from specdec.runtime.models import load_model
+
+    dense = load_model(str(tiny_models["target"]), dtype="float32", progress=False).model
+    assert SessionCaches(dense, 64).forward.stack is None
+
+
+def test_a_projection_of_the_wrong_shape_is_refused(quantized_target):
+    forward = SessionCaches(quantized_target, 64).forward
+    layers = []
+    for projections, (norm_in, norm_post, eps_in, eps_post) in zip(forward.layers, forward._norms):
+        layers.append((*(p.pieces[0][0] for p in projections), norm_in, eps_in, norm_post, eps_post))
+    config = quantized_target.config
+    geometry = (config.hidden_size, config.intermediate_size, forward.heads, forward.kv_heads, forward.head_dim)
+    assert LayerStack(layers, *geometry)
+    swapped = [(layer[0], layer[0], *layer[2:]) for layer in layers]  # q/k/v where o belongs
+    with pytest.raises(ValueError, match="geometry"):
+        LayerStack(swapped, *geometry)
