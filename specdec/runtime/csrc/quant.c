@@ -361,7 +361,11 @@ static inline int prefetch_lines(int64_t bytes, int k) { return (int)((bytes + 6
  * becomes row i's sum against weight row r0 + j, its 16 lanes folded to 8 (sum4 adds them up in
  * linear.c's order). Each accumulator sums its elements in order, so the bits do not depend on NR.
  * With STORE the de-quantized weights also go to `keep` (4 rows of k floats). Each run prefetches
- * `lines` cache lines from `ahead`. Always inlined: the callers' `kind` is a constant there. */
+ * `lines` cache lines from `ahead`. Always inlined: the callers' `kind` is a constant there. One
+ * loop over the runs, the tables made in it and the pointers stepped: against a loop over groups
+ * holding each group's tables across an inner loop over its runs (which left GCC short of
+ * registers at 5 rows: spills in the group loop), 5 rows 7.7-7.8 -> 7.0-7.2 ms and 1 row 4.1 ->
+ * 3.7-3.8 for the step's 121 projections (`bench/quant_step.c`, alternated twice). */
 #define DEFINE_SWEEP512(QB, NR, NAME, STORE)                                                          \
     static inline __attribute__((always_inline)) void NAME(                                           \
         int kind, int group, const float *x, int64_t x_t, const uint8_t *w, int64_t w_t, int k,       \
@@ -370,27 +374,26 @@ static inline int prefetch_lines(int64_t bytes, int k) { return (int)((bytes + 6
         for (int i = 0; i < QB; i++)                                                                  \
             for (int j = 0; j < NR; j++) a[i][j] = z_zero();                                          \
         const int runs = group / RUN, rb = run_bytes(kind);                                           \
-        const int64_t bytes = block_bytes(kind, group), groups = k / group;                           \
-        const uint8_t *block = w + header(kind) + r0 * w_t; /* row r0's first run of this group */   \
-        const float *xe = x, *scale = sc + 2 * r0;          /* this run's inputs; this group's scales */ \
+        const int64_t bytes = block_bytes(kind, group);                                               \
+        const uint8_t *block = w + header(kind) + r0 * w_t, *q = block; /* row r0's run */           \
+        const float *xe = x, *scale = sc + 2 * r0;          /* this run's inputs; its group's scales */ \
         float *kept = keep + r0 * (int64_t)k;                                                         \
-        for (int64_t g = 0; g < groups; g++, block += bytes, scale += 8) {                            \
-            zf d[NR], table[NR];                                                                      \
+        for (int e = 0, s = 0; e < k; e += RUN, xe += RUN, kept += RUN) {                             \
+            for (int l = 0; l < lines; l++, ahead += 64) _mm_prefetch(ahead, _MM_HINT_T0);           \
             _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++) {                                    \
-                d[j] = z_set1(scale[2 * j]);                                                          \
-                table[j] = kind == SYM8 ? d[j] : table16(kind, d[j], z_set1(scale[2 * j + 1]));       \
-            }                                                                                         \
-            const uint8_t *q = block;                                                                 \
-            for (int s = 0; s < runs; s++, q += rb, xe += RUN, kept += RUN) {                         \
-                for (int l = 0; l < lines; l++, ahead += 64) _mm_prefetch(ahead, _MM_HINT_T0);       \
-                _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++) {                                \
-                    _Pragma("GCC unroll 2") for (int t = 0; t < 2; t++) {                             \
-                        zf v = weights16(kind, q + j * w_t, t, d[j], table[j]);                       \
-                        if (STORE) z_store(kept + j * (int64_t)k + 16 * t, v);                        \
-                        _Pragma("GCC unroll 8") for (int i = 0; i < QB; i++)                          \
-                            a[i][j] = z_fma(v, z_loadu(xe + i * x_t + 16 * t), a[i][j]);              \
-                    }                                                                                 \
+                zf d = z_set1(scale[2 * j]);                                                          \
+                zf table = kind == SYM8 ? d : table16(kind, d, z_set1(scale[2 * j + 1]));             \
+                _Pragma("GCC unroll 2") for (int t = 0; t < 2; t++) {                                 \
+                    zf v = weights16(kind, q + j * w_t, t, d, table);                                 \
+                    if (STORE) z_store(kept + j * (int64_t)k + 16 * t, v);                            \
+                    _Pragma("GCC unroll 8") for (int i = 0; i < QB; i++)                              \
+                        a[i][j] = z_fma(v, z_loadu(xe + i * x_t + 16 * t), a[i][j]);                  \
                 }                                                                                     \
+            }                                                                                         \
+            if (++s < runs) {                                                                         \
+                q += rb;                                                                              \
+            } else {                                                                                  \
+                s = 0, block += bytes, q = block, scale += 8;                                         \
             }                                                                                         \
         }                                                                                             \
         for (int i = 0; i < QB; i++)                                                                  \
