@@ -83,3 +83,26 @@ def test_a_projection_of_the_wrong_shape_is_refused(quantized_target):
     swapped = [(layer[0], layer[0], *layer[2:]) for layer in layers]  # q/k/v where o belongs
     with pytest.raises(ValueError, match="geometry"):
         LayerStack(swapped, *geometry)
+
+
+def test_a_call_the_kernels_refuse_raises_and_leaves_nothing_behind(quantized_target, monkeypatch, one_torch_thread):
+    """A plan the attention kernel's own checks refuse (a past beyond the row's keys: what a
+    corrupted cache would give) fails the pass with the stack's error before anything is stored;
+    the session is forgotten, and the next request rebuilds it and scores as the loop does."""
+    from specdec.runtime import native_attention
+
+    stacked, looped = _pair(quantized_target)
+    built = native_attention.AttentionPlan.__init__
+
+    def corrupted(self, rows):
+        built(self, rows)
+        self.rows[0].past += 1 << 40
+
+    monkeypatch.setattr(native_attention.AttentionPlan, "__init__", corrupted)
+    with pytest.raises(ValueError, match="layer stack refused the call: it would read or write past its buffers"):
+        stacked.score("s", [5, 6, 7], [])
+    assert "s" not in stacked.table.entries
+    monkeypatch.setattr(native_attention.AttentionPlan, "__init__", built)
+    a, _ = stacked.score("s", [5, 6, 7], [8])
+    b, _ = looped.score("s", [5, 6, 7], [8])
+    assert torch.equal(a, b)
