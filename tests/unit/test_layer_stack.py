@@ -106,3 +106,30 @@ def test_a_call_the_kernels_refuse_raises_and_leaves_nothing_behind(quantized_ta
     a, _ = stacked.score("s", [5, 6, 7], [8])
     b, _ = looped.score("s", [5, 6, 7], [8])
     assert torch.equal(a, b)
+
+
+def test_rows_reading_a_shared_prefix_equal_the_loop(quantized_target, monkeypatch, one_torch_thread):
+    """Sessions whose keys/values start in prefix blocks shared by reference (several segments a
+    row, the prefix cache's) are attended by the stack as by the loop, bit for bit."""
+    import random
+
+    from specdec.runtime.prefix_cache import PrefixCache
+
+    stacked, looped = (SessionCaches(quantized_target, 1024, max_sessions=8, prefix_cache=PrefixCache(16))
+                       for _ in range(2))
+    looped.forward.stack = None
+    runs = _count_runs(monkeypatch)
+    rng = random.Random(5)
+    system = [rng.randrange(3, 100) for _ in range(200)]  # a shared prompt head
+    histories = {sid: system + [rng.randrange(3, 100) for _ in range(rng.randrange(1, 60))] for sid in "abc"}
+    for caches in (stacked, looped):
+        for sid, history in histories.items():
+            caches.score(sid, history, [])
+    assert any(stacked.table.entries[sid].cache.prefix for sid in histories)  # rows with a shared prefix
+    requests = [ScoreRequest(sid, history, [rng.randrange(3, 100) for _ in range(width)])
+                for (sid, history), width in zip(histories.items(), (0, 2, 4))]
+    before = len(runs)
+    got, want = (caches.score_batch(requests) for caches in (stacked, looped))
+    assert len(runs) == before + 1
+    for a, b in zip(got, want):
+        assert torch.equal(a.logits, b.logits)
