@@ -254,10 +254,7 @@ class Drafter:
         request = DraftRequest(session_id, history, k, params, seed, deadline, arrived, sent_unix_ns, corpus_group,
                                sources)
         forced = await self.env.forced(request)
-        if any(request.allows(source) for source in self.proposer.sources):
-            block = await self.proposer.block(request.after(forced), self.env)
-        else:
-            block = Block.empty(self.proposer.sources[0])
+        block = await self.proposer.block(request.after(forced), self.env)
         for token in forced:
             yield block.forced(token)
         async for drafted in block.tokens:

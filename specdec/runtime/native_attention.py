@@ -123,12 +123,7 @@ def attend(plan: AttentionPlan, layer: int, q: torch.Tensor, out: torch.Tensor, 
     rc = fn(plan.count, ctypes.addressof(plan.rows), plan.segment_count, ctypes.addressof(plan.segments), layer,
             kv_heads, heads // kv_heads, dim, t, ctypes.byref(_Rows.of(q)), *stored, ctypes.byref(_Rows.of(out)),
             scale, torch.get_num_threads())
-    status = native.KernelStatus(rc)
-    if status == native.KernelStatus.BAD_SHAPE:
+    if rc == native.KernelStatus.BAD_SHAPE:
         raise ValueError(f"the attention kernel takes head_dim <= 256 and at most {MAX_QUERIES} queries a row")
-    if status == native.KernelStatus.PREFIX_WRITE:
-        raise ValueError("a row's new positions lie in its shared prefix (read-only)")
-    if status == native.KernelStatus.OUT_OF_BOUNDS:
-        raise ValueError("the attention kernel refused a plan that would read or write past its buffers")
-    if status == native.KernelStatus.NO_MEMORY:
-        raise MemoryError("the attention kernel could not allocate its scratch memory")
+    if rc:
+        native.raise_status(rc, "the attention kernel")

@@ -358,9 +358,9 @@ class HybridProposer(ProposerBase):
     async def block(self, request: DraftRequest, env: DraftEnv) -> Block:
         """The suffix proposal if it makes one (and may: `DraftRequest.sources`), else the model's
         block, or nothing when the request names the suffix alone."""
-        if request.k > 0:
+        if request.k > 0 and request.allows(SUFFIX):
             drafts = await env.proposal(self.suffix.for_group(request.corpus_group), request)
-            if drafts and request.allows(SUFFIX):
+            if drafts:
                 return Block.listed(SUFFIX, drafts, request.arrived)
         if not request.allows(MODEL):
             return Block.empty(SUFFIX)
