@@ -102,6 +102,14 @@ class DraftReleased(Released, DraftUnavailable):
     """`Released` from the draft: like any unusable draft, the round falls back to plain decoding."""
 
 
+def _stale_call(exc: grpc.aio.AioRpcError) -> bool:
+    """Whether a call opened earlier failed because its connection is gone: UNAVAILABLE, or the
+    client's own write failing as the connection closes under it (gRPC core reports that as INTERNAL
+    "Internal error from Core": the request never left, so it is safe to send it again)."""
+    return exc.code() == grpc.StatusCode.UNAVAILABLE or (
+        exc.code() == grpc.StatusCode.INTERNAL and exc.details() == "Internal error from Core")
+
+
 async def _exchange(call: grpc.aio.StreamStreamCall, request, timeout: float):
     """Write one request on a streaming call and read its answer, within `timeout` seconds."""
     if sys.version_info >= (3, 11):
@@ -338,7 +346,7 @@ class TargetBackend(_ModelBackend):
                     log.info("%s has no VerifyStream: verifying with a call a round", self.address)
                     self.stream = False
                     return await self.stub.Verify(request, timeout=timeout)
-                if reused and exc.code() == grpc.StatusCode.UNAVAILABLE:
+                if reused and _stale_call(exc):
                     continue  # opened before the replica went away or restarted: once more on a new call
                 raise
             except BaseException:  # cancelled by our caller: where the call stands is unknown

@@ -212,6 +212,37 @@ async def test_a_call_opened_before_the_replica_restarted_is_replaced_and_the_co
         await server.stop(None)
 
 
+async def test_a_reused_call_whose_write_fails_as_its_connection_closes_is_replaced(monkeypatch):
+    """gRPC core reports a write that races the connection's close as INTERNAL ("Internal error from
+    Core") rather than UNAVAILABLE: on a call opened earlier the request never left, so it goes
+    again on a new call; the same error on a new call, or a server's INTERNAL, is raised."""
+    from orchestrator import backends
+
+    target = Target()
+    server, port = await serve(target)
+    backend = TargetBackend(f"127.0.0.1:{port}", timeout_s=10.0)
+    exchange, failures = backends._exchange, []
+
+    async def racing(call, request, timeout):
+        if failures:
+            details = failures.pop()
+            raise grpc.aio.AioRpcError(grpc.StatusCode.INTERNAL, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+        return await exchange(call, request, timeout)
+
+    monkeypatch.setattr(backends, "_exchange", racing)
+    try:
+        await verify(backend)  # an idle call to reuse
+        failures.append("Internal error from Core")
+        assert (await verify(backend)).token_id == 9
+        assert target.opened["VerifyStream"] == 2
+        failures.append("the servicer failed")
+        with pytest.raises(Unavailable):
+            await verify(backend)
+    finally:
+        await backend.close()
+        await server.stop(None)
+
+
 class Idle(TargetServicer):
     """The real servicer's VerifyStream, with `_verify` answering at once (no model)."""
 
