@@ -28,6 +28,10 @@ class DraftLengthController(Protocol):
     """What the loop asks of a generation's draft-length controller."""
 
     @property
+    def policy(self) -> PolicyState | None:
+        """The controller state pricing the next round (None: a fixed draft length)."""
+
+    @property
     def wanted(self) -> int:
         """k for the next round."""
 
@@ -60,6 +64,7 @@ def observation(stats: pb.RoundStats, loop_s: float = 0.0) -> Observation:
         batch_size=max(1, stats.verify_batch_size), batch_positions=stats.verify_batch_positions,
         drafted=stats.drafted, draft_prefill_tokens=stats.draft_prefill_tokens,
         verify_prefill_tokens=stats.verify_prefill_tokens, loop_s=max(0.0, loop_s),
+        verified_ahead=stats.verify_decoded_ahead,
     )
 
 
@@ -77,12 +82,14 @@ def within_budget(wanted: int, upcoming: int, remaining: int, first: bool, draft
     return k, max(0, min(upcoming, remaining - k - 2))
 
 
-def continues_at_k0(k: int, k_next: int, remaining: int, drafting: bool) -> bool:
-    """Whether a round at draft length `k` (`k_next`: its own from `within_budget`) is expected to
-    be followed by one that drafts nothing: the tokens still wanted (`remaining`) outlast the at
-    most k + 1 it emits, and no block is planned after it. The target may then verify that
-    following round before it is asked (VerifyRequest.continues)."""
-    return remaining > k + 1 and (not drafting or k_next == 0)
+def continues_at_k0(k: int, k_next: int, remaining: int, drafting: bool, guess: bool = False) -> bool:
+    """Whether the target may verify the round after a round at draft length `k` (`k_next`: its own
+    from `within_budget`) at k = 0 before it is asked (VerifyRequest.continues): the tokens still
+    wanted (`remaining`) outlast the at most k + 1 it emits, and either no block is planned after it
+    or `guess` (a greedy session whose draft proposes nothing often enough that the pass pays when
+    it does: `specdec.core.policy.guess_ahead_pays`; a block that comes is answered from that pass
+    when the pass's token refutes the block's first)."""
+    return remaining > k + 1 and (not drafting or k_next == 0 or guess)
 
 
 class DraftLength:

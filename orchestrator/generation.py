@@ -26,7 +26,7 @@ from orchestrator.sessions import Sessions
 from orchestrator.sources import controller_for
 from orchestrator.status import BackendProbes, Counters
 from orchestrator.store import GenerationRecord, SessionState, SessionStore
-from specdec.core.policy import PolicyConfig
+from specdec.core.policy import PolicyConfig, guess_ahead_pays
 from specdec.errors import SpecdecError
 from specdec.runtime.grammars import check_grammar
 from specdec.server.admission import Admission
@@ -196,7 +196,8 @@ class Orchestrator:
         --verify-ahead it tells the target when the round after it follows at k = 0."""
         remaining = state.remaining(self.max_context)
         k, k_next = within_budget(lengths.wanted, lengths.upcoming, remaining, first, drafting)
-        continues = self.config.verify_ahead and continues_at_k0(k, k_next, remaining, drafting)
+        guess = speculator.params.greedy and lengths.policy is not None and guess_ahead_pays(lengths.policy)
+        continues = self.config.verify_ahead and continues_at_k0(k, k_next, remaining, drafting, guess)
         return speculator.round(state.tokens, k, k_next, continues, lengths.sources)
 
     async def _prompt_chunk(self, state: SessionState, top: int, deadline: float | None) -> pb.GenerateChunk:

@@ -16,6 +16,14 @@ would have made, so its answer is the one the request would have had.
 A guess is not made when the batcher has other work (other sessions' jobs come first), after a
 token that ends the text (the model's end of sequence, the request's end tokens), or beyond
 `MAX_GUESSES` sessions; a Release drops its session's guess with the rest of its work.
+
+A greedy request that brings draft tokens after the guessed history (the caller asked a draft
+that may propose nothing, and it proposed a block) is settled by the guess too when the guess's
+token is not the block's first: greedy verification rejects that first draft token and emits the
+target's argmax after the history, which is the guess's token, with the same log-probabilities.
+The answer is the block's verdict (nothing accepted, that token), and the cache holds the history,
+as the block's own pass would have left it. Otherwise the block is verified as usual. Sampled
+requests with drafts never take a guess: their seeded draws are the block's own.
 """
 
 from __future__ import annotations
@@ -24,8 +32,9 @@ import asyncio
 import functools
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from specdec.core.acceptance import Verdict
 from specdec.core.sampling import SamplingParams
 from specdec.errors import SpecdecError
 from specdec.runtime.batching import Batcher, StepInfo
@@ -54,12 +63,14 @@ class DecodeAhead:
         self.verifier = verifier
         self.end_tokens = frozenset(end_tokens)
         self._guesses: OrderedDict[str, tuple[_Request, VerifyJob, asyncio.Task]] = OrderedDict()
-        self.used = 0  # requests answered from a guess
+        self.used = 0  # requests (of no draft tokens) answered from a guess
         self.dropped = 0  # guesses dropped: the request differed, its session was released, or it never came
+        self.refuted = 0  # blocks answered by a guess whose token refuted their first draft token
 
-    def plan(self, job: VerifyJob, sent_unix_ns: int) -> None:
-        """`job`'s request continues: when its pass ends, verify the round after it (`_guess`)."""
-        job.follow = functools.partial(self._guess, job, sent_unix_ns)
+    def plan(self, job: VerifyJob, sent_unix_ns: int, unless: int | None = None) -> None:
+        """`job`'s request continues: when its pass ends, verify the round after it (`_guess`), unless
+        the pass emits `unless` (a block whose first token that is will be verified by its own pass)."""
+        job.follow = functools.partial(self._guess, job, sent_unix_ns, unless=unless)
 
     async def take(self, session_id: str, history: list[int], draft_tokens: list[int], params: SamplingParams,
                    seed: int, logprobs: LogprobRequest | None, continues: bool,
@@ -71,12 +82,14 @@ class DecodeAhead:
         if entry is None:
             return None
         guessed, job, task = entry
-        if draft_tokens or guessed != _Request(tuple(history), params, seed, logprobs):
+        if guessed != _Request(tuple(history), params, seed, logprobs) or (draft_tokens and not self._settles(
+                params, draft_tokens)):
             self._drop_guess(task)
             return None
+        first = draft_tokens[0] if draft_tokens else None  # the guess answers a block only if it refutes this
         ran_out = job.done  # its pass ended (and its follow-up time passed) before this request came
         if continues and not ran_out:
-            self.plan(job, sent_unix_ns)
+            self.plan(job, sent_unix_ns, unless=first)
         try:
             await asyncio.wait([task])
         except BaseException:  # the request itself was cancelled: nobody wants the guess
@@ -84,11 +97,23 @@ class DecodeAhead:
             raise
         if task.cancelled() or task.exception() is not None:  # released, or failed: verified as usual
             return None
-        self.used += 1
-        answer = task.result()
+        verified, step = task.result()
+        if first is not None:
+            if verified.verdict.token == first:  # the block's first token holds: its pass decides the rest
+                self.dropped += 1
+                return None
+            self.refuted += 1
+            verified = replace(verified, verdict=Verdict(0, verified.verdict.token, False))
+        else:
+            self.used += 1
         if continues and ran_out:
-            self._guess(job, sent_unix_ns, answer[0])
-        return answer
+            self._guess(job, sent_unix_ns, verified)
+        return verified, step
+
+    def _settles(self, params: SamplingParams, draft_tokens: list[int]) -> bool:
+        """Whether a guess may answer a request with these draft tokens: greedy, and tokens the
+        vocabulary has (others are refused by the request's own pass)."""
+        return params.greedy and all(0 <= t < self.verifier.vocab_size for t in draft_tokens)
 
     def cancel(self, session_id: str) -> None:
         """Drop the session's guess (its Release cancels the job with the session's other work)."""
@@ -96,10 +121,11 @@ class DecodeAhead:
         if entry is not None:
             self._drop_guess(entry[2])
 
-    def _guess(self, job: VerifyJob, sent_unix_ns: int, verified: Verified) -> None:
-        """Submit the k = 0 round after `job`, answered `verified`, if the batcher has nothing else to run."""
+    def _guess(self, job: VerifyJob, sent_unix_ns: int, verified: Verified, unless: int | None = None) -> None:
+        """Submit the k = 0 round after `job`, answered `verified`, if the batcher has nothing else to run
+        (and the answer's token is not `unless`)."""
         emitted = verified.verdict.emitted(job.draft_tokens)
-        if (job.cancelled or not self.batcher.idle or emitted[-1] in self.end_tokens
+        if (job.cancelled or not self.batcher.idle or emitted[-1] in self.end_tokens or emitted[-1] == unless
                 or emitted[-1] in job.params.end_token_ids):
             return
         following = job.history + emitted

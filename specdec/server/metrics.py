@@ -382,9 +382,11 @@ class _AheadCollector(Collector):
 
     def collect(self):
         metric = CounterMetricFamily("specdec_verified_ahead", "Rounds verified before their request came "
-                                     "(VerifyRequest.continues): used to answer it, or dropped.",
+                                     "(VerifyRequest.continues): used to answer it, used to answer a greedy block "
+                                     "whose first draft token the guess refuted, or dropped.",
                                      labels=["service", "outcome"])
         metric.add_metric([self.service, "used"], self.ahead.used)
+        metric.add_metric([self.service, "refuted"], self.ahead.refuted)
         metric.add_metric([self.service, "dropped"], self.ahead.dropped)
         yield metric
 

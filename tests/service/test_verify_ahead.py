@@ -1,8 +1,9 @@
 """A real target service verifying rounds ahead (`VerifyRequest.continues`): a session's k = 0
 rounds, each saying the next follows, are answered from passes run before their requests came,
 with exactly the tokens (greedy and sampled) and log-probabilities of rounds verified one by one;
-a request other than the one guessed is verified as usual; a Release drops the guess and leaves
-no cache; the guesses are counted in /metrics."""
+a greedy block whose first draft token the guess refutes is answered from the guess; a request
+other than the one guessed is verified as usual; a Release drops the guess and leaves no cache;
+the guesses are counted in /metrics."""
 
 from __future__ import annotations
 
@@ -126,6 +127,58 @@ def test_a_request_other_than_the_one_guessed_is_verified_as_usual(target, refer
         release(address, session)
     assert cached_sessions(address) == 0
     assert used_and_dropped(metrics_port) == (used + 1, dropped + 3)
+
+
+def refuted(metrics_port: int) -> float:
+    return scrape(metrics_port)[("specdec_verified_ahead_total", (("outcome", "refuted"),))]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_greedy_block_whose_first_token_the_guess_refutes_is_answered_from_the_guess(
+        target, reference, temperature):
+    """A block of drafts after the guessed history: greedy, when the guess's token is not the
+    block's first, the guess is the block's verdict (nothing accepted, that token, the same
+    log-probabilities) and the round after it is guessed in turn; a block the guess does not refute,
+    and any sampled block, is verified by its own pass. Each verdict equals a session's without
+    guesses."""
+    address, metrics_port = target
+    prompt, g = reference.encode(PROMPT), reference.greedy(PROMPT, 6)
+    vocab = reference.loaded.vocab_size
+    wrong = [(t + 1) % vocab for t in g]
+    requests = [(prompt, []), (prompt + g[:1], [wrong[1], g[2]]), (prompt + g[:2], []),
+                (prompt + g[:3], [g[3], wrong[4]]), (prompt + g[:5], [])]
+    sampling = common_pb2.SamplingParams(temperature=temperature)
+
+    async def send(session: str, continues: bool) -> list[target_pb2.VerifyResponse]:
+        async with grpc.aio.insecure_channel(address) as channel:
+            call = target_pb2_grpc.TargetServiceStub(channel).VerifyStream()
+            replies = []
+            for history, drafts in requests:
+                await call.write(target_pb2.VerifyRequest(
+                    session_id=session, history=history, draft_tokens=drafts, sampling=sampling, seed=3,
+                    logprobs=True, top_logprobs=3, continues=continues))
+                replies.append(await call.read())
+            await call.done_writing()
+            return replies
+
+    used, dropped = used_and_dropped(metrics_port)
+    before = refuted(metrics_port)
+    guessed = asyncio.run(send(f"refuted-{temperature}", True))
+    plain = asyncio.run(send(f"refuted-plain-{temperature}", False))
+    assert summary(guessed) == summary(plain)
+    if temperature == 0:
+        assert [(r.num_accepted, r.token_id) for r in guessed] == [(0, g[0]), (0, g[1]), (0, g[2]), (1, g[4]),
+                                                                   (0, g[5])]
+        assert [r.decoded_ahead for r in guessed] == [False, True, True, False, True]
+        assert refuted(metrics_port) == before + 1
+        assert used_and_dropped(metrics_port) == (used + 2, dropped + 1)
+    else:  # a sampled block takes no guess: its draws are its own
+        assert not guessed[1].decoded_ahead and not guessed[3].decoded_ahead
+        assert refuted(metrics_port) == before
+    assert not any(r.decoded_ahead for r in plain)
+    for session in (f"refuted-{temperature}", f"refuted-plain-{temperature}"):
+        release(address, session)
+    assert cached_sessions(address) == 0
 
 
 def test_a_release_drops_the_guess_and_leaves_no_cache(target, reference):

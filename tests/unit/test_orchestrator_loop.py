@@ -8,6 +8,7 @@ import asyncio
 
 import pytest
 
+from orchestrator.draft_length import continues_at_k0
 from specdec.errors import Aborted, FailedPrecondition
 from specdec.v1 import orchestrator_pb2 as pb
 from tests.unit.fakes import EOS, FakeDraft, FakeTarget, InMemorySessionStore, orchestrator, tokens
@@ -332,3 +333,13 @@ async def test_a_round_followed_by_a_block_does_not_continue_and_the_switch_turn
     orch = orchestrator(InMemorySessionStore(), target, None, draft_length=0, verify_ahead=False)
     assert generated(await run(orch, max_new_tokens=6)) == REFERENCE[START:START + 6]
     assert target.continues == [False] * 6
+
+
+def test_a_round_followed_by_a_block_continues_when_the_guess_pays():
+    """A greedy session whose draft mostly proposes nothing lets the target verify the next round
+    ahead even though that round asks for a block (the guess answers it when the draft proposes
+    nothing, or when the guess refutes the block's first token)."""
+    assert not continues_at_k0(0, 4, 10, True)
+    assert continues_at_k0(0, 4, 10, True, guess=True)
+    assert continues_at_k0(4, 4, 10, True, guess=True)
+    assert not continues_at_k0(4, 4, 5, True, guess=True)  # the round's at most 5 tokens end the generation

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from specdec.core.policy import PolicyConfig, PolicyState, expected_tokens, goodput_curve
+from specdec.core.policy import PolicyConfig, PolicyState, expected_tokens, goodput_curve, guess_ahead_pays
 from tests.unit.policy_helpers import CONFIG, goodput, gpu, round_time, run, verify_time
 
 
@@ -135,3 +135,33 @@ def test_verify_time(verify_s: tuple, k: int, expected: float | None) -> None:
         assert got is None
     else:
         assert got == pytest.approx(expected, abs=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------
+# Verifying the round after this one ahead when the next round asks the draft
+
+
+@pytest.mark.parametrize(
+    "empty, rtt_draft, rtt_target, t_v0, pays",
+    [
+        pytest.param(0.8, 0.002, 0.001, 0.006, True, id="chat: mostly empty"),  # .8 * 3 > .2 * 4
+        pytest.param(0.2, 0.002, 0.001, 0.006, False, id="code: mostly blocks"),  # .2 * 3 < .8 * 4
+        pytest.param(0.5, 0.002, 0.001, 0.005, False, id="tie"),  # .5 * 3 == .5 * 3: not worth it
+        pytest.param(0.5, 0.002, 0.001, 0.0049, True, id="past the tie"),
+        pytest.param(0.1, 0.008, 0.001, 0.006, True, id="a draft call longer than the pass costs nothing"),
+        pytest.param(0.0, 0.008, 0.001, 0.006, False, id="never empty"),
+        pytest.param(1.0, 0.0, 0.0, 0.006, False, id="nothing to hide"),
+    ],
+)
+def test_guess_ahead_pays_weighs_the_hidden_round_trips_against_the_pass_a_block_waits_out(
+        empty: float, rtt_draft: float, rtt_target: float, t_v0: float, pays: bool) -> None:
+    state = PolicyState(empty_ewma=empty, rtt_draft_s=rtt_draft, rtt_target_s=rtt_target, verify_s=(t_v0, 0.01))
+    assert guess_ahead_pays(state) is pays
+
+
+def test_guess_ahead_pays_only_once_its_estimates_are_known() -> None:
+    known = PolicyState(empty_ewma=0.9, rtt_draft_s=0.002, rtt_target_s=0.001, verify_s=(0.006,))
+    assert guess_ahead_pays(known)
+    for unknown in (replace(known, empty_ewma=None), replace(known, rtt_draft_s=None),
+                    replace(known, rtt_target_s=None), replace(known, verify_s=()), replace(known, verify_s=(None,))):
+        assert not guess_ahead_pays(unknown)

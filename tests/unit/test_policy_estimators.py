@@ -121,3 +121,23 @@ def test_the_orchestrators_own_time_per_round_is_learnt_and_spread_over_longer_b
         assert slow == pytest.approx(round_time(replace(state, loop_s=None), k, CONFIG) + 0.3)
     ks = [best_k(replace(state, loop_s=s), CONFIG) for s in (0.0, 0.05, 0.2, 1.0)]
     assert ks == sorted(ks) and ks[-1] > ks[0], ks
+
+
+def test_the_empty_share_counts_the_rounds_that_asked_the_draft() -> None:
+    config = PolicyConfig(ewma=0.5)
+    s = update(PolicyState(), obs(0, 0), config)
+    assert s.empty_ewma is None  # a round at k = 0 asked nothing
+    s = update(s, obs(4, 0, proposed=0), config)
+    assert s.empty_ewma == 1.0
+    s = update(s, obs(4, 1, proposed=2), config)
+    assert s.empty_ewma == 0.5
+    s = update(s, obs(4, 0, proposed=0, draft_failed=True), config)
+    assert s.empty_ewma == 0.5  # a failed call says nothing about what the draft finds
+
+
+def test_a_block_answered_from_a_pass_run_ahead_times_a_pass_that_verified_nothing() -> None:
+    config = PolicyConfig(ewma=1.0)
+    s = update(PolicyState(), obs(4, 0, proposed=3, verify_compute_s=0.006, verified_ahead=True), config)
+    assert s.verify_s[0] == 0.006 and s.verify_s[3] is None
+    s = update(s, obs(4, 0, proposed=3, verify_compute_s=0.009), config)
+    assert s.verify_s[0] == 0.006 and s.verify_s[3] == 0.009

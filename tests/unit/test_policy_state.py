@@ -18,7 +18,8 @@ from tests.unit.policy_helpers import CONFIG, gpu, run
 def test_state_round_trips_through_json() -> None:
     state = run(gpu(0.7, 0.01), rounds=40).state
     failed = Observation(state.k, 0, 0, 0.5, 0.0, 0.04, 0.03, draft_failed=True)
-    for s in (PolicyState(), initial_state(CONFIG), state, update(state, failed, CONFIG), replace(state, loop_s=0.02)):
+    for s in (PolicyState(), initial_state(CONFIG), state, update(state, failed, CONFIG), replace(state, loop_s=0.02),
+              replace(state, empty_ewma=0.75)):
         d = json.loads(json.dumps(s.to_dict(), allow_nan=False))
         assert PolicyState.from_dict(d) == s
 
@@ -43,14 +44,14 @@ def test_initial_state_from_a_prior() -> None:
 
 def test_merge_prior_is_an_ewma() -> None:
     a = PolicyState(rounds=10, alpha=0.5, accepted_ewma=1.0, rejected_ewma=1.0, rtt_draft_s=0.01,
-                    rtt_target_s=None, draft_token_s=0.004, verify_s=(0.03, None, 0.05))
+                    rtt_target_s=None, draft_token_s=0.004, verify_s=(0.03, None, 0.05), empty_ewma=0.2)
     b = PolicyState(rounds=5, alpha=0.75, accepted_ewma=3.0, rejected_ewma=1.0, rtt_draft_s=0.03,
                     rtt_target_s=0.02, draft_token_s=None, verify_s=(0.05, 0.04, None, 0.06),
-                    backoff=3, resume_probe=True)
+                    backoff=3, resume_probe=True, empty_ewma=0.6)
     m = merge_prior(a, b, weight=0.25)
     assert m.accepted_ewma == pytest.approx(1.5) and m.rejected_ewma == pytest.approx(1.0)
     assert m.alpha == pytest.approx(0.6)
-    assert m.rtt_draft_s == pytest.approx(0.015)
+    assert m.rtt_draft_s == pytest.approx(0.015) and m.empty_ewma == pytest.approx(0.3)
     assert m.rtt_target_s == 0.02 and m.draft_token_s == 0.004  # one side unknown
     assert m.verify_s == pytest.approx((0.035, 0.04, 0.05, 0.06))
     assert m.rounds == 15 and m.backoff == 0 and not m.resume_probe

@@ -9,7 +9,7 @@ Modules: `state` (config, observation, state), `estimators` (learning), `cost` (
 `decision` (choosing `k`, `step`), `prior` (new sessions and the global prior).
 """
 
-from specdec.core.policy.cost import expected_tokens, goodput_curve, pass_line
+from specdec.core.policy.cost import expected_tokens, goodput_curve, guess_ahead_pays, pass_line
 from specdec.core.policy.decision import best_k, choose_k, is_exploration_round, step
 from specdec.core.policy.estimators import ALPHA_MAX, alpha_upper, update
 from specdec.core.policy.prior import initial_state, merge_prior
@@ -25,6 +25,7 @@ __all__ = [
     "choose_k",
     "expected_tokens",
     "goodput_curve",
+    "guess_ahead_pays",
     "initial_state",
     "is_exploration_round",
     "merge_prior",

@@ -36,6 +36,22 @@ def proposal_rate(state: PolicyState) -> float:
     return 1.0 if state.proposal_rate is None else min(1.0, max(0.0, state.proposal_rate))
 
 
+def guess_ahead_pays(state: PolicyState) -> bool:
+    """Whether the target should verify the k = 0 round after this one ahead although the next
+    round asks the draft for a block (a greedy session: see `VerifyRequest.continues`).
+
+    The guess hides the next round's draft call and its round trip when the draft proposes nothing
+    (a share `e` of the rounds that ask it), and costs a block that does come the rest of the
+    guess's pass, which it then waits out: `e * (rtt_draft + rtt_target) > (1 - e) * max(0,
+    t_v(0) - rtt_draft)`. Unknown until the draft has answered empty or not.
+    """
+    e, rtt_draft, rtt_target = state.empty_ewma, state.rtt_draft_s, state.rtt_target_s
+    t_v0 = state.verify_s[0] if state.verify_s else None
+    if e is None or rtt_draft is None or rtt_target is None or t_v0 is None:
+        return False
+    return e * (rtt_draft + rtt_target) > (1.0 - e) * max(0.0, t_v0 - rtt_draft)
+
+
 def is_loaded(state: PolicyState) -> bool:
     """Sharing the target's passes, with a pass-cost line to price k by."""
     return (state.batch_ewma or 1.0) >= LOADED_BATCH and len(state.pass_moments) == 4

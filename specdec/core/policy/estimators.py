@@ -63,6 +63,9 @@ def update(state: PolicyState, obs: Observation, config: PolicyConfig) -> Policy
     w = config.ewma
     accepted, rejected, alpha = _fold_acceptance(state, obs, w)
     rtt_draft, draft_token, rate = _fold_draft(state, obs, w)
+    empty = state.empty_ewma
+    if obs.k > 0 and not obs.draft_failed:
+        empty = ewma(empty, 0.0 if obs.proposed else 1.0, w)
     rtt_target = ewma(state.rtt_target_s,
                       max(0.0, obs.verify_wall_s - obs.verify_compute_s - obs.verify_queue_s), w)
     queue_ratio = state.queue_ratio
@@ -81,6 +84,7 @@ def update(state: PolicyState, obs: Observation, config: PolicyConfig) -> Policy
         batch_ewma=ewma(state.batch_ewma, float(obs.batch_size), w),
         queue_ratio=queue_ratio,
         proposal_rate=rate,
+        empty_ewma=empty,
         pass_moments=_fold_pass(state, obs, config),
         loop_s=ewma(state.loop_s, obs.loop_s, w) if obs.loop_s > 0.0 else state.loop_s,
         backoff=config.draft_failure_backoff if failed else state.backoff,
@@ -132,10 +136,12 @@ def _fold_draft(
 
 
 def _fold_verify(state: PolicyState, obs: Observation, config: PolicyConfig) -> tuple[float | None, ...]:
-    """The per-`k` verify table, with the current round's compute in the slot of the tokens verified."""
+    """The per-`k` verify table, with the current round's compute in the slot of the tokens verified
+    (none for a block answered from a pass run ahead: that pass verified nothing)."""
     verify = list(padded(state.verify_s, max(config.k_max, obs.proposed) + 1))
+    verified = 0 if obs.verified_ahead else obs.proposed
     if obs.verify_prefill_tokens <= CATCH_UP_TOKENS:  # a prefill's cost is not that of verifying k
-        verify[obs.proposed] = ewma(verify[obs.proposed], obs.verify_compute_s, config.ewma)
+        verify[verified] = ewma(verify[verified], obs.verify_compute_s, config.ewma)
     return tuple(verify)
 
 

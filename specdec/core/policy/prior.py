@@ -70,6 +70,7 @@ def merge_prior(
         verify_s=verify,
         batch_ewma=_mix(prior.batch_ewma, session.batch_ewma, weight),
         proposal_rate=_mix(prior.proposal_rate, session.proposal_rate, weight),
+        empty_ewma=_mix(prior.empty_ewma, session.empty_ewma, weight),
         queue_ratio=_mix(prior.queue_ratio, session.queue_ratio, weight),
         pass_moments=_mix_moments(prior.pass_moments, session.pass_moments, weight),
         loop_s=_mix(prior.loop_s, session.loop_s, weight),

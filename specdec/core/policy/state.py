@@ -100,6 +100,9 @@ class Observation:
     loop_s: float = 0.0
     """The orchestrator's own time between the previous round and this one (saving the session,
     streaming the chunk, choosing `k`); 0 when not measured (a request's first round)."""
+    verified_ahead: bool = False
+    """The verify was answered from a k = 0 pass the target ran before the request came (its
+    compute is that pass's, whatever the block)."""
 
     def __post_init__(self) -> None:
         if self.k < 0:
@@ -122,7 +125,7 @@ class Observation:
 _COUNTS = ("rounds", "k", "backoff")
 _FLAGS = ("resume_probe", "speculating")
 _ESTIMATES = ("alpha", "accepted_ewma", "rejected_ewma", "rtt_draft_s", "rtt_target_s", "draft_token_s",
-              "batch_ewma", "queue_ratio", "proposal_rate", "loop_s")
+              "batch_ewma", "queue_ratio", "proposal_rate", "empty_ewma", "loop_s")
 
 
 @dataclass(frozen=True)
@@ -157,6 +160,8 @@ class PolicyState:
     """EWMA of the verify's queue wait over its compute, `q`."""
     proposal_rate: float | None = None
     """EWMA of proposed / asked-for draft tokens, `rho` (rounds that called the draft)."""
+    empty_ewma: float | None = None
+    """EWMA of the rounds that called the draft and got nothing (1) or a block (0), `e`."""
     loop_s: float | None = None
     """EWMA of the orchestrator's own time per round, outside the draft and verify calls."""
     pass_moments: tuple[float, ...] = ()
