@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator
 
 from specdec.rpc_errors import grpc_errors
 from specdec.runtime.batch_drafting import BatchDrafter, BatchItem, FinishedItem, check_batch
@@ -19,8 +20,8 @@ SOURCES = {"model": draft_pb2.DRAFT_SOURCE_MODEL, "ngram": draft_pb2.DRAFT_SOURC
 
 
 class DraftServicer(ModelServicer, draft_pb2_grpc.DraftServiceServicer):
-    """Propose and Release; SaveSnapshot and GetInfo: `ModelServicer` (`batcher`: the one running the draft
-    model, if the proposer has one)."""
+    """Propose, ProposeStream, ProposeBatch and Release; SaveSnapshot and GetInfo: `ModelServicer`
+    (`batcher`: the one running the draft model, if the proposer has one)."""
 
     def __init__(self, drafter: Drafter, info: common_pb2.ModelInfo, admission: Admission,
                  batcher: Batcher | None = None, batched: BatchDrafter | None = None) -> None:
@@ -30,12 +31,27 @@ class DraftServicer(ModelServicer, draft_pb2_grpc.DraftServiceServicer):
 
     @grpc_errors
     async def Propose(self, request: draft_pb2.ProposeRequest, context):
+        async for proposal in self._proposals(request, context):
+            yield proposal
+
+    @grpc_errors
+    async def ProposeStream(self, requests: AsyncIterator[draft_pb2.ProposeRequest], context):
+        """Propose, request after request on one call, each block in one message; an error ends the
+        call with its status (see `requests_of` for a stop while the call waits)."""
+        async for request in self.requests_of(requests):
+            yield draft_pb2.ProposeBlock(proposals=[p async for p in self._proposals(request, context)])
+
+    async def _proposals(self, request: draft_pb2.ProposeRequest, context) -> AsyncIterator[draft_pb2.Proposal]:
+        """The request's proposals as each is made (its checks, admission and deadline included)."""
         arrived = time.monotonic()
         params = self.constants.resolve(request.session_id, request.sampling, self.info.vocab_size)
         history = list(request.history)
         self.drafter.check(history, request.num_tokens, request.tokenizer_fingerprint)
         sources = self.drafter.check_sources(request.sources)
         deadline = deadline_of(context)
+        if request.timeout_ms:
+            own = arrived + request.timeout_ms / 1e3
+            deadline = own if deadline is None else min(deadline, own)
         async with self.admission.slot(deadline, context):
             drafts = self.drafter.stream(request.session_id, history, request.num_tokens, params, request.seed,
                                          deadline, arrived, request.sent_unix_ns, request.corpus_group, sources)

@@ -124,7 +124,17 @@ async def _exchange(call: grpc.aio.StreamStreamCall, request, timeout: float):
     return await asyncio.wait_for(both(), timeout)  # pragma: no cover - Python 3.10
 
 
-MAX_IDLE_STREAMS = 64  # idle VerifyStream calls a target client keeps open (more are closed)
+def _add(proposal: DraftReply, msg: draft_pb2.Proposal) -> None:
+    """One proposed token into the reply being collected."""
+    proposal.tokens.append(msg.token_id)
+    proposal.source = SOURCE_NAMES.get(msg.source, "")
+    if msg.probs:
+        proposal.probs.append(msg.probs)
+    proposal.compute_ns += msg.compute_ns
+    proposal.prefill_tokens += msg.prefill_tokens
+
+
+MAX_IDLE_STREAMS = 64  # idle long-lived calls a client keeps open to a replica (more are closed)
 MAX_SENT = 100_000  # sessions whose sampling constants a client remembers a replica holds (oldest forgotten)
 
 
@@ -132,7 +142,8 @@ class _ModelBackend:
     """What draft and target clients share: a channel, GetInfo, Release, SaveSnapshot and close, and
     which sessions' sampling constants the replica holds."""
 
-    def __init__(self, address: str, timeout_s: float, stub_class, tls: ClientTLS | None = None) -> None:
+    def __init__(self, address: str, timeout_s: float, stub_class, tls: ClientTLS | None = None,
+                 stream: bool = False) -> None:
         self.address = address
         self.timeout_s = timeout_s
         secure = tls is not None and tls.enabled
@@ -140,6 +151,60 @@ class _ModelBackend:
         self.stub = stub_class(self._channel)
         self.keeps_constants = False  # from its GetInfo: it keeps each session's logit_bias and grammar
         self._sent: OrderedDict[str, bytes] = OrderedDict()  # session -> digest of the constants it was sent
+        self.stream = stream  # send the per-round RPC over long-lived calls (`_on_stream`)
+        self._idle: list[grpc.aio.StreamStreamCall] = []  # open long-lived calls with nothing in flight
+
+    def _open_stream(self) -> grpc.aio.StreamStreamCall:
+        """A new long-lived call of the per-round RPC (VerifyStream, ProposeStream)."""
+        raise NotImplementedError
+
+    async def _on_stream(self, request, timeout: float, rpc: str):
+        """`request` on an idle long-lived call (or a new one), within `timeout` seconds, which it also
+        carries (`timeout_ms`: the replica drops it if still queued by then); fails as a call of its own
+        would (AioRpcError). None when the replica lacks the RPC (`rpc`, for the log): `stream` is off
+        from then on and the caller sends the request its own way."""
+        request.timeout_ms = max(1, math.ceil(timeout * 1e3))
+        for _ in range(2):
+            call, reused = self._take_stream()
+            try:
+                reply = await _exchange(call, request, timeout)
+            except asyncio.TimeoutError:
+                call.cancel()
+                raise grpc.aio.AioRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                           "Deadline Exceeded") from None
+            except grpc.aio.AioRpcError as exc:
+                call.cancel()
+                if exc.code() == grpc.StatusCode.UNIMPLEMENTED and not reused:
+                    log.info("%s has no %s: a call a round from now on", self.address, rpc)
+                    self.stream = False
+                    return None
+                if reused and _stale_call(exc):
+                    continue  # opened before the replica went away or restarted: once more on a new call
+                raise
+            except BaseException:  # cancelled by our caller: where the call stands is unknown
+                call.cancel()
+                raise
+            if reply is grpc.aio.EOF:  # the replica ended the call (it is stopping) before answering
+                call.cancel()
+                if reused:
+                    continue
+                raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                           f"the replica ended the {rpc} call without an answer")
+            if len(self._idle) < MAX_IDLE_STREAMS:
+                self._idle.append(call)
+            else:
+                call.cancel()
+            return reply
+        raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                   f"the replica ended two {rpc} calls in a row")
+
+    def _take_stream(self) -> tuple[grpc.aio.StreamStreamCall, bool]:
+        """An open idle long-lived call (reused: True), else a new one."""
+        while self._idle:
+            call = self._idle.pop()
+            if not call.done():
+                return call, True
+        return self._open_stream(), False
 
     async def info(self, timeout: float = 10.0, wait: bool = True) -> common_pb2.ModelInfo:
         info = await self.stub.GetInfo(common_pb2.GetInfoRequest(), timeout=timeout, wait_for_ready=wait)
@@ -206,14 +271,26 @@ class _ModelBackend:
         return reply.tokens
 
     async def close(self) -> None:
+        for call in self._idle:
+            call.cancel()
+        self._idle.clear()
         await self._channel.close()
 
 
 class DraftBackend(_ModelBackend):
-    """Calls one draft replica; a failure raises DraftUnavailable (the round falls to k = 0)."""
+    """Calls one draft replica; a failure raises DraftUnavailable (the round falls to k = 0).
 
-    def __init__(self, address: str, timeout_s: float, tls: ClientTLS | None = None) -> None:
-        super().__init__(address, timeout_s, draft_pb2_grpc.DraftServiceStub, tls)
+    With `stream` (the default) a round's Propose goes over a long-lived ProposeStream call, one
+    request in flight on each, the block in one message; a block whose tokens are taken as they
+    come (`progress`, a block drafted ahead) is a Propose call of its own. A replica without
+    ProposeStream (UNIMPLEMENTED) is sent Propose calls from then on.
+    """
+
+    def __init__(self, address: str, timeout_s: float, tls: ClientTLS | None = None, stream: bool = True) -> None:
+        super().__init__(address, timeout_s, draft_pb2_grpc.DraftServiceStub, tls, stream)
+
+    def _open_stream(self) -> grpc.aio.StreamStreamCall:
+        return self.stub.ProposeStream()
 
     async def propose(self, session_id: str, history: list[int], k: int, params: SamplingParams,
                       seed: int, fingerprint: str, into: DraftReply | None = None,
@@ -249,13 +326,14 @@ class DraftBackend(_ModelBackend):
 
     async def _stream(self, request: draft_pb2.ProposeRequest, proposal: DraftReply, progress: asyncio.Event | None,
                       timeout: float | None) -> None:
+        if self.stream and progress is None:
+            block = await self._on_stream(request, self._timeout(timeout), "ProposeStream")
+            if block is not None:
+                for msg in block.proposals:
+                    _add(proposal, msg)
+                return
         async for msg in self.stub.Propose(request, timeout=self._timeout(timeout)):
-            proposal.tokens.append(msg.token_id)
-            proposal.source = SOURCE_NAMES.get(msg.source, "")
-            if msg.probs:
-                proposal.probs.append(msg.probs)
-            proposal.compute_ns += msg.compute_ns
-            proposal.prefill_tokens += msg.prefill_tokens
+            _add(proposal, msg)
             if progress is not None:
                 progress.set()
 
@@ -278,9 +356,10 @@ class TargetBackend(_ModelBackend):
     """
 
     def __init__(self, address: str, timeout_s: float, tls: ClientTLS | None = None, stream: bool = True) -> None:
-        super().__init__(address, timeout_s, target_pb2_grpc.TargetServiceStub, tls)
-        self.stream = stream
-        self._idle: list[grpc.aio.StreamStreamCall] = []  # open VerifyStream calls with nothing in flight
+        super().__init__(address, timeout_s, target_pb2_grpc.TargetServiceStub, tls, stream)
+
+    def _open_stream(self) -> grpc.aio.StreamStreamCall:
+        return self.stub.VerifyStream()
 
     def _call_failure(self, exc: grpc.aio.AioRpcError, remaining: float | None, limit_s: float | None,
                       doing: str) -> Exception:
@@ -329,56 +408,11 @@ class TargetBackend(_ModelBackend):
 
     async def _verify_call(self, request: target_pb2.VerifyRequest, timeout: float) -> target_pb2.VerifyResponse:
         """One Verify, on an idle VerifyStream call when streaming; fails as a Verify call would (AioRpcError)."""
-        if not self.stream:
-            return await self.stub.Verify(request, timeout=timeout)
-        request.timeout_ms = max(1, math.ceil(timeout * 1e3))  # the replica drops it if still queued by then
-        for _ in range(2):
-            call, reused = self._take_stream()
-            try:
-                reply = await _exchange(call, request, timeout)
-            except asyncio.TimeoutError:
-                call.cancel()
-                raise grpc.aio.AioRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(), grpc.aio.Metadata(),
-                                           "Deadline Exceeded") from None
-            except grpc.aio.AioRpcError as exc:
-                call.cancel()
-                if exc.code() == grpc.StatusCode.UNIMPLEMENTED and not reused:
-                    log.info("%s has no VerifyStream: verifying with a call a round", self.address)
-                    self.stream = False
-                    return await self.stub.Verify(request, timeout=timeout)
-                if reused and _stale_call(exc):
-                    continue  # opened before the replica went away or restarted: once more on a new call
-                raise
-            except BaseException:  # cancelled by our caller: where the call stands is unknown
-                call.cancel()
-                raise
-            if reply is grpc.aio.EOF:  # the replica ended the call (it is stopping) before answering
-                call.cancel()
-                if reused:
-                    continue
-                raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
-                                           "the replica ended the verify stream without an answer")
-            if len(self._idle) < MAX_IDLE_STREAMS:
-                self._idle.append(call)
-            else:
-                call.cancel()
-            return reply
-        raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
-                                   "the replica ended two verify streams in a row")
-
-    def _take_stream(self) -> tuple[grpc.aio.StreamStreamCall, bool]:
-        """An open idle VerifyStream call (reused: True), else a new one."""
-        while self._idle:
-            call = self._idle.pop()
-            if not call.done():
-                return call, True
-        return self.stub.VerifyStream(), False
-
-    async def close(self) -> None:
-        for call in self._idle:
-            call.cancel()
-        self._idle.clear()
-        await super().close()
+        if self.stream:
+            reply = await self._on_stream(request, timeout, "VerifyStream")
+            if reply is not None:
+                return reply
+        return await self.stub.Verify(request, timeout=timeout)
 
     async def _unary(self, method, request, params: SamplingParams | None, timeout: float | None,
                      limit_s: float | None, doing: str):

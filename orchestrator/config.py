@@ -87,6 +87,12 @@ class OrchestratorConfig(RedisClientOptions, ServiceConfig):
         "setup a round) or, off, as a Verify call a round, each with its own span and request id in the target. "
         "auto: on, unless this orchestrator exports traces.",
     )
+    propose_stream: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="Send each round's Propose over a long-lived ProposeStream call to the draft (saves a call's "
+        "setup a round; the block comes in one message) or, off, as a Propose call a round, each with its own span "
+        "and request id in the draft. auto: on, unless this orchestrator exports traces.",
+    )
     policy_explore_every: int = Field(16, ge=2, description="'auto' tries a neighbouring k every this many rounds.")
     policy_ewma: float = Field(0.2, gt=0, le=1, description="Weight of a new measurement in the controller's averages.")
     default_max_new_tokens: int | None = Field(

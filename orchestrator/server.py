@@ -55,11 +55,12 @@ async def build_orchestrator(config: OrchestratorConfig) -> Orchestrator:
     tls = backend_tls(config)
     try:
         node, zone = locality_from_env()  # where this orchestrator runs: nearer replicas are preferred
-        stream = config.verify_stream == "on" or (config.verify_stream == "auto" and not tracing.exporting())
+        verify_stream, propose_stream = (setting == "on" or (setting == "auto" and not tracing.exporting())
+                                         for setting in (config.verify_stream, config.propose_stream))
         target = TargetPool(config.target,
-                            lambda a: TargetBackend(a, config.target_timeout_s, tls, stream),
+                            lambda a: TargetBackend(a, config.target_timeout_s, tls, verify_stream),
                             config.target_retry_s, config.replica_refresh_s, node, zone)
-        draft = DraftPool(config.draft, lambda a: DraftBackend(a, config.draft_timeout_s, tls),
+        draft = DraftPool(config.draft, lambda a: DraftBackend(a, config.draft_timeout_s, tls, propose_stream),
                           config.draft_retry_s, config.replica_refresh_s, node, zone) if config.draft else None
     except ValueError as exc:
         raise StartupError(str(exc)) from exc

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -30,8 +29,6 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
         self.batcher: Batcher = batcher
         self.ahead = DecodeAhead(batcher, verifier, info.eos_token_ids)
         self.logprobs_mode = logprobs_mode
-        self._idle_streams: set[asyncio.Task | None] = set()  # VerifyStream calls waiting for a request
-        self._stopping = False
 
     @grpc_errors
     async def ScoreTokens(self, request: target_pb2.ScoreTokensRequest, context):
@@ -59,35 +56,14 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
 
     @grpc_errors
     async def VerifyStream(self, requests: AsyncIterator[target_pb2.VerifyRequest], context):
-        """Verify, request after request on one call; an error ends the call with its status. A call
-        waiting for its next request when the service stops ends then (`end_idle_calls`)."""
-        task = asyncio.current_task()
-        pending = aiter(requests)
-        while True:
-            self._idle_streams.add(task)
-            try:
-                request = await anext(pending)
-            except StopAsyncIteration:
-                return
-            except asyncio.CancelledError:
-                if self._stopping:
-                    return  # the caller sees the call end and opens one elsewhere
-                raise
-            finally:
-                self._idle_streams.discard(task)
+        """Verify, request after request on one call; an error ends the call with its status (see
+        `requests_of` for a stop while the call waits)."""
+        async for request in self.requests_of(requests):
             yield await self._verify(request, context)
 
     async def Release(self, request: common_pb2.ReleaseRequest, context) -> common_pb2.ReleaseResponse:
         self.ahead.cancel(request.session_id)  # (its job goes with the session's other work)
         return await super().Release(request, context)
-
-    def end_idle_calls(self) -> None:
-        """End the VerifyStream calls that wait for a request (a graceful stop lets calls in flight
-        finish, and would wait out its grace for these)."""
-        self._stopping = True
-        for task in list(self._idle_streams):
-            if task is not None:
-                task.cancel()
 
     async def _verify(self, request: target_pb2.VerifyRequest, context) -> target_pb2.VerifyResponse:
         arrived = time.monotonic()

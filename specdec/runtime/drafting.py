@@ -10,8 +10,10 @@ streams the lot, without knowing which kind of proposer it drives.
 Where a proposer computes is its own business. A model drafts through the `Batcher` (the blocks of
 concurrent requests share one forward pass per token); a host-computed one (prompt lookup, suffix
 speculation) runs on the drafter's worker thread through `DraftEnv.proposal`, which also cuts its
-proposal at the first token the grammar refuses; a model forks the session's grammar state
-(`DraftEnv.fork`) and masks every position with it.
+proposal at the first token the grammar refuses (suffix speculation makes a steady session's
+look-up at once instead, where the thread hop would cost more than the look-up:
+`SuffixProposer.propose_at_once`); a model forks the session's grammar state (`DraftEnv.fork`) and
+masks every position with it.
 """
 
 from __future__ import annotations

@@ -233,6 +233,9 @@ class NgramProposer(HostProposer):
             yield DraftToken(token, None, elapsed // max(len(tokens), 1), source=NGRAM)
 
 
+AT_ONCE_TOKENS = 16  # new history tokens a suffix look-up indexes on the event loop (more: on the worker thread)
+
+
 class SuffixProposer(HostProposer):
     """Suffix speculation: the most frequent continuation of the longest match of the history's end,
     in the session's own history or in its corpus group's earlier outputs (`specdec.core.suffix`).
@@ -260,7 +263,7 @@ class SuffixProposer(HostProposer):
         self.learn_on_release = learn_on_release
         self.corpora = Corpora(max_depth, min_match, max_tokens, max_groups)
         self._sessions: OrderedDict[str, _SuffixSession] = OrderedDict()
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
 
     def propose(self, session_id: str, history: list[int], k: int, params: SamplingParams,
                 seed: int, group: str = "") -> Iterator[DraftToken]:
@@ -280,11 +283,36 @@ class SuffixProposer(HostProposer):
         """`propose` for the requests of corpus group `group`."""
         return functools.partial(self.propose, group=group)
 
+    def propose_at_once(self, request: DraftRequest) -> list[DraftToken] | None:
+        """The proposal, made on the caller's thread when it is a look-up and little else: the session
+        is indexed up to at most `AT_ONCE_TOKENS` new tokens, and no other thread holds the indexes.
+        None otherwise (a new session's whole history to index, a corpus being fed): the worker
+        thread makes it, so that the event loop never waits for either."""
+        if not self._lock.acquire(blocking=False):
+            return None
+        try:  # (reentrant: `propose` takes it again)
+            session = self._sessions.get(request.session_id)
+            if (session is None or session.group != request.corpus_group or not session.extended_by(request.history)
+                    or len(request.history) - session.indexed > AT_ONCE_TOKENS):
+                return None
+            return list(self.propose(request.session_id, request.history, request.k, request.params, request.seed,
+                                     request.corpus_group))
+        finally:
+            self._lock.release()
+
+    async def proposal(self, request: DraftRequest, env: DraftEnv) -> list[DraftToken]:
+        """Up to `request.k` tokens (k >= 1), at once when it is cheap (`propose_at_once`), else on
+        the worker thread; cut by the grammar either way."""
+        request.check_deadline()
+        drafts = self.propose_at_once(request)
+        if drafts is None:
+            return await env.proposal(self.for_group(request.corpus_group), request)
+        return await env.cut(request, drafts)
+
     async def block(self, request: DraftRequest, env: DraftEnv) -> Block:
         if request.k == 0:
             return Block.empty(self.source)
-        return Block.listed(self.source, await env.proposal(self.for_group(request.corpus_group), request),
-                            request.arrived)
+        return Block.listed(self.source, await self.proposal(request, env), request.arrived)
 
     def _session(self, session_id: str, history: list[int], output_start: int, group: str) -> _SuffixSession:
         session = self._sessions.get(session_id)
@@ -359,7 +387,7 @@ class HybridProposer(ProposerBase):
         """The suffix proposal if it makes one (and may: `DraftRequest.sources`), else the model's
         block, or nothing when the request names the suffix alone."""
         if request.k > 0 and request.allows(SUFFIX):
-            drafts = await env.proposal(self.suffix.for_group(request.corpus_group), request)
+            drafts = await self.suffix.proposal(request, env)
             if drafts:
                 return Block.listed(SUFFIX, drafts, request.arrived)
         if not request.allows(MODEL):

@@ -1,7 +1,7 @@
 """What the services that host a model (draft, target) share, written once.
 
-- `ModelServicer`: the RPCs both answer alike (Release, SaveSnapshot, GetInfo); each service's
-  servicer adds its own (Propose, Verify).
+- `ModelServicer`: the RPCs both answer alike (Release, SaveSnapshot, GetInfo), and the requests of
+  their long-lived calls (`requests_of`); each service's servicer adds its own (Propose, Verify).
 - `model_thread`, `load_on` (`load_served`), `session_caches`, `admission_and_metrics`, `batcher_for` and
   `serve_model_service`: from a `ModelServiceConfig` to the thread that runs the model, the loaded
   model and its KV caches (with their snapshot policy), admission, metrics, the batcher, and a
@@ -11,9 +11,9 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 
@@ -38,6 +38,8 @@ from specdec.server.serving import StartupError, serve_servicer, start_metrics
 from specdec.server.tls import server_credentials_of
 from specdec.v1 import common_pb2
 
+T = TypeVar("T")
+
 
 class ModelServicer:
     """Release, SaveSnapshot and GetInfo of a model service.
@@ -53,9 +55,36 @@ class ModelServicer:
         self.grammars: SessionGrammars | None = None  # each session's grammar state, freed with its caches
         self.constants = SessionConstants()  # each session's logit_bias and grammar, sent once (resolve a call's)
         info.caches_sampling_constants = True
+        self._idle_calls: set[asyncio.Task | None] = set()  # long-lived calls waiting for their next request
+        self._stopping = False
+
+    async def requests_of(self, requests: AsyncIterator[T]) -> AsyncIterator[T]:
+        """The requests of a long-lived call (VerifyStream, ProposeStream), one at a time, until the
+        caller ends the call, or until the service stops while the call waits for one
+        (`end_idle_calls`: the caller then sees the call end and opens one elsewhere)."""
+        task = asyncio.current_task()
+        pending = aiter(requests)
+        while True:
+            self._idle_calls.add(task)
+            try:
+                request = await anext(pending)
+            except StopAsyncIteration:
+                return
+            except asyncio.CancelledError:
+                if self._stopping:
+                    return
+                raise
+            finally:
+                self._idle_calls.discard(task)
+            yield request
 
     def end_idle_calls(self) -> None:
-        """The service is stopping: end the open calls that wait for a request (none by default)."""
+        """The service is stopping: end the long-lived calls that wait for a request (a graceful stop
+        lets calls in flight finish, and would wait out its grace for these)."""
+        self._stopping = True
+        for task in list(self._idle_calls):
+            if task is not None:
+                task.cancel()
 
     @grpc_errors
     async def Release(self, request: common_pb2.ReleaseRequest, context) -> common_pb2.ReleaseResponse:

@@ -218,3 +218,43 @@ async def test_concurrent_drafts_equal_one_at_a_time(model_draft, reference, tem
         assert (info.cached_sessions, info.cached_tokens) == (0, 0)
     metrics = scrape(metrics_port)
     assert metrics[("specdec_kv_cache_sessions", ())] == 0 and metrics[("specdec_batch_size_count", ())] > 0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampling"])
+async def test_a_propose_stream_answers_each_request_as_a_propose_call_would(model_draft, reference, temperature):
+    """Rounds of two sessions on one long-lived ProposeStream call: each block (tokens, q rows,
+    source) is the one a Propose call gives the same request; a request the service refuses ends
+    the call with the refusal's status, and a new call goes on."""
+    address, _ = model_draft
+    prompts = [reference.encode(p) for p in PROMPTS[:2]]
+
+    def request(sid: str, history: list[int], k: int, seed: int) -> draft_pb2.ProposeRequest:
+        return draft_pb2.ProposeRequest(session_id=sid, history=history, num_tokens=k, seed=seed,
+                                        sampling=common_pb2.SamplingParams(temperature=temperature), timeout_ms=60_000)
+
+    async with channel(address) as ch:
+        stub = draft_pb2_grpc.DraftServiceStub(ch)
+        call = stub.ProposeStream()
+        histories = [list(ids) for ids in prompts]
+        for step in range(3):
+            for i, history in enumerate(histories):
+                k = 1 + (step + i) % 4
+                await call.write(request(f"stream-{temperature}-{i}", history, k, i))
+                block = await call.read()
+                alone = [m async for m in stub.Propose(request(f"call-{temperature}-{i}", history, k, i), timeout=60)]
+                assert [(m.index, m.token_id, m.probs, m.source) for m in block.proposals] == \
+                       [(m.index, m.token_id, m.probs, m.source) for m in alone]
+                assert len(block.proposals) == k and bool(block.proposals[0].probs) == (temperature > 0)
+                history.extend(m.token_id for m in block.proposals[:1])  # the first draft accepted, say
+        await call.write(request("stream-bad", [], 2, 0))  # no history: refused
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await call.read()
+        error = refused.value
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "history is empty" in error.details()
+        again = stub.ProposeStream()
+        await again.write(request(f"stream-{temperature}-0", histories[0], 2, 0))
+        assert len((await again.read()).proposals) == 2
+        await again.done_writing()
+        for name in ("stream", "call"):
+            for i in range(2):
+                await stub.Release(common_pb2.ReleaseRequest(session_id=f"{name}-{temperature}-{i}"))

@@ -1,7 +1,7 @@
 """Mutated protobuf messages against every RPC of the model services and the orchestrator's others.
 
 The orchestrator's Generate is fuzzed field by field in test_fuzz.py; here every other RPC of the
-three services (Verify, VerifyStream, ScoreTokens, Propose, Release, SaveSnapshot, GetInfo, GetStatus,
+three services (Verify, VerifyStream, ScoreTokens, Propose, ProposeStream, Release, SaveSnapshot, GetInfo, GetStatus,
 CloseSession) gets messages built from valid seeds and hostile ones (token ids at and past the
 vocabulary and past int32, repeated fields of 200,000 entries, grammar text of deeply nested JSON,
 a logit_bias over the whole vocabulary, counts at 2^32 - 1, probability bytes of the wrong
@@ -104,6 +104,7 @@ def seeds(vocab: int, fingerprint: str) -> dict[str, list[bytes]]:
         "/specdec.v1.TargetService/SaveSnapshot": snapshots,
         "/specdec.v1.TargetService/GetInfo": [common_pb2.GetInfoRequest()],
         "/specdec.v1.DraftService/Propose": propose,
+        "/specdec.v1.DraftService/ProposeStream": propose,  # each sent twice on one call
         "/specdec.v1.DraftService/Release": ids,
         "/specdec.v1.DraftService/SaveSnapshot": snapshots,
         "/specdec.v1.DraftService/GetInfo": [common_pb2.GetInfoRequest()],
@@ -152,7 +153,8 @@ def _mutations(draw, method: str, seed: bytes):
 
 
 REQUESTS = {"Verify": target_pb2.VerifyRequest, "VerifyStream": target_pb2.VerifyRequest,
-            "ScoreTokens": target_pb2.ScoreTokensRequest, "Propose": draft_pb2.ProposeRequest}
+            "ScoreTokens": target_pb2.ScoreTokensRequest, "Propose": draft_pb2.ProposeRequest,
+            "ProposeStream": draft_pb2.ProposeRequest}
 
 
 def session_of(method: str, raw: bytes) -> str:
@@ -166,7 +168,7 @@ def session_of(method: str, raw: bytes) -> str:
 
 def call(channel: grpc.Channel, method: str, raw: bytes) -> grpc.StatusCode:
     try:
-        if method.endswith("/VerifyStream"):  # the message twice on one call: an error ends the call
+        if method.endswith("Stream"):  # the message twice on one call: an error ends the call
             stream = channel.stream_stream(method, request_serializer=lambda b: b, response_deserializer=lambda b: b)
             for _ in stream(iter([raw, raw]), timeout=60):
                 pass

@@ -42,7 +42,7 @@ class FailingStub:
 
 
 async def propose(code: grpc.StatusCode, timeout: float | None = None) -> None:
-    backend = DraftBackend("127.0.0.1:1", timeout_s=10.0)
+    backend = DraftBackend("127.0.0.1:1", timeout_s=10.0, stream=False)  # a Propose call a round
     backend.stub = FailingStub(code)
     try:
         await backend.propose("s", [1, 2], 3, SamplingParams(), 0, "fp", timeout=timeout)

@@ -127,7 +127,7 @@ async def test_the_target_gets_them_once_per_session_then_their_digest():
 
 
 async def test_the_draft_gets_them_once_per_session_then_their_digest():
-    backend = DraftBackend("127.0.0.1:1", timeout_s=10.0)
+    backend = DraftBackend("127.0.0.1:1", timeout_s=10.0, stream=False)
     stub = backend.stub = ServiceStub()
     try:
         await backend.info()

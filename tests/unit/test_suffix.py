@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import threading
 
 import pytest
 
@@ -21,7 +22,8 @@ from specdec.core.suffix import (
     encode_entry,
     encode_output,
 )
-from specdec.runtime.proposers import SuffixProposer
+from specdec.runtime.drafting import DraftRequest
+from specdec.runtime.proposers import AT_ONCE_TOKENS, SuffixProposer
 
 
 def index_of(*sequences: list[int], **kwargs) -> SuffixIndex:
@@ -167,6 +169,44 @@ def test_proposer_sessions_are_bounded_and_released():
     propose(proposer, "c", [1, 2, 3, 4, 5, 6], 1, output_start=3)
     assert proposer.forget("c") is True and proposer.forget("c") is False
     assert propose(proposer, "d", [0, 4, 5], 1) == [6]  # c's output joined the corpus on release
+
+
+def test_a_steady_sessions_look_up_is_made_at_once_and_the_rest_on_the_worker_thread():
+    """`propose_at_once` answers what `propose` would for a session indexed up to a few new tokens,
+    and leaves to the worker thread a new session, a history that does not extend the indexed one,
+    more than AT_ONCE_TOKENS new tokens, another group's request and a lock another thread holds."""
+    proposer, reference = SuffixProposer(min_prob=0.3), SuffixProposer(min_prob=0.3)
+    history = [1, 2, 3, 4, 1, 2]
+
+    def request(tokens: list[int], session: str = "a", group: str = "") -> DraftRequest:
+        return DraftRequest(session, tokens, 3, SamplingParams(), 0, corpus_group=group)
+
+    assert proposer.propose_at_once(request(history)) is None  # a new session: its whole history to index
+    propose(proposer, "a", history, 3)
+    propose(reference, "a", history, 3)
+    for grown in (history + [3], history + [3, 4, 1, 2], history + [3, 4, 1, 2, 9, 1]):
+        drafts = proposer.propose_at_once(request(grown))
+        assert drafts is not None and [d.token_id for d in drafts] == propose(reference, "a", grown, 3)
+    assert proposer.propose_at_once(request([5, 6, 7])) is None  # does not extend it: indexed afresh
+    assert proposer.propose_at_once(request(grown + list(range(20, 20 + AT_ONCE_TOKENS + 1)))) is None
+    assert proposer.propose_at_once(request(grown + [3], group="other")) is None
+    held = threading.Event()
+    release = threading.Event()
+
+    def hold():
+        with proposer._lock:
+            held.set()
+            release.wait(5)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    held.wait(5)
+    try:
+        assert proposer.propose_at_once(request(grown + [3])) is None  # the corpus is being fed, say
+    finally:
+        release.set()
+        holder.join()
+    assert proposer.propose_at_once(request(grown + [3])) is not None
 
 
 async def test_a_release_the_orchestrator_marks_forget_output_does_not_join_the_corpus():

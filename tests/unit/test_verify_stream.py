@@ -247,7 +247,7 @@ class Idle(TargetServicer):
     """The real servicer's VerifyStream, with `_verify` answering at once (no model)."""
 
     def __init__(self) -> None:  # only what VerifyStream and end_idle_calls use
-        self._idle_streams = set()
+        self._idle_calls = set()
         self._stopping = False
 
     async def _verify(self, request, context):
@@ -263,15 +263,15 @@ async def test_a_stopping_target_ends_the_calls_that_wait_for_a_request():
         # Each call's handler waits for its next request only once its answer is out: under load the
         # client can have the answers before the handlers are back at their wait.
         for _ in range(1000):  # 10 s at most
-            if len(servicer._idle_streams) == 3:
+            if len(servicer._idle_calls) == 3:
                 break
             await asyncio.sleep(0.01)
-        assert len(backend._idle) == 3 and len(servicer._idle_streams) == 3
+        assert len(backend._idle) == 3 and len(servicer._idle_calls) == 3
         servicer.end_idle_calls()
         started = time.monotonic()
         await server.stop(5.0)  # would wait out the grace with the three calls open
         assert time.monotonic() - started < 1.0
-        assert servicer._idle_streams == set()
+        assert servicer._idle_calls == set()
     finally:
         await backend.close()
         await server.stop(None)
