@@ -163,5 +163,6 @@ def test_guess_ahead_pays_only_once_its_estimates_are_known() -> None:
     known = PolicyState(empty_ewma=0.9, rtt_draft_s=0.002, rtt_target_s=0.001, verify_s=(0.006,))
     assert guess_ahead_pays(known)
     for unknown in (replace(known, empty_ewma=None), replace(known, rtt_draft_s=None),
-                    replace(known, rtt_target_s=None), replace(known, verify_s=()), replace(known, verify_s=(None,))):
+                    replace(known, rtt_target_s=None), replace(known, verify_s=()), replace(known, verify_s=(None,)),
+                    replace(known, empty_ewma=float("nan")), replace(known, empty_ewma=5.0)):
         assert not guess_ahead_pays(unknown)

@@ -47,8 +47,8 @@ def guess_ahead_pays(state: PolicyState) -> bool:
     """
     e, rtt_draft, rtt_target = state.empty_ewma, state.rtt_draft_s, state.rtt_target_s
     t_v0 = state.verify_s[0] if state.verify_s else None
-    if e is None or rtt_draft is None or rtt_target is None or t_v0 is None:
-        return False
+    if e is None or rtt_draft is None or rtt_target is None or t_v0 is None or not 0.0 <= e <= 1.0:
+        return False  # (a share outside [0, 1], or NaN, from a hostile stored state: no guess)
     return e * (rtt_draft + rtt_target) > (1.0 - e) * max(0.0, t_v0 - rtt_draft)
 
 
