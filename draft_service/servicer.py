@@ -48,10 +48,7 @@ class DraftServicer(ModelServicer, draft_pb2_grpc.DraftServiceServicer):
         history = list(request.history)
         self.drafter.check(history, request.num_tokens, request.tokenizer_fingerprint)
         sources = self.drafter.check_sources(request.sources)
-        deadline = deadline_of(context)
-        if request.timeout_ms:
-            own = arrived + request.timeout_ms / 1e3
-            deadline = own if deadline is None else min(deadline, own)
+        deadline = deadline_of(context, request.timeout_ms, arrived)
         async with self.admission.slot(deadline, context):
             drafts = self.drafter.stream(request.session_id, history, request.num_tokens, params, request.seed,
                                          deadline, arrived, request.sent_unix_ns, request.corpus_group, sources)

@@ -74,10 +74,7 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
         logprobs = LogprobRequest(request.top_logprobs, self.logprobs_mode) if request.logprobs else None
         draft_tokens = list(request.draft_tokens)
         q = probs_from_bytes(request.draft_probs, len(draft_tokens), self.info.vocab_size)
-        deadline = deadline_of(context)
-        if request.timeout_ms:
-            own = arrived + request.timeout_ms / 1e3
-            deadline = own if deadline is None else min(deadline, own)
+        deadline = deadline_of(context, request.timeout_ms, arrived)
         history = list(request.history)
         async with self.admission.slot(deadline, context):
             await prepare(self.verifier.grammars, params)  # compiled off the model thread

@@ -38,10 +38,16 @@ class Overloaded(ResourceExhausted):
         self.retry_after_ms = retry_after_ms
 
 
-def deadline_of(context) -> float | None:
-    """The `time.monotonic()` at which a gRPC call's deadline passes, or None if it has none."""
+def deadline_of(context, timeout_ms: int = 0, arrived: float = 0.0) -> float | None:
+    """The `time.monotonic()` at which a gRPC call's deadline passes, or None if it has none; with a
+    request's own `timeout_ms` (a request on a long-lived call), the earlier of the call's deadline
+    and `arrived` (when the request came) + that limit."""
     remaining = context.time_remaining() if context is not None else None
-    return None if remaining is None else time.monotonic() + remaining
+    deadline = None if remaining is None else time.monotonic() + remaining
+    if timeout_ms:
+        own = arrived + timeout_ms / 1e3
+        deadline = own if deadline is None else min(deadline, own)
+    return deadline
 
 
 def retry_after_ms(error: BaseException) -> int | None:

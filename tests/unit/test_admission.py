@@ -8,7 +8,7 @@ import time
 import pytest
 
 from specdec.errors import DeadlineExceeded
-from specdec.server.admission import RETRY_AFTER_KEY, Admission, Overloaded, retry_after_ms
+from specdec.server.admission import RETRY_AFTER_KEY, Admission, Overloaded, deadline_of, retry_after_ms
 
 
 async def hold(admission: Admission, release: asyncio.Event, log: list, name: str, deadline=None) -> None:
@@ -115,3 +115,22 @@ def test_limits_are_validated():
         Admission(0, 1)
     with pytest.raises(ValueError):
         Admission(1, -1)
+
+
+class _Context:
+    def __init__(self, remaining: float | None) -> None:
+        self.remaining = remaining
+
+    def time_remaining(self) -> float | None:
+        return self.remaining
+
+
+def test_a_requests_own_time_limit_cuts_the_calls_deadline():
+    """A request on a long-lived call carries its own limit (`timeout_ms`, from its arrival): its
+    deadline is the earlier of that and the call's."""
+    now = time.monotonic()
+    assert deadline_of(_Context(None)) is None
+    assert deadline_of(_Context(None), 250, arrived=now) == pytest.approx(now + 0.25)
+    assert deadline_of(_Context(10.0), 250, arrived=now) == pytest.approx(now + 0.25)
+    assert deadline_of(_Context(0.1), 250, arrived=now) == pytest.approx(now + 0.1, abs=0.05)
+    assert deadline_of(_Context(5.0)) == pytest.approx(now + 5.0, abs=0.05)

@@ -8,6 +8,8 @@ outlived its replica, is tested in test_verify_stream.py.)"""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 
 import grpc
 import pytest
@@ -64,12 +66,19 @@ class Draft(draft_pb2_grpc.DraftServiceServicer):
             yield draft_pb2.ProposeBlock(proposals=await self._proposals(request, context))
 
 
-async def serve(servicer) -> tuple[grpc.aio.Server, int]:
+@contextlib.asynccontextmanager
+async def backend_of(draft: Draft) -> AsyncIterator[DraftBackend]:
+    """`draft` served on a free port, and a client of it (ProposeStream on); both closed after."""
     server = grpc.aio.server(interceptors=default_interceptors())
-    draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, server)
+    draft_pb2_grpc.add_DraftServiceServicer_to_server(draft, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
-    return server, port
+    backend = DraftBackend(f"127.0.0.1:{port}", timeout_s=10.0)
+    try:
+        yield backend
+    finally:
+        await backend.close()
+        await server.stop(None)
 
 
 async def propose(backend: DraftBackend, session: str = "s", k: int = 3, timeout: float | None = None,
@@ -79,9 +88,7 @@ async def propose(backend: DraftBackend, session: str = "s", k: int = 3, timeout
 
 async def test_one_call_carries_every_round_and_each_request_its_time_limit():
     draft = Draft()
-    server, port = await serve(draft)
-    backend = DraftBackend(f"127.0.0.1:{port}", timeout_s=10.0)
-    try:
+    async with backend_of(draft) as backend:
         replies = [await propose(backend) for _ in range(4)]
         assert all(r.tokens == [4, 5, 6] and r.source == "suffix" and r.compute_ns == 300 for r in replies)
         assert (await propose(backend, k=1, timeout=2.5)).tokens == [4]
@@ -94,9 +101,6 @@ async def test_one_call_carries_every_round_and_each_request_its_time_limit():
         progress = asyncio.Event()
         assert (await propose(backend, progress=progress)).tokens == [4, 5, 6] and progress.is_set()
         assert draft.opened == {"Propose": 1, "ProposeStream": 3}
-    finally:
-        await backend.close()
-        await server.stop(None)
 
 
 @pytest.mark.parametrize("code, timeout, error, message", [
@@ -108,42 +112,27 @@ async def test_one_call_carries_every_round_and_each_request_its_time_limit():
 ])
 async def test_a_failure_on_the_stream_reads_as_a_propose_calls(code, timeout, error, message):
     draft = Draft(code)
-    server, port = await serve(draft)
-    backend = DraftBackend(f"127.0.0.1:{port}", timeout_s=10.0)
-    try:
+    async with backend_of(draft) as backend:
         with pytest.raises(error, match=message):
             await propose(backend, timeout=timeout)
         draft.code = None  # the failed call is not reused: the next round opens another
         assert (await propose(backend)).tokens == [4, 5, 6]
         assert draft.opened == {"Propose": 0, "ProposeStream": 2}
-    finally:
-        await backend.close()
-        await server.stop(None)
 
 
 async def test_a_replica_that_lost_the_constants_gets_them_again_on_the_stream():
     draft = Draft()
-    server, port = await serve(draft)
-    backend = DraftBackend(f"127.0.0.1:{port}", timeout_s=10.0)
-    try:
+    async with backend_of(draft) as backend:
         await backend.info()
         for _ in range(3):
             assert (await propose(backend)).tokens == [4, 5, 6]
         draft.held = SessionConstants()  # restarted: the digest is answered NOT_FOUND, then the full set goes
         assert (await propose(backend)).tokens == [4, 5, 6]
         assert draft.carried == ["full", "digest", "digest", "digest", "full"]
-    finally:
-        await backend.close()
-        await server.stop(None)
 
 
 async def test_a_replica_without_propose_stream_gets_propose_calls():
     draft = Draft(stream=False)
-    server, port = await serve(draft)
-    backend = DraftBackend(f"127.0.0.1:{port}", timeout_s=10.0)
-    try:
+    async with backend_of(draft) as backend:
         assert [(await propose(backend)).tokens for _ in range(3)] == [[4, 5, 6]] * 3
         assert not backend.stream and draft.opened["Propose"] == 3
-    finally:
-        await backend.close()
-        await server.stop(None)
