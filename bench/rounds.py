@@ -35,6 +35,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 KINDS = ("k0", "k0-ahead", "empty", "empty-ahead", "block", "block-ahead")
+PARTS = {"draft_ms": "draft_ns", "verify_ms": "verify_ns", "verify_compute_ms": "verify_compute_ns",
+         "verify_queue_ms": "verify_queue_ns"}
+"""Parts of a round its `RoundStats` time, kept per kind (medians): the draft call and the verify call as
+the orchestrator waited for them, the target's pass, and the pass's wait in the target's queue."""
 
 
 def kind_of(stats) -> str:
@@ -71,8 +75,11 @@ def run(modes: list, kinds: list[str], prompts: int, reps: int, max_tokens: int)
                             now = time.perf_counter()
                             ids += chunk.token_ids
                             if previous is not None and chunk.round:
-                                entry = cell["rounds"].setdefault(kind_of(chunk.round), {"wall_ms": [], "tokens": 0})
+                                entry = cell["rounds"].setdefault(kind_of(chunk.round), {
+                                    "wall_ms": [], "tokens": 0, **{part: [] for part in PARTS}})
                                 entry["wall_ms"].append((now - previous) * 1e3)
+                                for part, field in PARTS.items():
+                                    entry[part].append(chunk.round.get(field, 0) / 1e6)
                                 entry["tokens"] += len(chunk.token_ids)
                             previous = now
                         cell["wall_s"] += time.perf_counter() - started
@@ -90,6 +97,7 @@ def run(modes: list, kinds: list[str], prompts: int, reps: int, max_tokens: int)
                 "ms_per_token": round(cell["wall_s"] / max(1, cell["tokens"]) * 1e3, 3),
                 "rounds": {name: {"count": len(r["wall_ms"]), "total_s": round(sum(r["wall_ms"]) / 1e3, 3),
                                   "median_ms": round(statistics.median(r["wall_ms"]), 3),
+                                  **{f"median_{part}": round(statistics.median(r[part]), 3) for part in PARTS},
                                   "tokens_per_round": round(r["tokens"] / len(r["wall_ms"]), 3)}
                            for name, r in sorted(cell["rounds"].items())}}
     return summary

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from specdec.rpc_errors import grpc_errors
 from specdec.runtime.batch_drafting import BatchDrafter, BatchItem, FinishedItem, check_batch
 from specdec.runtime.batching import Batcher
-from specdec.runtime.drafting import Drafter
+from specdec.runtime.drafting import Answer, Drafter
 from specdec.server.admission import Admission, deadline_of
 from specdec.server.model_service import ModelServicer
 from specdec.server.wire import probs_to_bytes
@@ -39,10 +39,17 @@ class DraftServicer(ModelServicer, draft_pb2_grpc.DraftServiceServicer):
         """Propose, request after request on one call, each block in one message; an error ends the
         call with its status (see `requests_of` for a stop while the call waits)."""
         async for request in self.requests_of(requests):
-            yield draft_pb2.ProposeBlock(proposals=[p async for p in self._proposals(request, context)])
+            answer = Answer()
+            block = draft_pb2.ProposeBlock(proposals=[p async for p in self._proposals(request, context, answer)])
+            if answer.followers is not None:
+                block.followers.SetInParent()  # (set even when it lists none: nothing can be drafted next)
+                block.followers.tokens.extend(answer.followers)
+            yield block
 
-    async def _proposals(self, request: draft_pb2.ProposeRequest, context) -> AsyncIterator[draft_pb2.Proposal]:
-        """The request's proposals as each is made (its checks, admission and deadline included)."""
+    async def _proposals(self, request: draft_pb2.ProposeRequest, context,
+                         answer: Answer | None = None) -> AsyncIterator[draft_pb2.Proposal]:
+        """The request's proposals as each is made (its checks, admission and deadline included);
+        then `answer` holds what the block says besides its tokens."""
         arrived = time.monotonic()
         params = self.constants.resolve(request.session_id, request.sampling, self.info.vocab_size)
         history = list(request.history)
@@ -51,7 +58,8 @@ class DraftServicer(ModelServicer, draft_pb2_grpc.DraftServiceServicer):
         deadline = deadline_of(context, request.timeout_ms, arrived)
         async with self.admission.slot(deadline, context):
             drafts = self.drafter.stream(request.session_id, history, request.num_tokens, params, request.seed,
-                                         deadline, arrived, request.sent_unix_ns, request.corpus_group, sources)
+                                         deadline, arrived, request.sent_unix_ns, request.corpus_group, sources,
+                                         answer)
             index = 0
             async for draft, step in drafts:
                 yield draft_pb2.Proposal(

@@ -21,10 +21,10 @@ import grpc
 
 from specdec.channel import channel
 from specdec.core.sampling import SamplingParams
-from specdec.errors import Cancelled, SpecdecError, Unavailable
+from specdec.errors import Cancelled, InvalidArgument, SpecdecError, Unavailable
 from specdec.rpc_errors import from_backend_error
 from specdec.server.tls import ClientTLS
-from specdec.server.wire import constants_digest, sampling_to_pb
+from specdec.server.wire import constants_digest, followers_from_pb, sampling_to_pb
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
 log = logging.getLogger("specdec.orchestrator")
@@ -45,6 +45,7 @@ class DraftReply:
     prefill_tokens: int = 0  # history tokens the draft (re-)prefilled before proposing
     drafted: int = 0  # tokens the draft computed (more than `tokens` when drafted ahead)
     source: str = ""  # the proposer that drafted them (`SOURCE_NAMES`; "" when unknown or nothing was proposed)
+    followers: frozenset[int] | None = None  # `ProposeBlock.followers` (None: not listed, or a Propose call)
 
 
 @dataclass
@@ -331,6 +332,10 @@ class DraftBackend(_ModelBackend):
             if block is not None:
                 for msg in block.proposals:
                     _add(proposal, msg)
+                try:
+                    proposal.followers = followers_from_pb(block)
+                except InvalidArgument:  # a draft that lists more than a target takes: not listed
+                    proposal.followers = None
                 return
         async for msg in self.stub.Propose(request, timeout=self._timeout(timeout)):
             _add(proposal, msg)
@@ -378,10 +383,12 @@ class TargetBackend(_ModelBackend):
 
     async def verify(self, session_id: str, history: list[int], proposal: DraftReply, params: SamplingParams,
                      seed: int, timeout: float | None = None, top_logprobs: int | None = None,
-                     limit_s: float | None = None, continues: bool = False) -> VerifyReply:
+                     limit_s: float | None = None, continues: bool = False,
+                     followers: frozenset[int] | None = None) -> VerifyReply:
         """`top_logprobs`: None for no log-probabilities, else how many alternatives with each;
         `limit_s`: this call's own time limit (default --target-timeout-s); `continues`: the next
-        round follows this one's answer at k = 0 (the target may verify it ahead)."""
+        round follows this one's answer at k = 0 (the target may verify it ahead); `followers`: the
+        draft's followers of the block (the next round drafts nothing after any other token)."""
         start = time.perf_counter_ns()
         request = target_pb2.VerifyRequest(
             session_id=session_id, history=history, draft_tokens=proposal.tokens,
@@ -389,6 +396,9 @@ class TargetBackend(_ModelBackend):
             sent_unix_ns=time.time_ns(), logprobs=top_logprobs is not None, top_logprobs=top_logprobs or 0,
             continues=continues,
         )
+        if followers is not None:
+            request.followers.SetInParent()
+            request.followers.tokens.extend(sorted(followers))
         reply = await self._unary(self._verify_call, request, params, timeout, limit_s, "the target verified")
         return VerifyReply(reply.num_accepted, reply.token_id, reply.bonus,
                        time.perf_counter_ns() - start, reply.compute_ns, reply.queue_ns, max(1, reply.batch_size),

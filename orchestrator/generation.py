@@ -196,9 +196,12 @@ class Orchestrator:
         --verify-ahead it tells the target when the round after it follows at k = 0."""
         remaining = state.remaining(self.max_context)
         k, k_next = within_budget(lengths.wanted, lengths.upcoming, remaining, first, drafting)
-        guess = speculator.params.greedy and lengths.policy is not None and guess_ahead_pays(lengths.policy)
-        continues = self.config.verify_ahead and continues_at_k0(k, k_next, remaining, drafting, guess)
-        return speculator.round(state.tokens, k, k_next, continues, lengths.sources)
+        ahead = self.config.verify_ahead
+        continues = ahead and continues_at_k0(k, k_next, remaining, drafting)
+        guess = (ahead and speculator.params.greedy and lengths.policy is not None and guess_ahead_pays(lengths.policy)
+                 and continues_at_k0(k, k_next, remaining, drafting, guess=True))
+        follow = ahead and continues_at_k0(k, k_next, remaining, drafting, guess=True)
+        return speculator.round(state.tokens, k, k_next, continues, lengths.sources, guess, follow)
 
     async def _prompt_chunk(self, state: SessionState, top: int, deadline: float | None) -> pb.GenerateChunk:
         """The input's log-probabilities (raw), scored in one target pass that also prefills its cache."""

@@ -75,12 +75,15 @@ class Speculator:
             raise DeadlineExceeded("the request's deadline passed; the tokens sent so far stay in the session")
         return left
 
-    @traced("orchestrator.round", lambda self, history, k, k_next, continues=False, sources=(): {
-        "specdec.k": k, "specdec.history": len(history)})
+    @traced("orchestrator.round", lambda self, history, k, k_next, continues=False, sources=(), guess=False,
+            follow=False: {"specdec.k": k, "specdec.history": len(history)})
     async def round(self, history: list[int], k: int, k_next: int, continues: bool = False,
-                    sources: tuple[str, ...] = ()) -> Round:
+                    sources: tuple[str, ...] = (), guess: bool = False, follow: bool = False) -> Round:
         """One round at draft length k; with overlap, start drafting the next block (of k_next).
-        `continues`: the next round is expected at k = 0 (the target may verify it ahead);
+        `continues`: the next round is at k = 0 (the target may verify it ahead); `guess`: it asks
+        the draft, which proposes nothing often enough that verifying it ahead anyway pays; `follow`:
+        the next round may be verified ahead on the draft's followers of this block when it lists
+        them (they say for certain whether the next round drafts nothing, where a guess bets on it);
         `sources`: the draft's sources that may draft this block (empty: any)."""
         proposal, fallback, overlapped = DraftReply(), False, False
         if k > 0 and self.draft is not None:
@@ -99,9 +102,10 @@ class Speculator:
                     fallback = True  # the session goes on at k = 0; no client-visible error
         else:
             self.close()
+        followers = proposal.followers if follow and not continues else None
         verifying = self.target.verify(self.session_id, history, proposal, self.params, self.seed,
                                        timeout=self._remaining(), top_logprobs=self.top_logprobs,
-                                       continues=continues)
+                                       continues=continues or (guess and followers is None), followers=followers)
         try:
             if self.overlap and k_next > 0 and self.draft is not None and self.draft.available:
                 verify = asyncio.ensure_future(verifying)  # sent first: the next block is drafted meanwhile

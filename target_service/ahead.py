@@ -17,6 +17,11 @@ A guess is not made when the batcher has other work (other sessions' jobs come f
 token that ends the text (the model's end of sequence, the request's end tokens), or beyond
 `MAX_GUESSES` sessions; a Release drops its session's guess with the rest of its work.
 
+A request may instead name the draft's followers of its block (`VerifyRequest.followers`): the
+tokens after which the history and its draft tokens could be drafted anything. When its pass
+accepts every draft token and emits a token not among them, the caller's next request is certain
+to draft nothing, and its round is verified ahead as for `continues`; otherwise nothing is.
+
 A greedy request that brings draft tokens after the guessed history (the caller asked a draft
 that may propose nothing, and it proposed a block) is settled by the guess too when the guess's
 token is not the block's first: greedy verification rejects that first draft token and emits the
@@ -67,17 +72,25 @@ class DecodeAhead:
         self.dropped = 0  # guesses dropped: the request differed, its session was released, or it never came
         self.refuted = 0  # blocks answered by a guess whose token refuted their first draft token
 
-    def plan(self, job: VerifyJob, sent_unix_ns: int, unless: int | None = None) -> None:
+    def plan(self, job: VerifyJob, sent_unix_ns: int, unless: int | None = None,
+             followers: frozenset[int] | None = None) -> None:
         """`job`'s request continues: when its pass ends, verify the round after it (`_guess`), unless
-        the pass emits `unless` (a block whose first token that is will be verified by its own pass)."""
-        job.follow = functools.partial(self._guess, job, sent_unix_ns, unless=unless)
+        the pass emits `unless` (a block whose first token that is will be verified by its own pass);
+        with `followers` (its block's), only if the pass accepts the whole block and emits none of them."""
+        job.follow = functools.partial(self._guess, job, sent_unix_ns, unless=unless, followers=followers)
 
     async def take(self, session_id: str, history: list[int], draft_tokens: list[int], params: SamplingParams,
                    seed: int, logprobs: LogprobRequest | None, continues: bool,
-                   sent_unix_ns: int) -> tuple[Verified, StepInfo] | None:
+                   sent_unix_ns: int, followers: frozenset[int] | None = None) -> tuple[Verified, StepInfo] | None:
         """The answer to this request from its session's guess, if it is the request guessed and the
         guess ran to its end; None otherwise (the guess, if any, is dropped). `continues`: this
-        request's own next round is then guessed in turn."""
+        request's own next round is then guessed in turn; `followers` (when not `continues`): the
+        round after a request of no draft tokens is guessed unless the guess emits one of them (a
+        block answered from the guess accepted none of its tokens: nothing is guessed after it)."""
+        if continues:
+            followers = None
+        elif followers is not None:
+            continues = not draft_tokens
         entry = self._guesses.pop(session_id, None)
         if entry is None:
             return None
@@ -89,7 +102,7 @@ class DecodeAhead:
         first = draft_tokens[0] if draft_tokens else None  # the guess answers a block only if it refutes this
         ran_out = job.done  # its pass ended (and its follow-up time passed) before this request came
         if continues and not ran_out:
-            self.plan(job, sent_unix_ns, unless=first)
+            self.plan(job, sent_unix_ns, unless=first, followers=followers)
         try:
             await asyncio.wait([task])
         except BaseException:  # the request itself was cancelled: nobody wants the guess
@@ -107,7 +120,7 @@ class DecodeAhead:
         else:
             self.used += 1
         if continues and ran_out:
-            self._guess(job, sent_unix_ns, verified)
+            self._guess(job, sent_unix_ns, verified, followers=followers)
         return verified, step
 
     def _settles(self, params: SamplingParams, draft_tokens: list[int]) -> bool:
@@ -121,12 +134,17 @@ class DecodeAhead:
         if entry is not None:
             self._drop_guess(entry[2])
 
-    def _guess(self, job: VerifyJob, sent_unix_ns: int, verified: Verified, unless: int | None = None) -> None:
+    def _guess(self, job: VerifyJob, sent_unix_ns: int, verified: Verified, unless: int | None = None,
+               followers: frozenset[int] | None = None) -> None:
         """Submit the k = 0 round after `job`, answered `verified`, if the batcher has nothing else to run
-        (and the answer's token is not `unless`)."""
+        (and the answer's token is not `unless`; with `followers`, if it accepted all of `job`'s draft
+        tokens and emitted none of them)."""
         emitted = verified.verdict.emitted(job.draft_tokens)
         if (job.cancelled or not self.batcher.idle or emitted[-1] in self.end_tokens or emitted[-1] == unless
                 or emitted[-1] in job.params.end_token_ids):
+            return
+        whole = verified.verdict.num_accepted == len(job.draft_tokens)
+        if followers is not None and (not whole or emitted[-1] in followers):
             return
         following = job.history + emitted
         try:

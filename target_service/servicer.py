@@ -14,7 +14,7 @@ from specdec.runtime.grammars import prepare
 from specdec.runtime.verifier import LogprobRequest, Verifier
 from specdec.server.admission import Admission, deadline_of
 from specdec.server.model_service import ModelServicer
-from specdec.server.wire import logprobs_to_pb, probs_from_bytes
+from specdec.server.wire import followers_from_pb, logprobs_to_pb, probs_from_bytes
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
 from target_service.ahead import DecodeAhead
 
@@ -76,17 +76,18 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
         q = probs_from_bytes(request.draft_probs, len(draft_tokens), self.info.vocab_size)
         deadline = deadline_of(context, request.timeout_ms, arrived)
         history = list(request.history)
+        followers = followers_from_pb(request)
         async with self.admission.slot(deadline, context):
             await prepare(self.verifier.grammars, params)  # compiled off the model thread
             job = self.verifier.job(request.session_id, history, draft_tokens, q, params, request.seed, deadline,
                                     logprobs)
             guessed = await self.ahead.take(request.session_id, history, draft_tokens, params, request.seed,
-                                            logprobs, request.continues, request.sent_unix_ns)
+                                            logprobs, request.continues, request.sent_unix_ns, followers)
             if guessed is None:
                 job.enqueued = arrived  # the queue wait includes the admission queue
                 job.sent_unix_ns = request.sent_unix_ns
-                if request.continues:
-                    self.ahead.plan(job, request.sent_unix_ns)
+                if request.continues or followers is not None:
+                    self.ahead.plan(job, request.sent_unix_ns, followers=None if request.continues else followers)
                 verified, step = await self.batcher.run(job)
             else:
                 verified, step = guessed

@@ -72,6 +72,7 @@ class SuffixIndex:
         self._cut = 0  # positions before this are evicted
         self._end = 0  # logical end (exclusive)
         self._index: dict[tuple[int, ...], list[int]] = {}  # min_match-gram -> increasing end positions
+        self._next: dict[tuple[int, ...], set[int]] = {}  # a key's first min_match - 1 tokens -> its last tokens
         self._starts: deque[int] = deque()  # first position of each sequence (after its sentinel)
         self._tail: list[int] = []  # last min_match - 1 tokens of the open sequence
 
@@ -103,6 +104,11 @@ class SuffixIndex:
             positions = index.get(key)
             if positions is None:
                 index[key] = [start + i]
+                following = self._next.get(key[:-1])
+                if following is None:
+                    self._next[key[:-1]] = {key[-1]}
+                else:
+                    following.add(key[-1])
             else:
                 positions.append(start + i)
         self._tail = window[len(window) - (m - 1):] if m > 1 else []
@@ -151,6 +157,10 @@ class SuffixIndex:
             del positions[:bisect.bisect_left(positions, cutoff)]
             if not positions:
                 del self._index[key]
+                following = self._next[key[:-1]]
+                following.discard(key[-1])
+                if not following:
+                    del self._next[key[:-1]]
         self._cut = cutoff
         keep_from = cutoff - (m - 1)  # the key ending at `cutoff` still reads its first tokens
         if keep_from - self._base > len(self._buf) // 2:
@@ -161,6 +171,11 @@ class SuffixIndex:
             self._base = keep_from - 1
 
     # -- queries ---------------------------------------------------------------------------------
+
+    def successors(self, prefix: tuple[int, ...]) -> frozenset[int] | set[int]:
+        """The tokens t such that `prefix + (t,)` is indexed (`prefix`: `min_match - 1` tokens), i.e.
+        every token after which a context ending in `prefix` has a match here. Read-only."""
+        return self._next.get(prefix, frozenset())
 
     def match(self, context: Sequence[int], own: bool = False) -> tuple[int, np.ndarray]:
         """The longest match of the end of `context` and the end positions of its occurrences.
@@ -284,6 +299,30 @@ def _most_frequent(column: np.ndarray) -> tuple[int, int]:
         if token in best:
             return int(token), int(top)
     raise AssertionError("unreachable")
+
+
+def followers(context: Sequence[int], indexed: int, own: SuffixIndex, corpus: SuffixIndex | None,
+              most: int) -> tuple[int, ...] | None:
+    """The tokens t after which `context + [t]` could be speculated anything from `own` (the session's
+    index, holding `context[:indexed]`) and `corpus`: those t that end an indexed `min_match`-gram
+    with the context's last `min_match - 1` tokens, or such a gram of the part of the context not yet
+    indexed (a block being verified). A superset: a match may still fall short of `min_prob`, or
+    end with its sequence. None when there are more than `most`, or at `min_match` 1 (every indexed
+    token continues a one-token match).
+    """
+    m = own.min_match
+    if m < 2:
+        return None
+    if len(context) < m - 1:
+        return ()
+    prefix = tuple(int(t) for t in context[len(context) - (m - 1):])
+    found = set(own.successors(prefix))
+    if corpus is not None:
+        found |= corpus.successors(prefix)
+    for end in range(max(indexed, m - 1), len(context)):  # grams the session's index will hold after the round
+        if tuple(context[end - m + 1:end]) == prefix:
+            found.add(int(context[end]))
+    return tuple(sorted(found)) if len(found) <= most else None
 
 
 def best_speculation(*candidates: Speculation) -> Speculation:

@@ -101,17 +101,21 @@ class Block:
 
     `q_width` is the width V of the q rows its tokens carry (a model sampling), 0 when they carry
     none (deterministic: the verifier reads q as one-hot). Tokens the grammar forces before the block
-    take its source and its form, so that a block is all q rows or none.
+    take its source and its form, so that a block is all q rows or none. `followers`: the tokens
+    after which the history and this block could be drafted anything, when the proposer knows
+    (`ProposeBlock.followers`; None: any token may be).
     """
 
     source: str
     tokens: AsyncIterator[Drafted]
     q_width: int = 0
+    followers: tuple[int, ...] | None = None
 
     @classmethod
-    def listed(cls, source: str, drafts: list[DraftToken], arrived: float) -> Block:
+    def listed(cls, source: str, drafts: list[DraftToken], arrived: float,
+               followers: tuple[int, ...] | None = None) -> Block:
         """A block computed at once on the host: the queue wait (since `arrived`) goes on its first token."""
-        return cls(source, _listed(drafts, arrived))
+        return cls(source, _listed(drafts, arrived), followers=followers)
 
     @classmethod
     def empty(cls, source: str, q_width: int = 0) -> Block:
@@ -125,6 +129,14 @@ class Block:
             q = np.zeros(self.q_width, dtype=np.float32)
             q[token] = 1.0
         return DraftToken(token, q, 0, source=self.source), StepInfo(batch_size=0, compute_ns=0, queue_ns=0)
+
+
+@dataclass
+class Answer:
+    """What an answer says besides its tokens, known once they are all made (`Drafter.stream`):
+    the block's `followers`, None where the grammar forced tokens or the proposer cannot tell."""
+
+    followers: tuple[int, ...] | None = None
 
 
 async def _listed(drafts: list[DraftToken], arrived: float) -> AsyncIterator[Drafted]:
@@ -250,9 +262,11 @@ class Drafter:
 
     async def stream(self, session_id: str, history: list[int], k: int, params: SamplingParams, seed: int,
                      deadline: float | None, arrived: float, sent_unix_ns: int = 0,
-                     corpus_group: str = "", sources: tuple[str, ...] = ()) -> AsyncIterator[Drafted]:
+                     corpus_group: str = "", sources: tuple[str, ...] = (),
+                     answer: Answer | None = None) -> AsyncIterator[Drafted]:
         """Up to `k` draft tokens as each is made: those the grammar forces (proposed without the
-        proposer), then the proposer's block (see `DraftRequest` for the arguments)."""
+        proposer), then the proposer's block (see `DraftRequest` for the arguments); then `answer`
+        holds what the block says besides (its followers only without a grammar)."""
         request = DraftRequest(session_id, history, k, params, seed, deadline, arrived, sent_unix_ns, corpus_group,
                                sources)
         forced = await self.env.forced(request)
@@ -261,6 +275,8 @@ class Drafter:
             yield block.forced(token)
         async for drafted in block.tokens:
             yield drafted
+        if answer is not None and request.grammar is None:
+            answer.followers = block.followers
 
     async def release(self, session_id: str, learn: bool = True, sent_unix_ns: int = 0) -> bool:
         """Free everything held for the session: its grammar state and the proposer's (see `Proposer.release`)."""

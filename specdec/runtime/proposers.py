@@ -31,7 +31,7 @@ from specdec.core.grammar import GrammarState
 from specdec.core.ngram import propose_ngram
 from specdec.core.processors import process_block
 from specdec.core.sampling import DRAFT_STREAM, SamplingParams, derive_generator, logits_to_probs, sample
-from specdec.core.suffix import NOTHING, Corpora, SuffixIndex, best_speculation
+from specdec.core.suffix import NOTHING, Corpora, SuffixIndex, best_speculation, followers
 from specdec.runtime.batching import Batcher, Job
 from specdec.runtime.drafting import (
     MODEL,
@@ -234,6 +234,7 @@ class NgramProposer(HostProposer):
 
 
 AT_ONCE_TOKENS = 16  # new history tokens a suffix look-up indexes on the event loop (more: on the worker thread)
+MAX_FOLLOWERS = 64  # followers a suffix block lists (`ProposeBlock.followers`); more: not listed
 
 
 class SuffixProposer(HostProposer):
@@ -312,7 +313,26 @@ class SuffixProposer(HostProposer):
     async def block(self, request: DraftRequest, env: DraftEnv) -> Block:
         if request.k == 0:
             return Block.empty(self.source)
-        return Block.listed(self.source, await self.proposal(request, env), request.arrived)
+        drafts = await self.proposal(request, env)
+        return Block.listed(self.source, drafts, request.arrived, self.followers(request, drafts))
+
+    def followers(self, request: DraftRequest, drafts: list[DraftToken]) -> tuple[int, ...] | None:
+        """The tokens after which `request.history` and `drafts` could be drafted anything (at most
+        `MAX_FOLLOWERS`, `specdec.core.suffix.followers`), from the session's index as the proposal
+        left it; None when another thread holds the indexes (never waited for on the event loop),
+        the session is not indexed up to the history, or there are more."""
+        if not self._lock.acquire(blocking=False):
+            return None
+        try:
+            session = self._sessions.get(request.session_id)
+            history = request.history
+            if (session is None or session.group != request.corpus_group or session.indexed != len(history)
+                    or not history or session.last != history[-1]):
+                return None
+            return followers(history + [d.token_id for d in drafts], session.indexed, session.index,
+                             self.corpora.get(request.corpus_group), MAX_FOLLOWERS)
+        finally:
+            self._lock.release()
 
     def _session(self, session_id: str, history: list[int], output_start: int, group: str) -> _SuffixSession:
         session = self._sessions.get(session_id)

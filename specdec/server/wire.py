@@ -13,6 +13,21 @@ from specdec.core.sampling import SamplingParams
 from specdec.errors import InvalidArgument
 from specdec.v1 import common_pb2
 
+MAX_FOLLOWERS = 256
+"""Tokens a `Followers` message may list (a draft's block, then the verify request that carries it)."""
+
+
+def followers_from_pb(msg, field: str = "followers") -> frozenset[int] | None:
+    """`msg.followers` (a draft's ProposeBlock or a VerifyRequest), None when unset; refused past
+    MAX_FOLLOWERS."""
+    if not msg.HasField(field):
+        return None
+    tokens = getattr(msg, field).tokens
+    if len(tokens) > MAX_FOLLOWERS:
+        raise InvalidArgument(f"{field} lists {len(tokens)} tokens; at most {MAX_FOLLOWERS} (leave it unset when "
+                              "they are not known)")
+    return frozenset(tokens)
+
 
 def sampling_from_pb(msg: common_pb2.SamplingParams, vocab_size: int | None = None) -> SamplingParams:
     """Validated SamplingParams; top_p and repetition_penalty 0 (unset) mean 1. With `vocab_size`,

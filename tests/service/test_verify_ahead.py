@@ -3,7 +3,9 @@ rounds, each saying the next follows, are answered from passes run before their 
 with exactly the tokens (greedy and sampled) and log-probabilities of rounds verified one by one;
 a greedy block whose first draft token the guess refutes is answered from the guess; a request
 other than the one guessed is verified as usual; a Release drops the guess and leaves no cache;
-the guesses are counted in /metrics."""
+the draft's followers of a block (`VerifyRequest.followers`) have the round after it verified
+ahead exactly when the block is accepted whole and the token after it is not among them; the
+guesses are counted in /metrics."""
 
 from __future__ import annotations
 
@@ -33,16 +35,17 @@ def used_and_dropped(metrics_port: int) -> tuple[float, float]:
 
 
 async def rounds(address: str, session: str, history: list[int], continues: bool, sampling: common_pb2.SamplingParams,
-                 count: int = ROUNDS) -> list[target_pb2.VerifyResponse]:
+                 count: int = ROUNDS, followers: list[int] | None = None) -> list[target_pb2.VerifyResponse]:
     """`count` rounds at k = 0 on one VerifyStream call, each request sent once the previous answer
-    came, each saying the next follows (`continues`: the last one leaves a guess behind)."""
+    came, each saying the next follows (`continues`: the last one leaves a guess behind), or
+    naming `followers`."""
     async with grpc.aio.insecure_channel(address) as channel:
         call = target_pb2_grpc.TargetServiceStub(channel).VerifyStream()
         history, replies = list(history), []
         for _ in range(count):
             await call.write(target_pb2.VerifyRequest(
                 session_id=session, history=history, sampling=sampling, seed=7, logprobs=True, top_logprobs=3,
-                continues=continues))
+                continues=continues, followers=None if followers is None else common_pb2.Followers(tokens=followers)))
             reply = await call.read()
             replies.append(reply)
             history.append(reply.token_id)
@@ -196,4 +199,77 @@ def test_a_release_drops_the_guess_and_leaves_no_cache(target, reference):
     after = asyncio.run(rounds(address, "released", prompt + [first[0].token_id], False, sampling, count=1))
     assert not after[0].decoded_ahead and after[0].token_id == again[0].token_id == first[1].token_id
     release(address, "released")
+    assert cached_sessions(address) == 0
+
+
+def test_followers_have_the_next_round_verified_ahead_only_when_it_drafts_nothing(target, reference):
+    """Greedy requests naming the draft's followers of their block, never `continues`: the round
+    after one is verified ahead when the block is accepted whole and the token after it is not a
+    follower (an empty list: nothing can be drafted next), and not when that token is one, nor
+    after a block cut short; the verdicts are a session's without followers."""
+    address, metrics_port = target
+    prompt, g = reference.encode(PROMPT), reference.greedy(PROMPT, 9)
+    wrong = (g[7] + 1) % reference.loaded.vocab_size
+    requests = [(prompt, [], []), (prompt + g[:1], [], [g[1]]), (prompt + g[:2], [g[2], g[3]], []),
+                (prompt + g[:5], [], None), (prompt + g[:6], [g[6], wrong], []), (prompt + g[:8], [], None)]
+    sampling = common_pb2.SamplingParams()
+
+    async def send(session: str, with_followers: bool) -> list[target_pb2.VerifyResponse]:
+        async with grpc.aio.insecure_channel(address) as channel:
+            call = target_pb2_grpc.TargetServiceStub(channel).VerifyStream()
+            replies = []
+            for history, drafts, followers in requests:
+                listed = common_pb2.Followers(tokens=followers) if with_followers and followers is not None else None
+                await call.write(target_pb2.VerifyRequest(session_id=session, history=history, draft_tokens=drafts,
+                                                          sampling=sampling, seed=1, logprobs=True, followers=listed))
+                replies.append(await call.read())
+            await call.done_writing()
+            return replies
+
+    used, dropped = used_and_dropped(metrics_port)
+    followed = asyncio.run(send("followers", True))
+    plain = asyncio.run(send("followers-plain", False))
+    assert summary(followed) == summary(plain)
+    assert [(r.num_accepted, r.token_id) for r in plain] == [(0, g[0]), (0, g[1]), (2, g[4]), (0, g[5]), (1, g[7]),
+                                                             (0, g[8])]
+    assert [r.decoded_ahead for r in followed] == [False, True, False, True, False, False]
+    assert not any(r.decoded_ahead for r in plain)
+    assert used_and_dropped(metrics_port) == (used + 2, dropped)
+    for session in ("followers", "followers-plain"):
+        release(address, session)
+    assert cached_sessions(address) == 0
+
+
+def test_sampled_rounds_naming_no_followers_are_verified_ahead_with_their_own_draws(target, reference):
+    """A sampled session's k = 0 rounds whose draft can draft nothing after any token (an empty
+    followers list): each round after the first is answered from a pass run ahead, with the tokens
+    and log-probabilities of rounds verified one by one."""
+    address, _ = target
+    prompt = reference.encode(PROMPT)
+    sampling = common_pb2.SamplingParams(temperature=1.0)
+    followed = asyncio.run(rounds(address, "followed-sampled", prompt, False, sampling, followers=[]))
+    plain = asyncio.run(rounds(address, "followed-sampled-plain", prompt, False, sampling))
+    assert summary(followed) == summary(plain)
+    ends = set(reference.loaded.eos_token_ids)
+    assert [r.decoded_ahead for r in followed] == [i > 0 and followed[i - 1].token_id not in ends
+                                                   for i in range(ROUNDS)]
+    for session in ("followed-sampled", "followed-sampled-plain"):
+        release(address, session)
+    assert cached_sessions(address) == 0
+
+
+def test_too_many_followers_are_refused_naming_the_field(target, reference):
+    address, _ = target
+    prompt = reference.encode(PROMPT)
+
+    async def send():
+        async with grpc.aio.insecure_channel(address) as channel:
+            await target_pb2_grpc.TargetServiceStub(channel).Verify(target_pb2.VerifyRequest(
+                session_id="too-many-followers", history=prompt, sampling=common_pb2.SamplingParams(),
+                followers=common_pb2.Followers(tokens=list(range(257)))))
+
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        asyncio.run(send())
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "followers lists 257 tokens; at most 256" in refused.value.details()
     assert cached_sessions(address) == 0

@@ -82,7 +82,11 @@ def seeds(vocab: int, fingerprint: str) -> dict[str, list[bytes]]:
                    target_pb2.VerifyRequest(session_id=sid, history=huge, draft_tokens=[1]),
                    target_pb2.VerifyRequest(session_id=sid, history=[1], draft_tokens=huge[:10_000]),
                    target_pb2.VerifyRequest(session_id=sid, history=[1, 2], draft_tokens=[3], top_logprobs=2**32 - 1,
-                                            logprobs=True, seed=2**64 - 1)]
+                                            logprobs=True, seed=2**64 - 1),
+                   target_pb2.VerifyRequest(session_id=sid, history=[1, 2], draft_tokens=[3],
+                                            followers=common_pb2.Followers(tokens=huge)),
+                   target_pb2.VerifyRequest(session_id=sid, history=[1, 2], followers=common_pb2.Followers(tokens=edge),
+                                            continues=True)]
         score += [target_pb2.ScoreTokensRequest(session_id=sid, tokens=edge, start=0),
                   target_pb2.ScoreTokensRequest(session_id=sid, tokens=huge, start=1, top_logprobs=20),
                   target_pb2.ScoreTokensRequest(session_id=sid, tokens=[1, 2, 3], start=2**32 - 1)]

@@ -15,7 +15,7 @@ from specdec.core.sampling import SamplingParams
 from specdec.core.suffix import OUTPUT_FIELD, encode_output
 from specdec.keys import suffix_outputs_key
 from specdec.runtime.proposers import SuffixProposer
-from specdec.v1 import common_pb2, draft_pb2_grpc
+from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from tests.conftest import orchestrator_address, start_tiny_pipeline
 
 PROMPTS = ["The quick brown fox", "Once upon a time", "Hello, world!", "abcabcabc", "The answer is",
@@ -48,6 +48,33 @@ def test_a_repeating_output_is_mostly_accepted(suffix_pipeline, reference):
     assert out.token_ids == reference.greedy(prompt, 32)
     assert out.stats["draft_tokens"] >= 8
     assert out.stats["accepted_tokens"] >= 0.7 * out.stats["draft_tokens"]
+
+
+def test_a_block_lists_every_token_after_which_its_history_could_be_drafted(suffix_pipeline, reference):
+    """ProposeStream answers list the block's followers: for every token of the vocabulary that a
+    later request (the history, the block and that token, a session indexed afresh alike, of a
+    corpus group no output joins) is drafted anything after, the token is listed; a request with a
+    grammar lists none (the grammar may force tokens whatever the indexes hold)."""
+    history = reference.encode("abcabcab xyz abcab")
+    vocab = reference.loaded.vocab_size
+
+    def answers(requests: list[draft_pb2.ProposeRequest]) -> list[draft_pb2.ProposeBlock]:
+        with grpc.insecure_channel(suffix_pipeline.plan.grpc_addresses()["draft"]) as channel:
+            return list(draft_pb2_grpc.DraftServiceStub(channel).ProposeStream(iter(requests), timeout=60))
+
+    def ask(session: str, tokens: list[int], sampling=None) -> draft_pb2.ProposeRequest:
+        return draft_pb2.ProposeRequest(session_id=session, history=tokens, num_tokens=4, seed=1,
+                                        sampling=sampling or common_pb2.SamplingParams(),
+                                        corpus_group="followers")  # (no output joins it meanwhile)
+
+    constrained = common_pb2.SamplingParams(grammar_kind="regex", grammar_text="[a-z ]+")
+    first, grammar = answers([ask("followers", history), ask("followers-grammar", history, constrained)])
+    block = [p.token_id for p in first.proposals]
+    assert block and first.HasField("followers") and not grammar.HasField("followers")
+    listed = set(first.followers.tokens)
+    after = answers([ask(f"after-{t}", history + block + [t]) for t in range(vocab)])
+    drafted = {t for t, answer in zip(range(vocab), after) if answer.proposals}
+    assert drafted and drafted <= listed, (drafted - listed)
 
 
 def own_history_proposes_nothing(prompt_ids: list[int], output: list[int], k: int) -> bool:

@@ -126,14 +126,16 @@ class FakeTarget(_FakePool):
         super().__init__(reference)
         self.calls: list[tuple[int, list[int]]] = []  # (len(history), draft tokens)
         self.continues: list[bool] = []  # each call's `continues`
+        self.followers: list[frozenset[int] | None] = []  # each call's `followers`
         self.gate = gate
         self.error: Exception | None = None  # raised by every verify when set
 
     async def verify(self, session_id, history, proposal, params, seed, timeout=None,
-                     top_logprobs=None, continues=False) -> VerifyReply:
+                     top_logprobs=None, continues=False, followers=None) -> VerifyReply:
         assert history == self.reference[:len(history)], "the loop sent a history the target did not write"
         self.calls.append((len(history), list(proposal.tokens)))
         self.continues.append(continues)
+        self.followers.append(followers)
         if self.gate is not None:
             await self.gate.wait()
         if self.error is not None:
@@ -156,8 +158,10 @@ class FakeDraft(_FakePool):
 
     def __init__(self, reference: list[int], wrong_at: frozenset[int] | set[int] = frozenset(),
                  fail: bool | str = False, available: bool = True, reads_shared_outputs: bool = False,
-                 learns_outputs: bool | None = None, sources: tuple[str, ...] = ("model",)) -> None:
+                 learns_outputs: bool | None = None, sources: tuple[str, ...] = ("model",),
+                 followers: frozenset[int] | None = None) -> None:
         super().__init__(reference)
+        self.followers = followers  # listed with every block (ProposeBlock.followers)
         self.sources = sources  # as DraftPool's: the sources the drafts' proposals may name
         self.reads_shared_outputs = reads_shared_outputs  # as DraftPool's: a replica reads the outputs stream
         self.learns_outputs = reads_shared_outputs if learns_outputs is None else learns_outputs  # a suffix corpus
@@ -181,7 +185,7 @@ class FakeDraft(_FakePool):
             reply.tokens.append(WRONG if position in self.wrong_at else self.expected(position))
             if progress is not None:
                 progress.set()
-        reply.wall_ns, reply.drafted = 2000, len(reply.tokens)
+        reply.wall_ns, reply.drafted, reply.followers = 2000, len(reply.tokens), self.followers
         return reply
 
 

@@ -9,6 +9,8 @@ import asyncio
 import pytest
 
 from orchestrator.draft_length import continues_at_k0
+from orchestrator.loop import Speculator
+from specdec.core.sampling import SamplingParams
 from specdec.errors import Aborted, FailedPrecondition
 from specdec.v1 import orchestrator_pb2 as pb
 from tests.unit.fakes import EOS, FakeDraft, FakeTarget, InMemorySessionStore, orchestrator, tokens
@@ -333,6 +335,36 @@ async def test_a_round_followed_by_a_block_does_not_continue_and_the_switch_turn
     orch = orchestrator(InMemorySessionStore(), target, None, draft_length=0, verify_ahead=False)
     assert generated(await run(orch, max_new_tokens=6)) == REFERENCE[START:START + 6]
     assert target.continues == [False] * 6
+
+
+@pytest.mark.parametrize("verify_ahead", [True, False])
+async def test_the_drafts_followers_of_a_block_go_to_the_target_when_a_round_may_follow_it(verify_ahead):
+    """Rounds of 1, 5, 5 tokens, then the 12th alone, the draft listing followers with each block:
+    the target is told them for the first block (the round after it asks for a block again), not
+    for the second (the round after it is certainly at k = 0: `continues`), and with
+    --verify-ahead off never."""
+    target, listed = FakeTarget(REFERENCE), frozenset({7, 9})
+    orch = orchestrator(InMemorySessionStore(), target, FakeDraft(REFERENCE, followers=listed), draft_length=4,
+                        verify_ahead=verify_ahead)
+    assert generated(await run(orch, max_new_tokens=12)) == REFERENCE[START:START + 12]
+    assert [len(drafts) for _, drafts in target.calls] == [0, 4, 4, 0]
+    assert target.followers == ([None, listed, None, None] if verify_ahead else [None] * 4)
+    assert target.continues == ([False, False, True, False] if verify_ahead else [False] * 4)
+
+
+@pytest.mark.parametrize("listed", [frozenset({5}), frozenset(), None])
+async def test_followers_take_the_place_of_a_guess(listed):
+    """A round that would guess its next round ahead sends the draft's followers instead when the
+    draft lists them (they tell for certain what the guess bets on), and guesses when it does not;
+    a round that is certainly followed at k = 0 continues whatever the draft lists."""
+    target = FakeTarget(REFERENCE)
+    speculator = Speculator("s", SamplingParams(), 0, FakeDraft(REFERENCE, followers=listed), target, "fp")
+    history = REFERENCE[:START]
+    await speculator.round(history, 3, 3, continues=False, guess=True, follow=True)
+    await speculator.round(history, 3, 0, continues=True, guess=False, follow=True)
+    await speculator.round(history, 3, 3, continues=False, guess=False, follow=False)
+    assert target.followers == [listed, None, None]
+    assert target.continues == [listed is None, True, False]
 
 
 def test_a_round_followed_by_a_block_continues_when_the_guess_pays():

@@ -29,9 +29,11 @@ class Draft(draft_pb2_grpc.DraftServiceServicer):
     """A draft that proposes 4, 5, 6 (as many as asked), or fails with `code`; counts the calls each
     RPC was opened and what each request carried."""
 
-    def __init__(self, code: grpc.StatusCode | None = None, stream: bool = True) -> None:
+    def __init__(self, code: grpc.StatusCode | None = None, stream: bool = True,
+                 followers: list[int] | None = None) -> None:
         self.code = code
         self.stream = stream
+        self.followers = followers  # listed with every block when set
         self.opened = {"Propose": 0, "ProposeStream": 0}
         self.held = SessionConstants()
         self.carried: list[str] = []
@@ -63,7 +65,11 @@ class Draft(draft_pb2_grpc.DraftServiceServicer):
             await context.abort(C.UNIMPLEMENTED, "Method not found!")
         self.opened["ProposeStream"] += 1
         async for request in requests:
-            yield draft_pb2.ProposeBlock(proposals=await self._proposals(request, context))
+            block = draft_pb2.ProposeBlock(proposals=await self._proposals(request, context))
+            if self.followers is not None:
+                block.followers.SetInParent()
+                block.followers.tokens.extend(self.followers)
+            yield block
 
 
 @contextlib.asynccontextmanager
@@ -101,6 +107,16 @@ async def test_one_call_carries_every_round_and_each_request_its_time_limit():
         progress = asyncio.Event()
         assert (await propose(backend, progress=progress)).tokens == [4, 5, 6] and progress.is_set()
         assert draft.opened == {"Propose": 1, "ProposeStream": 3}
+
+
+@pytest.mark.parametrize("listed, read", [(None, None), ([], frozenset()), ([9, 3], frozenset({3, 9})),
+                                          (list(range(257)), None)])
+async def test_a_blocks_followers_are_read_unless_a_target_would_refuse_them(listed, read):
+    """ProposeBlock.followers: unset is not listed, an empty list is a list, and a draft that lists
+    more than a target takes (256) counts as not listing any (never a verify that fails for it)."""
+    async with backend_of(Draft(followers=listed)) as backend:
+        assert (await propose(backend)).followers == read
+        assert (await propose(backend, progress=asyncio.Event())).followers is None  # (a Propose call lists none)
 
 
 @pytest.mark.parametrize("code, timeout, error, message", [

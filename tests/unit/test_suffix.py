@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -21,9 +22,10 @@ from specdec.core.suffix import (
     decode_output,
     encode_entry,
     encode_output,
+    followers,
 )
-from specdec.runtime.drafting import DraftRequest
-from specdec.runtime.proposers import AT_ONCE_TOKENS, SuffixProposer
+from specdec.runtime.drafting import DraftEnv, DraftRequest
+from specdec.runtime.proposers import AT_ONCE_TOKENS, MAX_FOLLOWERS, SuffixProposer
 
 
 def index_of(*sequences: list[int], **kwargs) -> SuffixIndex:
@@ -101,6 +103,66 @@ def test_a_single_long_sequence_keeps_its_newest_tokens():
     assert index.tokens_held <= 100
     assert index.speculate([5, 6], 1, 0.1).tokens == []
     assert index.speculate([990, 991], 2, 0.1).tokens == [992, 993]
+
+
+def brute_successors(index: SuffixIndex, prefix: tuple[int, ...]) -> set[int]:
+    return {key[-1] for key in index._index if key[:-1] == prefix}
+
+
+@pytest.mark.parametrize("min_match", [1, 2, 3])
+def test_successors_follow_the_keys_through_additions_and_evictions(min_match):
+    """`successors(prefix)` is the last tokens of the indexed keys that start with `prefix`, as
+    sequences come, grow and are evicted (a small token budget)."""
+    rng = random.Random(min_match)
+    index = SuffixIndex(max_depth=6, min_match=min_match, max_tokens=60)
+    prefixes = {tuple(rng.randrange(4) for _ in range(min_match - 1)) for _ in range(30)}
+    for step in range(200):
+        tokens = [rng.randrange(4) for _ in range(rng.randint(1, 12))]
+        index.add(tokens) if rng.random() < 0.3 else index.extend(tokens)
+        for prefix in prefixes:
+            assert set(index.successors(prefix)) == brute_successors(index, prefix), (step, prefix)
+    assert index.tokens_held <= 60 + index.sequences
+
+
+@pytest.mark.parametrize("min_match", [1, 2, 3])
+def test_followers_hold_every_token_after_which_anything_is_speculated(min_match):
+    """Exhaustively over a small vocabulary: whenever the context (a history, indexed, and a block,
+    not yet), one token more, has a speculation from the session's index (as it will be after the
+    round) or the corpus, that token is a follower; the list is sorted and unique, capped by
+    `most`, and None at min_match 1."""
+    rng = random.Random(10 + min_match)
+    vocab, listed = 5, 0
+    for _ in range(300):
+        history = [rng.randrange(vocab) for _ in range(rng.randint(1, 30))]
+        block = [rng.randrange(vocab) for _ in range(rng.randint(0, 4))]
+        budget = rng.choice([1000, 25])
+        own = index_of(history, max_depth=8, min_match=min_match, max_tokens=budget)
+        outputs = [[rng.randrange(vocab) for _ in range(rng.randint(1, 15))] for _ in range(rng.randint(0, 3))]
+        corpus = index_of(*outputs, max_depth=8, min_match=min_match) if rng.random() < 0.7 else None
+        found = followers(history + block, len(history), own, corpus, most=64)
+        if min_match == 1:
+            assert found is None
+            continue
+        assert found is not None and list(found) == sorted(set(found))
+        listed += bool(found)
+        for t in range(vocab):
+            after = index_of(history, max_depth=8, min_match=min_match, max_tokens=budget)
+            after.extend(block + [t])
+            context = history + block + [t]
+            spec = best_speculation(after.speculate(context, 4, 0.1, own=True),
+                                    corpus.speculate(context, 4, 0.1) if corpus is not None else Speculation([]))
+            if spec.tokens:
+                assert t in found, (history, block, t, found)
+        assert followers(history + block, len(history), own, corpus, most=len(found)) == found
+        if found:
+            assert followers(history + block, len(history), own, corpus, most=len(found) - 1) is None
+    assert min_match == 1 or listed > 50  # (the cases are not all empty)
+
+
+def test_a_context_shorter_than_a_match_has_no_followers():
+    own = index_of([1, 2, 3], min_match=3)
+    assert followers([1], 1, own, None, most=8) == ()
+    assert followers([1, 2], 2, own, None, most=8) == (3,)
 
 
 def test_best_speculation_prefers_more_expected_accepted_tokens():
@@ -207,6 +269,31 @@ def test_a_steady_sessions_look_up_is_made_at_once_and_the_rest_on_the_worker_th
         release.set()
         holder.join()
     assert proposer.propose_at_once(request(grown + [3])) is not None
+
+
+async def test_a_suffix_block_lists_its_followers_from_the_session_and_its_groups_corpus():
+    """The block a request gets names the tokens after which its history and block could be drafted
+    anything: from the session's own history, the block itself, and its own group's corpus only;
+    none when the session's index is not the history's, or past MAX_FOLLOWERS."""
+    proposer = SuffixProposer(min_prob=0.3)
+    proposer.add_output([7, 8, 9], group="g")
+    proposer.add_output([7, 5], group="other")
+    env = DraftEnv(ThreadPoolExecutor(max_workers=1), None)
+
+    async def block(history: list[int], group: str = "g", session: str = "a"):
+        drafted = await proposer.block(DraftRequest(session, history, 3, SamplingParams(), 0, corpus_group=group), env)
+        return [d.token_id async for d, _ in drafted.tokens], drafted.followers
+
+    assert await block([6, 7]) == ([], (8,))  # nothing matches "6 7"; the corpus has "7 8"
+    assert await block([6, 7, 8]) == ([9], ())  # the corpus's "7 8 9"; nothing continues "9"
+    assert await block([4, 4], session="b") == ([], (4,))  # its own "4 4" (its own end drafts nothing now)
+    assert await block([3, 7], group="other", session="c") == ([], (5,))  # the other group's "7 5", not "7 8"
+    assert await block([6, 7, 8, 9, 6, 7], session="a") == ([8, 9, 6], (7,))  # its own "6 7 8 9 6"
+    many = list(range(100, 100 + MAX_FOLLOWERS + 1))
+    history = [x for t in many for x in (0, t)] + [0]
+    assert (await block(history, session="many"))[1] is None  # "0" is followed by 65 tokens: not listed
+    request = DraftRequest("a", [6, 7, 8, 9, 5], 3, SamplingParams(), 0, corpus_group="g")
+    assert proposer.followers(request, []) is None  # the session is indexed up to another history
 
 
 async def test_a_release_the_orchestrator_marks_forget_output_does_not_join_the_corpus():
