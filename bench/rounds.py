@@ -36,9 +36,11 @@ sys.path.insert(0, str(ROOT))
 
 KINDS = ("k0", "k0-ahead", "empty", "empty-ahead", "block", "block-ahead")
 PARTS = {"draft_ms": "draft_ns", "verify_ms": "verify_ns", "verify_compute_ms": "verify_compute_ns",
-         "verify_queue_ms": "verify_queue_ns"}
+         "verify_queue_ms": "verify_queue_ns", "between_ms": "between_ns", "save_ms": "save_ns",
+         "detokenize_ms": "detokenize_ns"}
 """Parts of a round its `RoundStats` time, kept per kind (medians): the draft call and the verify call as
-the orchestrator waited for them, the target's pass, and the pass's wait in the target's queue."""
+the orchestrator waited for them, the target's pass, the pass's wait in the target's queue, and the
+orchestrator's own parts (its time between the rounds' calls, the save, detokenizing)."""
 
 
 def kind_of(stats) -> str:
