@@ -79,6 +79,10 @@ class DraftConfig(ModelServiceConfig):
         0.1, gt=0, le=1, description="Suffix speculation: a proposal goes on while the product of its tokens' "
         "empirical probabilities stays at least this (higher: shorter, surer drafts)."
     )
+    suffix_spec_factor: float = Field(
+        1.0, ge=0, le=64, description="Suffix speculation: a proposal is at most this many times as long as the "
+        "match it comes from (0: no such bound; a short match is weak evidence however few its occurrences)."
+    )
     suffix_max_tokens: int = Field(
         1_000_000, ge=1, description="Suffix speculation: most tokens of earlier outputs indexed, over all corpus "
         "groups (and of each session's history); a group's oldest outputs are dropped first, and past the "

@@ -102,7 +102,8 @@ def suffix_proposer(config: DraftConfig) -> SuffixProposer:
     """Suffix speculation as configured (alone, or beside the model of a hybrid draft)."""
     return SuffixProposer(config.suffix_max_depth, config.suffix_min_match, config.suffix_min_prob,
                           config.suffix_max_tokens, config.max_sessions,
-                          learn_on_release=not config.suffix_redis_url, max_groups=config.suffix_max_groups)
+                          learn_on_release=not config.suffix_redis_url, max_groups=config.suffix_max_groups,
+                          spec_factor=config.suffix_spec_factor)
 
 
 @register("suffix")

@@ -78,8 +78,9 @@ class OrchestratorConfig(RedisClientOptions, ServiceConfig):
     )
     verify_ahead: bool = Field(
         True,
-        description="Tell the target when a round's next round will draft nothing (k = 0), so that a target "
-        "with nothing else to run verifies it while the answer travels (VerifyRequest.continues).",
+        description="Tell the target when a round's next round will draft nothing (k = 0, or the draft's followers "
+        "of the block say so), so that a target with nothing else to run verifies it while the answer travels "
+        "(VerifyRequest.continues, VerifyRequest.followers).",
     )
     verify_stream: Literal["auto", "on", "off"] = Field(
         "auto",

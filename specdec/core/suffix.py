@@ -7,7 +7,9 @@ least `min_match` and at most `max_depth` tokens long, seen before in the index)
 extends greedily along the most frequent next token, each step's empirical probability being
 (occurrences going on with that token) / (occurrences still consistent), and stops once the
 running product falls below `min_prob`. So a pattern seen once (or always continued alike)
-proposes many tokens, a pattern continued many ways proposes few or none. The draft is
+proposes many tokens, a pattern continued many ways proposes few or none. `spec_factor` bounds
+a proposal by the match's length as SuffixDecoding does (its reference implementation's default
+is 1: a 2-token match proposes at most 2): a short match seen once is weak evidence. The draft is
 deterministic: the verifier reads its q as one-hot.
 
 Data structure, and why. A bounded-depth suffix trie stores up to `max_depth` nodes per indexed
@@ -205,13 +207,20 @@ class SuffixIndex:
         ends = ends[lengths == length]
         return length, ends
 
-    def speculate(self, context: Sequence[int], k: int, min_prob: float, own: bool = False) -> Speculation:
-        """Up to `k` tokens along the most frequent continuation of the longest match (see the module)."""
+    def speculate(self, context: Sequence[int], k: int, min_prob: float, own: bool = False,
+                  spec_factor: float = 0.0) -> Speculation:
+        """Up to `k` tokens along the most frequent continuation of the longest match (see the module);
+        with `spec_factor`, at most that many times the match's length (SuffixDecoding's bound: a
+        short match is weak evidence however few its occurrences)."""
         if k <= 0:
             return NOTHING
         length, ends = self.match(context, own)
         if length == 0:
             return NOTHING
+        if spec_factor > 0:
+            k = min(k, int(spec_factor * length))
+            if k <= 0:
+                return NOTHING
         last = self._end - self._base  # the sentinel slot past the end
         tokens, score, prob = [], 0.0, 1.0
         for i in range(1, k + 1):

@@ -257,9 +257,10 @@ class SuffixProposer(HostProposer):
 
     def __init__(self, max_depth: int = 32, min_match: int = 2, min_prob: float = 0.1,
                  max_tokens: int = 1_000_000, max_sessions: int = 256, learn_on_release: bool = False,
-                 max_groups: int = 1024) -> None:
+                 max_groups: int = 1024, spec_factor: float = 0.0) -> None:
         self._new_index = lambda: SuffixIndex(max_depth, min_match, max_tokens)
         self.min_prob = min_prob
+        self.spec_factor = spec_factor
         self.max_sessions = max_sessions
         self.learn_on_release = learn_on_release
         self.corpora = Corpora(max_depth, min_match, max_tokens, max_groups)
@@ -272,9 +273,10 @@ class SuffixProposer(HostProposer):
         start = time.perf_counter_ns()
         with self._lock:
             session = self._session(session_id, history, params.output_start, group)
-            own = session.index.speculate(history, k, self.min_prob, own=True)
+            own = session.index.speculate(history, k, self.min_prob, own=True, spec_factor=self.spec_factor)
             corpus = self.corpora.get(group)
-            shared = corpus.speculate(history, k, self.min_prob) if corpus is not None else NOTHING
+            shared = (corpus.speculate(history, k, self.min_prob, spec_factor=self.spec_factor) if corpus is not None
+                      else NOTHING)
         tokens = best_speculation(own, shared).tokens
         elapsed = time.perf_counter_ns() - start
         for token in tokens:

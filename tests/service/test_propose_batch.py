@@ -24,7 +24,8 @@ def stub(tmp_path_factory):
     log = tmp_path_factory.mktemp("draft") / "draft.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "draft_service", "--host", "127.0.0.1", "--port", str(port),
-                                 "--proposer", "suffix"], stdout=out, stderr=subprocess.STDOUT)
+                                 "--proposer", "suffix", "--suffix-spec-factor", "0"],  # (whole continuations)
+                                stdout=out, stderr=subprocess.STDOUT)
     try:
         wait_healthy(f"127.0.0.1:{port}", 120, proc)
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -115,7 +116,7 @@ def test_two_replicas_share_finished_outputs_through_redis(tmp_path):
             for port in ports:
                 procs.append(subprocess.Popen(
                     [sys.executable, "-m", "draft_service", "--host", "127.0.0.1", "--port", str(port), "--proposer",
-                     "suffix", "--suffix-redis-url", f"redis://127.0.0.1:{redis_port}/0"],
+                     "suffix", "--suffix-redis-url", f"redis://127.0.0.1:{redis_port}/0", "--suffix-spec-factor", "0"],
                     stdout=out, stderr=subprocess.STDOUT))
         for port, proc in zip(ports, procs[1:]):
             wait_healthy(f"127.0.0.1:{port}", 120, proc)

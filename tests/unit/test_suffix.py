@@ -60,6 +60,20 @@ def test_a_single_occurrence_proposes_up_to_k_or_its_end():
     assert index.speculate([9, 7, 8], 5, 0.3).tokens == []
 
 
+def test_spec_factor_bounds_a_proposal_by_its_matchs_length():
+    """A 2-token match seen once proposes up to k, or at most spec_factor times 2; a longer match
+    more; a bound under one token proposes nothing."""
+    index = index_of([5, 1, 2, 3, 4, 5, 6, 7, 8, 9], [9, 9, 8, 7, 1, 2])
+    assert index.speculate([0, 1, 2], 6, 0.1).tokens == [3, 4, 5, 6, 7, 8]
+    assert index.speculate([0, 1, 2], 6, 0.1, spec_factor=1.0).tokens == [3, 4]  # "1 2": 2 tokens
+    assert index.speculate([0, 1, 2], 6, 0.1, spec_factor=1.5).tokens == [3, 4, 5]
+    assert index.speculate([5, 1, 2], 6, 0.1, spec_factor=1.0).tokens == [3, 4, 5]  # "5 1 2": 3 tokens
+    assert index.speculate([0, 1, 2], 6, 0.1, spec_factor=0.4) == Speculation([])  # int(0.8) = 0
+    proposer = SuffixProposer(spec_factor=1.0)
+    proposer.add_output([5, 1, 2, 3, 4, 5, 6, 7, 8, 9])
+    assert propose(proposer, "f", [0, 1, 2], 6) == [3, 4]
+
+
 def test_min_match_and_no_match():
     index = index_of([1, 2, 3, 4], min_match=3)
     assert index.speculate([2, 3], 2, 0.1).tokens == []  # a 2-token match is too short
