@@ -134,7 +134,8 @@ class Block:
 @dataclass
 class Answer:
     """What an answer says besides its tokens, known once they are all made (`Drafter.stream`):
-    the block's `followers`, None where the grammar forced tokens or the proposer cannot tell."""
+    the block's `followers`, None with a grammar (it may force tokens whatever the proposer holds)
+    or where the proposer cannot tell."""
 
     followers: tuple[int, ...] | None = None
 
