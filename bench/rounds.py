@@ -17,8 +17,10 @@ the time since the previous chunk, and its `RoundStats` say what kind of round i
   a pass run ahead whose token refuted its first draft token.
 
 The JSON holds, per mode and prompt kind, the wall time, tokens and each kind of round's count,
-time and tokens; the plot (next to it, `.png`) shows each kind's share of the wall time. The first
-round of a generation (its time to first token) is left out of the rounds.
+time and tokens, and each request's rounds in order (`traces`: `k:proposed/accepted`, `a` when
+answered from a pass run ahead; of the last repetition); the plot (next to it, `.png`) shows each
+kind's share of the wall time. The first round of a generation (its time to first token) is left
+out of the rounds.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ def run(modes: list, kinds: list[str], prompts: int, reps: int, max_tokens: int,
     work = [w for w in real_prompts(prompts, 0) if w["kind"] in kinds]
     out: dict = {str(m): collections.defaultdict(lambda: {"wall_s": 0.0, "tokens": 0, "rounds": {}}) for m in modes}
     texts: dict = collections.defaultdict(dict)
+    traces: dict = collections.defaultdict(dict)  # mode -> prompt id -> each round "k:proposed/accepted[a]"
     try:
         with Client(f"127.0.0.1:{spec.orchestrator_port}") as client:
             client.generate(messages=work[0]["messages"], max_new_tokens=8, temperature=0, draft_length=0,
@@ -72,11 +75,15 @@ def run(modes: list, kinds: list[str], prompts: int, reps: int, max_tokens: int,
                 for w in work:
                     for mode in modes:
                         cell = out[str(mode)][w["kind"]]
-                        started, previous, ids = time.perf_counter(), None, []
+                        started, previous, ids, trace = time.perf_counter(), None, [], []
                         for chunk in client.stream(messages=w["messages"], max_new_tokens=max_tokens, temperature=0,
                                                    draft_length=mode, share_output=False):
                             now = time.perf_counter()
                             ids += chunk.token_ids
+                            if chunk.round:
+                                r = chunk.round
+                                trace.append(f"{r.get('draft_length', 0)}:{r.get('proposed', 0)}/{r.get('accepted', 0)}"
+                                             + ("a" if r.get("verify_decoded_ahead") else ""))
                             if previous is not None and chunk.round:
                                 entry = cell["rounds"].setdefault(kind_of(chunk.round), {
                                     "wall_ms": [], "tokens": 0, **{part: [] for part in PARTS}})
@@ -88,10 +95,11 @@ def run(modes: list, kinds: list[str], prompts: int, reps: int, max_tokens: int,
                         cell["wall_s"] += time.perf_counter() - started
                         cell["tokens"] += len(ids)
                         texts[w["id"]][str(mode)] = ids
+                        traces[str(mode)][w["id"]] = " ".join(trace)
     finally:
         pipeline.stop()
     equal = sum(len({tuple(v) for v in by_mode.values()}) == 1 for by_mode in texts.values())
-    summary: dict = {"outputs_equal_across_modes": f"{equal} of {len(texts)}", "modes": {}}
+    summary: dict = {"outputs_equal_across_modes": f"{equal} of {len(texts)}", "modes": {}, "traces": traces}
     for mode, cells in out.items():
         summary["modes"][mode] = {}
         for kind, cell in cells.items():
