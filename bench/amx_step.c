@@ -238,18 +238,12 @@ static void amx_group(int kind, int group, int rows, int k, const uint8_t *w, in
 /* Floats of a thread's work buffer for amx_group. */
 #define AMX_WORK (AMX_INPUTS * 16 + AMX_RING * (AMX_OUT + 32 + 256))
 
-/* The inputs' tiles and sums, kept by the calling thread for its next call. */
-static void *amx_buffer(size_t bytes) {
-    static __thread void *buf;
-    static __thread size_t size;
-    if (size < bytes) {
-        free(buf);
-        size = (bytes + 65535) / 65536 * 65536;
-        buf = aligned_alloc(64, size);
-        if (!buf) size = 0;
-    }
-    return buf;
-}
+/* The inputs' tiles and sums of one pass of at most AMX_INPUTS rows of k <= MOST_K elements: prepared
+ * by the calling thread before each pass, read by every thread. */
+#define MOST_K 1536
+static uint8_t inputs_buf[(AMX_INPUTS + AMX_CHUNK - 1) / AMX_CHUNK * (MOST_K / RUN) *
+                          (SPLITS * AMX_CHUNK * 32 * sizeof(uint16_t) + AMX_CHUNK * sizeof(float))]
+    __attribute__((aligned(64)));
 
 /* y[:, column_i + j] for every weight (4-bit, rows a multiple of 16) through the tiles, as
  * specdec_qlinear_many_f32 lays them out: the inputs prepared once a pass, the groups of 16 rows of
@@ -265,8 +259,8 @@ static int amx_linear(int count, const specdec_qweight *ws, int m, int k, const 
         const int rows = m - i0 < AMX_INPUTS ? m - i0 : AMX_INPUTS;
         const int chunks = (rows + AMX_CHUNK - 1) / AMX_CHUNK, runs = k / RUN;
         size_t tile_bytes = (size_t)chunks * runs * amx_tile_rows(rows) * 32 * sizeof(uint16_t);
-        uint8_t *inputs = amx_buffer(tile_bytes + (size_t)chunks * runs * AMX_CHUNK * sizeof(float));
-        if (!inputs) return SPECDEC_NO_MEMORY;
+        if (k > MOST_K) return SPECDEC_BAD_SHAPE;
+        uint8_t *inputs = inputs_buf;
         const uint16_t *tiles = (const uint16_t *)inputs;
         const float *sums = (const float *)(inputs + tile_bytes);
         amx_inputs(rows, k, x + i0 * x_t, x_t, (uint16_t *)inputs, (float *)(inputs + tile_bytes));

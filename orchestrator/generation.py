@@ -198,9 +198,9 @@ class Orchestrator:
         k, k_next = within_budget(lengths.wanted, lengths.upcoming, remaining, first, drafting)
         ahead = self.config.verify_ahead
         continues = ahead and continues_at_k0(k, k_next, remaining, drafting)
-        guess = (ahead and speculator.params.greedy and lengths.policy is not None and guess_ahead_pays(lengths.policy)
-                 and continues_at_k0(k, k_next, remaining, drafting, guess=True))
-        follow = ahead and continues_at_k0(k, k_next, remaining, drafting, guess=True)
+        follow = ahead and continues_at_k0(k, k_next, remaining, drafting, guess=True)  # a round may follow
+        guess = (follow and speculator.params.greedy and lengths.policy is not None
+                 and guess_ahead_pays(lengths.policy))
         return speculator.round(state.tokens, k, k_next, continues, lengths.sources, guess, follow)
 
     async def _prompt_chunk(self, state: SessionState, top: int, deadline: float | None) -> pb.GenerateChunk:

@@ -84,13 +84,10 @@ class DecodeAhead:
                    sent_unix_ns: int, followers: frozenset[int] | None = None) -> tuple[Verified, StepInfo] | None:
         """The answer to this request from its session's guess, if it is the request guessed and the
         guess ran to its end; None otherwise (the guess, if any, is dropped). `continues`: this
-        request's own next round is then guessed in turn; `followers` (when not `continues`): the
-        round after a request of no draft tokens is guessed unless the guess emits one of them (a
-        block answered from the guess accepted none of its tokens: nothing is guessed after it)."""
-        if continues:
-            followers = None
-        elif followers is not None:
-            continues = not draft_tokens
+        request's own next round is then guessed in turn, with `followers` unless the guess emits one
+        of them (a block answered from the guess accepted none of its tokens: then nothing is)."""
+        if followers is not None and draft_tokens:
+            continues = False
         entry = self._guesses.pop(session_id, None)
         if entry is None:
             return None

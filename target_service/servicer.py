@@ -76,18 +76,20 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
         q = probs_from_bytes(request.draft_probs, len(draft_tokens), self.info.vocab_size)
         deadline = deadline_of(context, request.timeout_ms, arrived)
         history = list(request.history)
-        followers = followers_from_pb(request)
+        listed = followers_from_pb(request)  # (checked even when `continues` makes it moot)
+        followers = None if request.continues else listed  # `continues` follows whatever is emitted
+        follow = request.continues or followers is not None
         async with self.admission.slot(deadline, context):
             await prepare(self.verifier.grammars, params)  # compiled off the model thread
             job = self.verifier.job(request.session_id, history, draft_tokens, q, params, request.seed, deadline,
                                     logprobs)
             guessed = await self.ahead.take(request.session_id, history, draft_tokens, params, request.seed,
-                                            logprobs, request.continues, request.sent_unix_ns, followers)
+                                            logprobs, follow, request.sent_unix_ns, followers)
             if guessed is None:
                 job.enqueued = arrived  # the queue wait includes the admission queue
                 job.sent_unix_ns = request.sent_unix_ns
-                if request.continues or followers is not None:
-                    self.ahead.plan(job, request.sent_unix_ns, followers=None if request.continues else followers)
+                if follow:
+                    self.ahead.plan(job, request.sent_unix_ns, followers=followers)
                 verified, step = await self.batcher.run(job)
             else:
                 verified, step = guessed

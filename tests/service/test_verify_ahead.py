@@ -53,6 +53,20 @@ async def rounds(address: str, session: str, history: list[int], continues: bool
         return replies
 
 
+def on_one_call(address: str, requests: list[target_pb2.VerifyRequest]) -> list[target_pb2.VerifyResponse]:
+    """`requests` in turn on one VerifyStream call, each sent once the previous answer came."""
+    async def go() -> list[target_pb2.VerifyResponse]:
+        async with grpc.aio.insecure_channel(address) as channel:
+            call = target_pb2_grpc.TargetServiceStub(channel).VerifyStream()
+            replies = []
+            for request in requests:
+                await call.write(request)
+                replies.append(await call.read())
+            await call.done_writing()
+            return replies
+    return asyncio.run(go())
+
+
 def summary(replies: list[target_pb2.VerifyResponse]) -> list[tuple]:
     return [(r.token_id, r.num_accepted, [(e.token_id, round(e.logprob, 9), list(e.top_token_ids)) for e in r.logprobs])
             for r in replies]
@@ -108,20 +122,14 @@ def test_a_request_other_than_the_one_guessed_is_verified_as_usual(target, refer
     requests = [(prompt, []), (prompt + g[:1], [g[1], g[2], wrong]), (prompt + g[:4], []), (prompt, [g[0], g[1]])]
     sampling = common_pb2.SamplingParams()
 
-    async def send(session: str, continues: bool) -> list[target_pb2.VerifyResponse]:
-        async with grpc.aio.insecure_channel(address) as channel:
-            call = target_pb2_grpc.TargetServiceStub(channel).VerifyStream()
-            replies = []
-            for history, drafts in requests:
-                await call.write(target_pb2.VerifyRequest(session_id=session, history=history, draft_tokens=drafts,
-                                                          sampling=sampling, seed=1, continues=continues))
-                replies.append(await call.read())
-            await call.done_writing()
-            return replies
+    def send(session: str, continues: bool) -> list[target_pb2.VerifyResponse]:
+        return on_one_call(address, [target_pb2.VerifyRequest(session_id=session, history=history, draft_tokens=drafts,
+                                                              sampling=sampling, seed=1, continues=continues)
+                                     for history, drafts in requests])
 
     used, dropped = used_and_dropped(metrics_port)
-    guessed = asyncio.run(send("other-ahead", True))
-    plain = asyncio.run(send("other-plain", False))
+    guessed = send("other-ahead", True)
+    plain = send("other-plain", False)
     verdicts = [(0, g[0]), (2, g[3]), (0, g[4]), (2, g[2])]
     assert [(r.num_accepted, r.token_id) for r in guessed] == [(r.num_accepted, r.token_id) for r in plain] == verdicts
     assert [r.decoded_ahead for r in guessed] == [False, False, True, False]
@@ -152,22 +160,15 @@ def test_a_greedy_block_whose_first_token_the_guess_refutes_is_answered_from_the
                 (prompt + g[:3], [g[3], wrong[4]]), (prompt + g[:5], [])]
     sampling = common_pb2.SamplingParams(temperature=temperature)
 
-    async def send(session: str, continues: bool) -> list[target_pb2.VerifyResponse]:
-        async with grpc.aio.insecure_channel(address) as channel:
-            call = target_pb2_grpc.TargetServiceStub(channel).VerifyStream()
-            replies = []
-            for history, drafts in requests:
-                await call.write(target_pb2.VerifyRequest(
-                    session_id=session, history=history, draft_tokens=drafts, sampling=sampling, seed=3,
-                    logprobs=True, top_logprobs=3, continues=continues))
-                replies.append(await call.read())
-            await call.done_writing()
-            return replies
+    def send(session: str, continues: bool) -> list[target_pb2.VerifyResponse]:
+        return on_one_call(address, [target_pb2.VerifyRequest(
+            session_id=session, history=history, draft_tokens=drafts, sampling=sampling, seed=3, logprobs=True,
+            top_logprobs=3, continues=continues) for history, drafts in requests])
 
     used, dropped = used_and_dropped(metrics_port)
     before = refuted(metrics_port)
-    guessed = asyncio.run(send(f"refuted-{temperature}", True))
-    plain = asyncio.run(send(f"refuted-plain-{temperature}", False))
+    guessed = send(f"refuted-{temperature}", True)
+    plain = send(f"refuted-plain-{temperature}", False)
     assert summary(guessed) == summary(plain)
     if temperature == 0:
         assert [(r.num_accepted, r.token_id) for r in guessed] == [(0, g[0]), (0, g[1]), (0, g[2]), (1, g[4]),
@@ -214,21 +215,15 @@ def test_followers_have_the_next_round_verified_ahead_only_when_it_drafts_nothin
                 (prompt + g[:5], [], None), (prompt + g[:6], [g[6], wrong], []), (prompt + g[:8], [], None)]
     sampling = common_pb2.SamplingParams()
 
-    async def send(session: str, with_followers: bool) -> list[target_pb2.VerifyResponse]:
-        async with grpc.aio.insecure_channel(address) as channel:
-            call = target_pb2_grpc.TargetServiceStub(channel).VerifyStream()
-            replies = []
-            for history, drafts, followers in requests:
-                listed = common_pb2.Followers(tokens=followers) if with_followers and followers is not None else None
-                await call.write(target_pb2.VerifyRequest(session_id=session, history=history, draft_tokens=drafts,
-                                                          sampling=sampling, seed=1, logprobs=True, followers=listed))
-                replies.append(await call.read())
-            await call.done_writing()
-            return replies
+    def send(session: str, with_followers: bool) -> list[target_pb2.VerifyResponse]:
+        return on_one_call(address, [target_pb2.VerifyRequest(
+            session_id=session, history=history, draft_tokens=drafts, sampling=sampling, seed=1, logprobs=True,
+            followers=common_pb2.Followers(tokens=followers) if with_followers and followers is not None else None)
+            for history, drafts, followers in requests])
 
     used, dropped = used_and_dropped(metrics_port)
-    followed = asyncio.run(send("followers", True))
-    plain = asyncio.run(send("followers-plain", False))
+    followed = send("followers", True)
+    plain = send("followers-plain", False)
     assert summary(followed) == summary(plain)
     assert [(r.num_accepted, r.token_id) for r in plain] == [(0, g[0]), (0, g[1]), (2, g[4]), (0, g[5]), (1, g[7]),
                                                              (0, g[8])]
