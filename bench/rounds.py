@@ -53,13 +53,14 @@ def kind_of(stats) -> str:
     return ("block" if stats.get("proposed") else "empty") + ahead
 
 
-def run(modes: list, kinds: list[str], prompts: int, reps: int, max_tokens: int, draft_args: list[str]) -> dict:
+def run(modes: list, kinds: list[str], prompts: int, reps: int, max_tokens: int, draft_args: list[str],
+        orchestrator_args: list[str] = ()) -> dict:
     from bench.peers import free_port, prompts as real_prompts
     from specdec.client import Client
     from specdec.launcher import Pipeline, PipelineSpec
 
     spec = PipelineSpec(orchestrator_port=free_port(), draft_port=free_port(), target_port=free_port(),
-                        extra_draft_args=draft_args,
+                        extra_draft_args=draft_args, extra_orchestrator_args=list(orchestrator_args),
                         redis_port=free_port(), log_dir=str(Path("/tmp") / f"specdec-rounds-{free_port()}"))
     pipeline = Pipeline(spec)
     pipeline.start(echo=lambda *_: None)
@@ -143,10 +144,12 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=1)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--draft-args", default="", help="extra draft-service flags, e.g. '--suffix-spec-factor 1'")
+    parser.add_argument("--orchestrator-args", default="", help="extra orchestrator flags, e.g. '--overlap'")
     parser.add_argument("--out", default="bench/results/rounds.json")
     args = parser.parse_args()
     modes = [m if m == "auto" else int(m) for m in args.modes.split(",")]
-    summary = run(modes, args.kinds.split(","), args.prompts, args.reps, args.max_tokens, args.draft_args.split())
+    summary = run(modes, args.kinds.split(","), args.prompts, args.reps, args.max_tokens, args.draft_args.split(),
+                  args.orchestrator_args.split())
     summary.update(date=time.strftime("%Y-%m-%d"), command=" ".join(sys.argv))
     for mode, kinds in summary["modes"].items():
         for kind, cell in kinds.items():

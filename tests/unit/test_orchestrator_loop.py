@@ -10,6 +10,7 @@ import pytest
 
 from orchestrator.draft_length import continues_at_k0
 from orchestrator.loop import Speculator
+from specdec.core.policy import PolicyState
 from specdec.core.sampling import SamplingParams
 from specdec.errors import Aborted, FailedPrecondition
 from specdec.v1 import orchestrator_pb2 as pb
@@ -375,3 +376,57 @@ def test_a_round_followed_by_a_block_continues_when_the_guess_pays():
     assert continues_at_k0(0, 4, 10, True, guess=True)
     assert continues_at_k0(4, 4, 10, True, guess=True)
     assert not continues_at_k0(4, 4, 5, True, guess=True)  # the round's at most 5 tokens end the generation
+
+
+class ScriptedLengths:
+    """A draft-length controller whose choices after each round are scripted: `(wanted, upcoming)`, the
+    last repeated; the policy state it shows makes a guess pay (the draft mostly proposes nothing)."""
+
+    policy = PolicyState(empty_ewma=0.9, rtt_draft_s=0.002, rtt_target_s=0.001, verify_s=(0.002,))
+    sources = ()
+
+    def __init__(self, script: list[tuple[int, int]]) -> None:
+        self.script = list(script)
+        self.wanted, self.upcoming = self.script.pop(0)
+
+    def observe(self, state, stats, loop_s, source="", asked=()) -> None:
+        if self.script:
+            self.wanted, self.upcoming = self.script.pop(0)
+
+    async def finish(self, store) -> None:
+        pass
+
+
+async def test_a_round_the_target_verifies_ahead_stays_at_k0_when_the_controller_changes_its_mind(monkeypatch):
+    """The first round tells the target that the next follows at k = 0; the controller then wants a
+    block: that round still asks the draft for nothing (a block would wait for the pass run ahead,
+    then run its own) and makes no guess (it asked nothing to guess from); the block comes a round
+    later, and that round, asking the draft, guesses its next round ahead."""
+    import orchestrator.generation as generation
+
+    async def scripted(*args, **kwargs):
+        return ScriptedLengths([(0, 0), (4, 4)])
+
+    monkeypatch.setattr(generation, "controller_for", scripted)
+    target = FakeTarget(REFERENCE)
+    orch = orchestrator(InMemorySessionStore(), target, FakeDraft(REFERENCE), draft_length=4)
+    assert generated(await run(orch, max_new_tokens=12)) == REFERENCE[START:START + 12]
+    assert [len(drafts) for _, drafts in target.calls][:3] == [0, 0, 4]
+    assert target.continues[:3] == [True, False, True]
+
+
+async def test_a_round_that_asks_the_draft_nothing_guesses_nothing(monkeypatch):
+    """A guess bets on the share of asked rounds the draft answers empty: the first round (k = 0) makes
+    none although the controller's estimates make it pay and the next round asks for a block; that
+    round, asking the draft, does."""
+    import orchestrator.generation as generation
+
+    async def scripted(*args, **kwargs):
+        return ScriptedLengths([(4, 4)])
+
+    monkeypatch.setattr(generation, "controller_for", scripted)
+    target = FakeTarget(REFERENCE)
+    orch = orchestrator(InMemorySessionStore(), target, FakeDraft(REFERENCE), draft_length=4)
+    assert generated(await run(orch, max_new_tokens=12)) == REFERENCE[START:START + 12]
+    assert [len(drafts) for _, drafts in target.calls][:2] == [0, 4]
+    assert target.continues[:2] == [False, True]
