@@ -47,6 +47,7 @@ from typing import Any, Protocol
 from specdec.errors import Cancelled, DeadlineExceeded
 from specdec.runtime.kv import PREFILL_ALONE_ABOVE, Scored, ScoreRequest, SessionCaches
 from specdec.runtime.latency import LatencyProfile
+from specdec.runtime.native import Parking
 
 log = logging.getLogger(__name__)
 
@@ -188,15 +189,18 @@ class Batcher:
 
     def __init__(self, caches: SessionCaches, config: BatchConfig = BatchConfig(),
                  profile: LatencyProfile = LatencyProfile(), observer: BatchObserver | None = None,
-                 executor: ThreadPoolExecutor | None = None) -> None:
+                 executor: ThreadPoolExecutor | None = None, parking: Parking | None = None) -> None:
         """`executor`: the model thread (one worker); fetches from Redis run on an I/O thread of the
-        batcher's own, started at the first one."""
+        batcher's own, started at the first one. `parking`: puts the model thread's OpenMP workers to
+        sleep while it has nothing to run (`specdec.runtime.native.parking()`)."""
         self.caches = caches
         self.config = config
         self.profile = profile
         self.observer: BatchObserver = observer or _Unobserved()
         self.executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="batch")
         self._io: ThreadPoolExecutor | None = None
+        self.parking = parking
+        self._parked = False  # a park is on the model thread (or queued for it)
         self._pending: deque[Job] = deque()
         self._active: list[Job] = []
         self._wakeup = asyncio.Event()  # set when there is news for the scheduler
@@ -278,6 +282,7 @@ class Batcher:
 
     async def call(self, fn: Callable, *args) -> Any:
         """Run `fn(*args)` on the worker thread, between steps (release, snapshot)."""
+        self._unpark()
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
     def cancel_session(self, session_id: str, sent_unix_ns: int = 0) -> int:
@@ -300,6 +305,7 @@ class Batcher:
         return count
 
     async def close(self) -> None:
+        self._unpark()
         if self._task is not None:
             self._task.cancel()
             try:
@@ -343,7 +349,19 @@ class Batcher:
         self._kick()
 
     def _kick(self) -> None:
+        self._unpark()
         self._wakeup.set()
+
+    def _park(self) -> None:
+        """Nothing to run: the model thread's workers sleep until news (`_kick`) or a `call`."""
+        if self.parking is not None and not self._parked:
+            self._parked = True
+            self.executor.submit(self.parking.park, self.parking.ticket())
+
+    def _unpark(self) -> None:
+        if self._parked:
+            self._parked = False
+            self.parking.unpark()
 
     async def _loop(self) -> None:
         while True:
@@ -365,6 +383,7 @@ class Batcher:
             if not self._active:
                 if not self._admissible():  # none waiting, or all behind a fetch still running
                     self._wakeup.clear()
+                    self._park()
                     await self._wakeup.wait()
                     continue
                 await self._gather_window()

@@ -48,7 +48,7 @@ from specdec.runtime.engine_options import LINEAR_MAX_ROWS
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("attend.c", "linear.c", "quant.c", "layer.c", "stack.c")  # compiled and linked into one library
+SOURCES = ("attend.c", "linear.c", "quant.c", "layer.c", "stack.c", "park.c")  # compiled and linked into one library
 HEADERS = ("simd.h", "status.h", "kernels.h", "attend_impl.h")  # included by them
 _FLAGS = ["-O3", "-ffast-math", "-fopenmp", "-fPIC", "-std=gnu11"]
 NATIVE = ["-march=native", "-mtune=generic"]
@@ -250,6 +250,12 @@ def load(path: Path) -> Any:
     lib.specdec_llama_layers_f32.restype = i32
     lib.specdec_llama_layers_f32.argtypes = [i32, ptr, *[i32] * 6, *[ptr] * 9, i32, ptr, i32, ptr, ctypes.c_double,
                                              i32]
+    lib.specdec_park_ticket.restype = ctypes.c_uint64
+    lib.specdec_park_ticket.argtypes = []
+    lib.specdec_park.restype = i32
+    lib.specdec_park.argtypes = [ctypes.c_uint64, i32, i32]
+    lib.specdec_unpark.restype = None
+    lib.specdec_unpark.argtypes = []
     return lib
 
 
@@ -322,6 +328,38 @@ def linear(x: torch.Tensor, weights: list[torch.Tensor], out: torch.Tensor) -> t
                              f"({KernelStatus(status).name})")
         column += w.shape[0]
     return out
+
+
+class Parking:
+    """The model thread's OpenMP workers asleep while it has nothing to run (`csrc/park.c`).
+
+    After a parallel region libgomp's workers spin for the next one (about 3 ms here) before they
+    sleep; when the model thread goes idle that spinning holds the cores that the next request's
+    own path needs (the service's event loop; the caller and the draft on a shared machine). The
+    batcher hands `park` to the model thread when it goes idle and calls `unpark` before it gives
+    that thread anything else. `ticket` is taken before the park is handed over, so an unpark that
+    comes before the park starts is not missed."""
+
+    TIMEOUT_MS = 1000  # a park ends by itself after this (the workers then spin, then sleep, as before)
+
+    def __init__(self, lib: Any) -> None:
+        self._lib = lib
+
+    def ticket(self) -> int:
+        return int(self._lib.specdec_park_ticket())
+
+    def park(self, ticket: int) -> None:
+        """On the model thread: its team's threads sleep until an unpark after `ticket`."""
+        self._lib.specdec_park(ticket, torch.get_num_threads(), self.TIMEOUT_MS)
+
+    def unpark(self) -> None:
+        self._lib.specdec_unpark()
+
+
+def parking() -> Parking | None:
+    """`Parking` on the kernels' library; None where there is none (the workers then spin as before)."""
+    lib, _ = library()
+    return None if lib is None else Parking(lib)
 
 
 class LayerOps:

@@ -22,6 +22,7 @@ from specdec.rpc_errors import grpc_errors
 from specdec.runtime.batching import BatchConfig, Batcher
 from specdec.runtime.grammars import SessionGrammars
 from specdec.runtime.kv import SessionCaches
+from specdec.runtime.native import parking
 from specdec.runtime.latency import LatencyProfile
 from specdec.runtime.models import LoadedModel, ModelLoadError, load_model
 from specdec.runtime.packed import kv_geometry
@@ -244,7 +245,7 @@ def batcher_for(config: ModelServiceConfig, caches: SessionCaches, profile: Late
     """The batcher that runs the model on `caches` on `thread`, the one that loaded it (`load_on`);
     call inside the event loop. The gauges read it."""
     batch = BatchConfig(config.max_batch, config.batch_window_ms / 1e3, config.prefill_chunk_tokens)
-    batcher = Batcher(caches, batch, profile, metrics, executor=thread)
+    batcher = Batcher(caches, batch, profile, metrics, executor=thread, parking=parking())
     metrics.track(running=lambda: batcher.running, waiting=lambda: admission.waiting + batcher.waiting,
                   kv_sessions=lambda: len(caches), kv_tokens=lambda: caches.cached_tokens)
     metrics.track_kv(caches)
