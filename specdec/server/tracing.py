@@ -41,7 +41,11 @@ _configured = False
 _exporting = False
 
 
+@functools.cache
 def tracer() -> trace.Tracer:
+    """The process's tracer, made once: the SDK builds a new one on every `get_tracer` (a round's
+    span paid for it). One made before `setup` is OpenTelemetry's proxy, which then forwards to the
+    provider `setup` installs."""
     return trace.get_tracer("specdec")
 
 
