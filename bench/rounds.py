@@ -17,10 +17,12 @@ the time since the previous chunk, and its `RoundStats` say what kind of round i
   a pass run ahead whose token refuted its first draft token.
 
 The JSON holds, per mode and prompt kind, the wall time, tokens and each kind of round's count,
-time and tokens, and each request's rounds in order (`traces`: `k:proposed/accepted`, `a` when
-answered from a pass run ahead; of the last repetition); the plot (next to it, `.png`) shows each
-kind's share of the wall time. The first round of a generation (its time to first token) is left
-out of the rounds.
+time and tokens, and each request's rounds in order (`traces`, of the last repetition:
+`k:proposed/accepted`, `a` when answered from a pass run ahead, then `@` the round's wall time, its
+draft call, its verify call, the target's pass and its queue wait in ms, `/q` before the last, and
+the pass's positions `/p`, the history tokens it prefilled `/f` and the sessions in it `/b`); the
+plot (next to it, `.png`) shows each kind's share of the wall time. The first round of a
+generation (its time to first token) is left out of the rounds.
 """
 
 from __future__ import annotations
@@ -83,8 +85,15 @@ def run(modes: list, kinds: list[str], prompts: int, reps: int, max_tokens: int,
                             ids += chunk.token_ids
                             if chunk.round:
                                 r = chunk.round
+                                ms = [(now - (previous or now)) * 1e3,
+                                      *(r.get(f, 0) / 1e6 for f in ("draft_ns", "verify_ns", "verify_compute_ns",
+                                                                     "verify_queue_ns"))]
                                 trace.append(f"{r.get('draft_length', 0)}:{r.get('proposed', 0)}/{r.get('accepted', 0)}"
-                                             + ("a" if r.get("verify_decoded_ahead") else ""))
+                                             + ("a" if r.get("verify_decoded_ahead") else "")
+                                             + "@{:.1f}/{:.1f}/{:.1f}/{:.1f}/q{:.1f}".format(*ms)
+                                             + f"/p{r.get('verify_batch_positions', 0)}"
+                                             + f"/f{r.get('verify_prefill_tokens', 0)}"
+                                             + f"/b{r.get('verify_batch_size', 0)}")
                             if previous is not None and chunk.round:
                                 entry = cell["rounds"].setdefault(kind_of(chunk.round), {
                                     "wall_ms": [], "tokens": 0, **{part: [] for part in PARTS}})
