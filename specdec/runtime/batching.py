@@ -359,7 +359,7 @@ class Batcher:
             self.executor.submit(self.parking.park, self.parking.ticket())
 
     def _unpark(self) -> None:
-        if self._parked:
+        if self._parked and self.parking is not None:
             self._parked = False
             self.parking.unpark()
 

@@ -22,9 +22,9 @@ from specdec.rpc_errors import grpc_errors
 from specdec.runtime.batching import BatchConfig, Batcher
 from specdec.runtime.grammars import SessionGrammars
 from specdec.runtime.kv import SessionCaches
-from specdec.runtime.native import parking
 from specdec.runtime.latency import LatencyProfile
 from specdec.runtime.models import LoadedModel, ModelLoadError, load_model
+from specdec.runtime.native import parking
 from specdec.runtime.packed import kv_geometry
 from specdec.runtime.prefix_cache import PrefixCache
 from specdec.runtime.prefix_store import RedisPrefixStore
