@@ -273,6 +273,10 @@ async def serve_model_service(config: ModelServiceConfig, servicer: ModelService
     health says NOT_SERVING while its model thread is stalled (`model_stall`)."""
     servicer.info.metrics_port = start_metrics(metrics.registry, config.host, config.metrics_port)
     check = model_stall(servicer.batcher, config.health_stall_s) if servicer.batcher is not None else None
-    await serve_servicer(config.address, register, service_name, description,
-                         credentials=server_credentials_of(config), health_check=check,
-                         on_stop=servicer.end_idle_calls)
+    try:
+        await serve_servicer(config.address, register, service_name, description,
+                             credentials=server_credentials_of(config), health_check=check,
+                             on_stop=servicer.end_idle_calls)
+    finally:
+        if servicer.batcher is not None:
+            await servicer.batcher.close()  # (wakes a parked model thread: the process exits without waiting for it)
