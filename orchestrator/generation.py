@@ -196,12 +196,15 @@ class Orchestrator:
         --verify-ahead it tells the target when the round after it follows at k = 0."""
         remaining = state.remaining(self.max_context)
         k, k_next = within_budget(lengths.wanted, lengths.upcoming, remaining, first, drafting)
-        if speculator.continued:
+        if speculator.promised:
             # The target verifies this round ahead at k = 0, as the last round told it: a block would wait
             # for that pass, then run its own (the controller changed its mind on the last round's measures).
             k = 0
         ahead = self.config.verify_ahead
         continues = ahead and continues_at_k0(k, k_next, remaining, drafting)
+        # A promise whatever this round emits: the controller's own k = 0, not the budget's (which holds only
+        # if every draft token is accepted; a round that emits fewer leaves room for a block after all).
+        speculator.promised = continues and lengths.upcoming == 0
         follow = ahead and continues_at_k0(k, k_next, remaining, drafting, guess=True)  # a round may follow
         # A guess bets on the share of asked rounds the draft answers empty; a round that asks it nothing
         # makes none: the first asked round after it comes when the controller expects a block.

@@ -66,7 +66,7 @@ class Speculator:
         self.deadline = deadline  # time.monotonic() of the request's deadline, carried by every call
         self.top_logprobs = top_logprobs  # None: no log-probabilities
         self._ahead: _Ahead | None = None
-        self.continued = False  # the last round told the target that the next one follows at k = 0
+        self.promised = False  # (the planner's) the last round told the target that the next one is at k = 0
 
     def _remaining(self) -> float | None:
         if self.deadline is None:
@@ -86,7 +86,6 @@ class Speculator:
         the next round may be verified ahead on the draft's followers of this block when it lists
         them (they say for certain whether the next round drafts nothing, where a guess bets on it);
         `sources`: the draft's sources that may draft this block (empty: any)."""
-        self.continued = continues
         proposal, fallback, overlapped = DraftReply(), False, False
         if k > 0 and self.draft is not None:
             taken = await self._take_ahead(history, k)

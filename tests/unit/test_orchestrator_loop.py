@@ -430,3 +430,15 @@ async def test_a_round_that_asks_the_draft_nothing_guesses_nothing(monkeypatch):
     assert generated(await run(orch, max_new_tokens=12)) == REFERENCE[START:START + 12]
     assert [len(drafts) for _, drafts in target.calls][:2] == [0, 4]
     assert target.continues[:2] == [False, True]
+
+
+async def test_a_round_the_budget_alone_would_follow_at_k0_does_not_hold_back_the_block_after_it():
+    """At a fixed k = 4 with 6 tokens still wanted, the round's block leaves room for one plain round
+    if it is accepted whole, so it continues; cut short after its first token, it leaves 4 wanted, and
+    the next round drafts 3 of them: only the controller's own k = 0 keeps the next round at k = 0."""
+    target = FakeTarget(REFERENCE)
+    draft = FakeDraft(REFERENCE, wrong_at={START + 2})
+    orch = orchestrator(InMemorySessionStore(), target, draft, draft_length=4)
+    assert generated(await run(orch, max_new_tokens=7)) == REFERENCE[START:START + 7]
+    assert [len(drafts) for _, drafts in target.calls] == [0, 4, 3]
+    assert target.continues == [False, True, False]
