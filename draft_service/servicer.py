@@ -11,7 +11,7 @@ from specdec.runtime.batching import Batcher
 from specdec.runtime.drafting import Answer, Drafter
 from specdec.server.admission import Admission, deadline_of
 from specdec.server.model_service import ModelServicer
-from specdec.server.wire import probs_to_bytes
+from specdec.server.wire import followers_to_pb, probs_to_bytes
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
 # `DraftToken.source` on the wire (`Proposal.source`).
@@ -42,8 +42,7 @@ class DraftServicer(ModelServicer, draft_pb2_grpc.DraftServiceServicer):
             answer = Answer()
             block = draft_pb2.ProposeBlock(proposals=[p async for p in self._proposals(request, context, answer)])
             if answer.followers is not None:
-                block.followers.SetInParent()  # (set even when it lists none: nothing can be drafted next)
-                block.followers.tokens.extend(answer.followers)
+                followers_to_pb(block, answer.followers)
             yield block
 
     async def _proposals(self, request: draft_pb2.ProposeRequest, context,

@@ -24,7 +24,7 @@ from specdec.core.sampling import SamplingParams
 from specdec.errors import Cancelled, InvalidArgument, SpecdecError, Unavailable
 from specdec.rpc_errors import from_backend_error
 from specdec.server.tls import ClientTLS
-from specdec.server.wire import constants_digest, followers_from_pb, sampling_to_pb
+from specdec.server.wire import constants_digest, followers_from_pb, followers_to_pb, sampling_to_pb
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
 log = logging.getLogger("specdec.orchestrator")
@@ -397,8 +397,7 @@ class TargetBackend(_ModelBackend):
             continues=continues,
         )
         if followers is not None:
-            request.followers.SetInParent()
-            request.followers.tokens.extend(sorted(followers))
+            followers_to_pb(request, followers)
         reply = await self._unary(self._verify_call, request, params, timeout, limit_s, "the target verified")
         return VerifyReply(reply.num_accepted, reply.token_id, reply.bonus,
                        time.perf_counter_ns() - start, reply.compute_ns, reply.queue_ns, max(1, reply.batch_size),

@@ -197,13 +197,14 @@ class Orchestrator:
         remaining = state.remaining(self.max_context)
         k, k_next = within_budget(lengths.wanted, lengths.upcoming, remaining, first, drafting)
         if speculator.promised:
-            # The target verifies this round ahead at k = 0, as the last round told it: a block would wait
-            # for that pass, then run its own (the controller changed its mind on the last round's measures).
+            # The previous request told the target that the next one is at k = 0, and the target verifies it
+            # ahead: a block sent now (the controller changed its mind on the new measures) would wait for
+            # that pass, then run its own.
             k = 0
         ahead = self.config.verify_ahead
         continues = ahead and continues_at_k0(k, k_next, remaining, drafting)
-        # A promise whatever this round emits: the controller's own k = 0, not the budget's (which holds only
-        # if every draft token is accepted; a round that emits fewer leaves room for a block after all).
+        # Kept whatever the request emits: the controller's own k = 0. The budget's k = 0 holds only if every
+        # draft token is accepted; emitting fewer leaves room for a block after all.
         speculator.promised = continues and lengths.upcoming == 0
         follow = ahead and continues_at_k0(k, k_next, remaining, drafting, guess=True)  # a round may follow
         # A guess bets on the share of asked rounds the draft answers empty; a round that asks it nothing

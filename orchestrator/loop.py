@@ -66,7 +66,7 @@ class Speculator:
         self.deadline = deadline  # time.monotonic() of the request's deadline, carried by every call
         self.top_logprobs = top_logprobs  # None: no log-probabilities
         self._ahead: _Ahead | None = None
-        self.promised = False  # (the planner's) the last round told the target that the next one is at k = 0
+        self.promised = False  # set by the planner: the previous request told the target the next one is at k = 0
 
     def _remaining(self) -> float | None:
         if self.deadline is None:

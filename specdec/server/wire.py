@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import struct
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -17,16 +18,22 @@ MAX_FOLLOWERS = 256
 """Tokens a `Followers` message may list (a draft's block, then the verify request that carries it)."""
 
 
-def followers_from_pb(msg, field: str = "followers") -> frozenset[int] | None:
+def followers_from_pb(msg) -> frozenset[int] | None:
     """`msg.followers` (a draft's ProposeBlock or a VerifyRequest), None when unset; refused past
     MAX_FOLLOWERS."""
-    if not msg.HasField(field):
+    if not msg.HasField("followers"):
         return None
-    tokens = getattr(msg, field).tokens
+    tokens = msg.followers.tokens
     if len(tokens) > MAX_FOLLOWERS:
-        raise InvalidArgument(f"{field} lists {len(tokens)} tokens; at most {MAX_FOLLOWERS} (leave it unset when "
+        raise InvalidArgument(f"followers lists {len(tokens)} tokens; at most {MAX_FOLLOWERS} (leave it unset when "
                               "they are not known)")
     return frozenset(tokens)
+
+
+def followers_to_pb(msg, tokens: Iterable[int]) -> None:
+    """Set `msg.followers` to `tokens`, in order (set even when empty: nothing can be drafted next)."""
+    msg.followers.SetInParent()
+    msg.followers.tokens.extend(sorted(tokens))
 
 
 def sampling_from_pb(msg: common_pb2.SamplingParams, vocab_size: int | None = None) -> SamplingParams:
