@@ -49,7 +49,7 @@ from specdec.runtime.engine_options import LINEAR_MAX_ROWS
 log = logging.getLogger(__name__)
 
 SOURCES = ("attend.c", "linear.c", "quant.c", "layer.c", "stack.c", "park.c")  # compiled and linked into one library
-HEADERS = ("simd.h", "status.h", "kernels.h", "attend_impl.h")  # included by them
+HEADERS = ("simd.h", "status.h", "kernels.h", "attend_impl.h", "attend_loops.h")  # included by them
 _FLAGS = ["-O3", "-ffast-math", "-fopenmp", "-fPIC", "-std=gnu11"]
 NATIVE = ["-march=native", "-mtune=generic"]
 """This machine's instructions, generic scheduling: a compiler older than the CPU tunes for the
@@ -66,7 +66,7 @@ _ISAS: dict[str, list[tuple[str, set[str]]]] = {
     "aarch64": [("armv8-a", set())],
 }
 
-KINDS = {torch.float32: "f32", torch.float64: "f64"}
+KINDS = {torch.float32: "f32", torch.float64: "f64", torch.bfloat16: "bf16"}
 
 SANITIZE_ENV = "SPECDEC_KERNELS_SANITIZE"
 """Set to `address` to build the kernels with AddressSanitizer (tests only: the process must then run
@@ -297,7 +297,7 @@ def unavailable(device: torch.device, dtype: torch.dtype) -> str:
     if device.type != "cpu":
         return f"the native kernels run on a CPU, not {device.type}"
     if dtype not in KINDS:
-        return f"the native kernels run float32 and float64, not {str(dtype).removeprefix('torch.')}"
+        return f"the native kernels run float32, float64 and bfloat16, not {str(dtype).removeprefix('torch.')}"
     return library()[1]
 
 

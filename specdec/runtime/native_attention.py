@@ -10,6 +10,9 @@ each key/value row is read once for the G query heads that share it, and partial
 merged as flash-decoding does. Measured on 2 cores (bench/engine.py; attention of 30 layers):
 8 rows x 4096 past x 3 positions 278 -> 128 ms, 16 rows x 2000 x 1 243 -> 89 ms.
 
+float32, float64 and bfloat16 keys and values; bfloat16 is computed in float32 (widened as loaded,
+the output rounded once), where torch's bfloat16 attention is slow on a CPU without AMX.
+
 The library is built or found by `specdec.runtime.native`.
 """
 

@@ -95,6 +95,40 @@ def test_float32_stays_within_rounding_of_exact(n, d, kernel_build):
     torch.testing.assert_close(out.double(), exact, rtol=0, atol=2e-6)
 
 
+@pytest.mark.parametrize("d", [64, 32, 48, 8])
+def test_bfloat16_widens_exactly_and_rounds_once_in_every_build(d, kernel_build):
+    """bfloat16 queries, keys and values (stored by the kernel, or in shared prefixes) are widened to
+    float32 and attended in float32: within a bfloat16 rounding of exact attention in every build, and
+    in the builds with vector loops (d = 64, 32, 48 take them, 8 the plain ones) bit for bit the float32
+    kernel's result on the widened values, rounded once."""
+    gen = torch.Generator().manual_seed(d)
+    hkv, groups, layer, scale = 3, 3, 1, d**-0.5
+    rows = CASES[0] + CASES[1]
+    sessions = [_session(gen, past, n, hkv, d, torch.bfloat16, widths) for past, n, widths in rows]
+    t = sum(n for _, n, _ in rows)
+    qkv = torch.randn(t, hkv * groups + 2 * hkv, d, generator=gen).bfloat16()
+    q, k, v = qkv[:, :hkv * groups], qkv[:, hkv * groups:-hkv], qkv[:, -hkv:]
+    described, start = [], 0
+    for kv, (past, n, _) in zip(sessions, rows):
+        described.append((kv, start, n, past))
+        start += n
+    out = torch.full((t, hkv * groups, d), float("nan"), dtype=torch.bfloat16)
+    native_attention.attend(native_attention.AttentionPlan(described), layer, q, out, hkv, scale, new=(k, v))
+    wide = []
+    for kv, (past, n, _), (_, first, _, _) in zip(sessions, rows, described):
+        keys, values = kv.joined(layer, past + n)
+        assert torch.equal(keys[:, past:], k[first:first + n].transpose(0, 1))  # stored as given
+        assert torch.equal(values[:, past:], v[first:first + n].transpose(0, 1))
+        exact = _exact(q[first:first + n].double(), keys.double(), values.double(), past, scale)
+        torch.testing.assert_close(out[first:first + n].double(), exact, rtol=2**-8, atol=1e-6)
+        kv.data, kv.prefix = kv.data.float(), [p.float() for p in kv.prefix]
+        wide.append((kv, first, n, past))
+    out32 = torch.empty((t, hkv * groups, d))
+    native_attention.attend(native_attention.AttentionPlan(wide), layer, q.float(), out32, hkv, scale)
+    if kernel_build in ("x86-64-v4", "x86-64-v3") and d != 8:
+        assert torch.equal(out, out32.bfloat16())
+
+
 @pytest.mark.parametrize("rows", CASES)
 def test_the_kernel_stores_the_new_keys_and_values_it_is_given_as_a_write_would(rows):
     """`new=(k, v)`: the kernel writes each row's keys/values at its positions in its own buffer
@@ -178,3 +212,38 @@ def test_a_pass_mixing_decode_rows_and_a_prefill_equals_torchs_path_and_a_plain_
         expected = full_logits(tiny_model, request.history + request.new_tokens)[len(request.history) - 1:]
         torch.testing.assert_close(native.logits, expected, rtol=0, atol=1e-9)
         torch.testing.assert_close(native.logits, torch_way.logits, rtol=0, atol=1e-12)
+
+
+def test_a_bfloat16_pass_takes_the_kernel_and_scores_as_torchs_path(tiny_model, monkeypatch):
+    """A bfloat16 model's short rows go through the kernel (its projections stay on oneDNN or torch),
+    decode and verify rows beside a prefill, with shared prefixes: its logits are as close to the
+    float64 model's as those of torch's bfloat16 attention (they differ from each other by bfloat16
+    roundings: the kernel rounds once, after float32 sums)."""
+    import copy
+
+    lm = copy.deepcopy(tiny_model).to(torch.bfloat16)
+    rng, vocab = random.Random(4), lm.config.vocab_size
+    engines = {way: SessionCaches(lm, 2048, prefix_cache=PrefixCache(16), engine=EngineOptions(kernels=way))
+               for way in ("native", "torch")}
+    assert engines["native"].forward.native and not engines["torch"].forward.native
+    calls = []
+    attend = native_attention.attend
+    monkeypatch.setattr(native_attention, "attend",
+                        lambda plan, *a, **kw: calls.append(plan.dtype) or attend(plan, *a, **kw))
+    system = [rng.randrange(3, vocab) for _ in range(200)]
+    histories = {sid: system + [rng.randrange(3, vocab) for _ in range(rng.randrange(1, 300))] for sid in "abc"}
+    requests = [ScoreRequest(sid, history, [rng.randrange(3, vocab) for _ in range(width)])
+                for (sid, history), width in zip(histories.items(), (0, 2, 4))]
+    requests.append(ScoreRequest("fresh", system + [5] * 40, [7] * 40))
+    results = {}
+    for way, caches in engines.items():
+        for sid, history in histories.items():
+            caches.score(sid, history, [])
+        calls.clear()
+        results[way] = caches.score_batch(requests)
+        assert calls == ([torch.bfloat16] * lm.config.num_hidden_layers if way == "native" else [])
+    for request, native, torch_way in zip(requests, results["native"], results["torch"]):
+        exact = full_logits(tiny_model, request.history + request.new_tokens)[len(request.history) - 1:]
+        off, torch_off = ((r.logits.double() - exact).abs() for r in (native, torch_way))
+        assert off.max() < 0.4, off.max()
+        assert off.mean() <= 1.1 * torch_off.mean() + 1e-3, (off.mean(), torch_off.mean())

@@ -118,8 +118,8 @@ def test_prebuilt_kernels_load_without_a_compiler_and_only_for_their_own_source(
 
 
 def test_native_kernels_are_refused_where_they_cannot_run(tiny_model, monkeypatch, fresh_library):
-    with pytest.raises(ValueError, match="run float32 and float64, not bfloat16"):
-        forward(copy.deepcopy(tiny_model).to(torch.bfloat16), kernels="native")
+    with pytest.raises(ValueError, match="run float32, float64 and bfloat16, not float16"):
+        forward(copy.deepcopy(tiny_model).to(torch.float16), kernels="native")
     monkeypatch.setenv("CC", "/nonexistent/cc")
     monkeypatch.setenv("PATH", "/nonexistent")
     with pytest.raises(ValueError, match="--kernels native: no C compiler"):

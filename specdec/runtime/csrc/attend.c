@@ -17,13 +17,18 @@
  * Built by specdec.runtime.native with -O3 -march=native -mtune=generic -ffast-math. The
  * code never produces an infinity or NaN (a masked key is left out of the loops, not set to
  * -inf), which -ffast-math's finite-math assumption requires. float32 on AVX2/FMA runs the
- * register-blocked loops below, and with AVX-512 wider ones (8 keys a block for 3 queries; 5
- * queries a pass over the values); other types and machines run the plain loops, which the compiler
- * vectorises. float64 is there so that tests can compare with an exact reference.
+ * register-blocked loops of attend_loops.h, and with AVX-512 wider ones (8 keys a block for 3
+ * queries; 5 queries a pass over the values); other machines run the plain loops, which the
+ * compiler vectorises. float64 is there so that tests can compare with an exact reference.
+ * bfloat16 (a model loaded with --dtype bfloat16) is stored as it comes and computed in float32:
+ * the same loops widen each key and value as they load it (exact: a bfloat16 is a float32's top
+ * half), and the output is rounded once to bfloat16. torch's bfloat16 attention read 4-8x slower
+ * than the float32 kernel on a CPU without AMX (see docs/benchmarks.md).
  *
- * This file holds what does not depend on the element type and the float32 vector loops; the work
- * items, the merge and the entry points specdec_attend_f32 and specdec_attend_f64 are in
- * attend_impl.h, included at the end once per type. They return a `specdec_status` (status.h).
+ * This file holds what does not depend on the element type; the loops over keys and values are in
+ * attend_loops.h (once per stored type), the work items, the merge and the entry points
+ * specdec_attend_f32, _f64 and _bf16 in attend_impl.h, included at the end once per type. They return
+ * a `specdec_status` (status.h).
  *
  * Every buffer comes with its sizes and the bytes of storage behind its pointer, and `check_call`
  * refuses (SPECDEC_OUT_OF_BOUNDS) a call whose plan would read or write past any of them, before
@@ -87,249 +92,66 @@ static void *scratch_bytes(int slot, size_t bytes) {
     return buf[slot];
 }
 
-/* Plain loops: scores[i * CHUNK + p] = scale * q_i . k_p; acc[i] = sum_p w[i * CHUNK + p] v_p. */
-#define DEFINE_LOOPS(T, NAME)                                                                       \
-    static void NAME##_scores(const T *qs, int nq, int dim, const T *const *keys, int64_t count,    \
-                              T scale, T *scores) {                                                 \
+/* Plain loops over keys and values stored as S (LD: one as T), computing in T; named SCORES and VALUES. */
+#define DEFINE_LOOPS(T, S, LD, SCORES, VALUES)                                                      \
+    static void SCORES(const T *qs, int nq, int dim, const S *const *keys, int64_t count, T scale,  \
+                       T *scores) {                                                                 \
         for (int64_t p = 0; p < count; p++)                                                         \
             for (int i = 0; i < nq; i++) {                                                          \
-                const T *x = qs + i * dim, *k = keys[p];                                            \
+                const T *x = qs + i * dim;                                                          \
+                const S *k = keys[p];                                                               \
                 T sum = 0;                                                                          \
-                _Pragma("omp simd reduction(+:sum)") for (int e = 0; e < dim; e++) sum += x[e] * k[e]; \
+                _Pragma("omp simd reduction(+:sum)") for (int e = 0; e < dim; e++) sum += x[e] * LD(k + e); \
                 scores[i * CHUNK + p] = sum * scale;                                                \
             }                                                                                       \
     }                                                                                               \
-    static void NAME##_values(const T *w, int nq, int dim, const T *const *values, int64_t count,   \
-                              T *acc) {                                                             \
+    static void VALUES(const T *w, int nq, int dim, const S *const *values, int64_t count, T *acc) { \
         memset(acc, 0, sizeof(T) * nq * dim);                                                       \
         for (int64_t p = 0; p < count; p++)                                                         \
             for (int i = 0; i < nq; i++) {                                                          \
                 T x = w[i * CHUNK + p], *o = acc + i * dim;                                         \
-                const T *v = values[p];                                                             \
-                _Pragma("omp simd") for (int e = 0; e < dim; e++) o[e] += x * v[e];                 \
+                const S *v = values[p];                                                             \
+                _Pragma("omp simd") for (int e = 0; e < dim; e++) o[e] += x * LD(v + e);            \
             }                                                                                       \
     }
 
-DEFINE_LOOPS(float, plain_f32)
-DEFINE_LOOPS(double, plain_f64)
-#define scores_f64 plain_f64_scores
-#define values_f64 plain_f64_values
+/* bfloat16 is the top half of a float32: widening is exact; narrowing rounds to nearest, ties to even
+ * (as torch does; the kernel never makes a NaN or an infinity, see above). */
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
+#define PLAIN_LOAD(p) (*(p))
+#define BF16_LOAD(p) bf16_to_f32(*(p))
+DEFINE_LOOPS(double, double, PLAIN_LOAD, scores_f64, values_f64)
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include "simd.h"
-
-/* Scores of 3 queries against 4 keys (twelve accumulators; dim a multiple of 8). */
-static inline void scores_3x4(const float *q0, const float *q1, const float *q2, const float *const *k,
-                              int dim, __m128 scale, float *d0, float *d1, float *d2) {
-    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00, a10 = a00, a11 = a00, a12 = a00,
-           a13 = a00, a20 = a00, a21 = a00, a22 = a00, a23 = a00;
-    for (int e = 0; e < dim; e += 8) {
-        __m256 x0 = _mm256_loadu_ps(q0 + e), x1 = _mm256_loadu_ps(q1 + e), x2 = _mm256_loadu_ps(q2 + e), y;
-        y = _mm256_loadu_ps(k[0] + e);
-        a00 = _mm256_fmadd_ps(x0, y, a00), a10 = _mm256_fmadd_ps(x1, y, a10), a20 = _mm256_fmadd_ps(x2, y, a20);
-        y = _mm256_loadu_ps(k[1] + e);
-        a01 = _mm256_fmadd_ps(x0, y, a01), a11 = _mm256_fmadd_ps(x1, y, a11), a21 = _mm256_fmadd_ps(x2, y, a21);
-        y = _mm256_loadu_ps(k[2] + e);
-        a02 = _mm256_fmadd_ps(x0, y, a02), a12 = _mm256_fmadd_ps(x1, y, a12), a22 = _mm256_fmadd_ps(x2, y, a22);
-        y = _mm256_loadu_ps(k[3] + e);
-        a03 = _mm256_fmadd_ps(x0, y, a03), a13 = _mm256_fmadd_ps(x1, y, a13), a23 = _mm256_fmadd_ps(x2, y, a23);
-    }
-    _mm_storeu_ps(d0, _mm_mul_ps(sum4(a00, a01, a02, a03), scale));
-    _mm_storeu_ps(d1, _mm_mul_ps(sum4(a10, a11, a12, a13), scale));
-    _mm_storeu_ps(d2, _mm_mul_ps(sum4(a20, a21, a22, a23), scale));
-}
-
-#ifdef __AVX512F__
-/* AVX-512 (16 lanes, 32 registers): the same loops, wider, with more queries and keys per register
- * block, so each key or value row loaded from L1 feeds more multiply-adds. Measured on 2 cores
- * (30 layers, 3 key/value heads of 64, medians of 9, against the AVX2 loops side by side): keys and
- * values in cache, 8 rows x 4096 x 3 positions 48.2 -> 31.9 ms; read from memory 107.4 -> 84.5 ms,
- * 16 rows x 2000 x 1 63.4 -> 54.0 ms. */
-
-/* Scores of 3 queries against 8 keys (24 accumulators; dim a multiple of 16). */
-static inline void scores_3x8(const float *q0, const float *q1, const float *q2, const float *const *k, int dim,
-                              __m128 scale, float *d0, float *d1, float *d2) {
-    __m512 a[3][8];
-    for (int i = 0; i < 3; i++)
-        for (int j = 0; j < 8; j++) a[i][j] = _mm512_setzero_ps();
-    for (int e = 0; e < dim; e += 16) {
-        __m512 x0 = _mm512_loadu_ps(q0 + e), x1 = _mm512_loadu_ps(q1 + e), x2 = _mm512_loadu_ps(q2 + e);
-        for (int j = 0; j < 8; j++) {
-            __m512 y = _mm512_loadu_ps(k[j] + e);
-            a[0][j] = _mm512_fmadd_ps(x0, y, a[0][j]), a[1][j] = _mm512_fmadd_ps(x1, y, a[1][j]);
-            a[2][j] = _mm512_fmadd_ps(x2, y, a[2][j]);
-        }
-    }
-    float *d[3] = {d0, d1, d2};
-    for (int i = 0; i < 3; i++) {
-        _mm_storeu_ps(d[i], _mm_mul_ps(sum4(fold(a[i][0]), fold(a[i][1]), fold(a[i][2]), fold(a[i][3])), scale));
-        _mm_storeu_ps(d[i] + 4, _mm_mul_ps(sum4(fold(a[i][4]), fold(a[i][5]), fold(a[i][6]), fold(a[i][7])), scale));
-    }
-}
-
-static void scores_512(const float *qs, int nq, int dim, const float *const *keys, int64_t count, float scale,
-                       float *scores) {
-    __m128 s = _mm_set1_ps(scale);
-    float spare[16], tail[3][8];
-    for (int i = 0; i < nq; i += 3) { /* missing queries of the last triple repeat the first; results dropped */
-        const float *q0 = qs + i * dim, *q1 = i + 1 < nq ? q0 + dim : q0, *q2 = i + 2 < nq ? q0 + 2 * dim : q0;
-        float *d0 = scores + i * CHUNK;
-        int64_t p = 0;
-        for (; p + 8 <= count; p += 8) {
-            for (int64_t a = p + AHEAD_KEYS; i == 0 && a < p + AHEAD_KEYS + 8 && a < count; a++)
-                fetch_row(keys[a], dim * 4);
-            scores_3x8(q0, q1, q2, keys + p, dim, s, d0 + p, i + 1 < nq ? d0 + CHUNK + p : spare,
-                       i + 2 < nq ? d0 + 2 * CHUNK + p : spare + 8);
-        }
-        if (p < count) { /* the last 1-7 keys, with the first of them repeated */
-            const float *k[8];
-            for (int j = 0; j < 8; j++) k[j] = keys[p + j < count ? p + j : p];
-            scores_3x8(q0, q1, q2, k, dim, s, tail[0], tail[1], tail[2]);
-            for (int r = 0; r < 3 && i + r < nq; r++)
-                for (int64_t j = 0; p + j < count; j++) d0[r * CHUNK + p + j] = tail[r][j];
-        }
-    }
-}
-
-/* acc[i][e0 .. e0 + 64) += sum_p w[i * CHUNK + p] v_p[e0 ..] for QB queries (4 * QB accumulators),
- * asking for rows ahead[0 .. ahead_n) on the way. */
-#define DEFINE_VALUES512(QB)                                                                         \
-    static inline void values512_##QB(const float *w, const float *const *v, int64_t count, int e0,   \
-                                      float *acc, int dim, const float *const *ahead, int64_t ahead_n) {                                         \
-        __m512 c[QB][4];                                                                             \
-        for (int i = 0; i < QB; i++)                                                                 \
-            for (int j = 0; j < 4; j++) c[i][j] = _mm512_loadu_ps(acc + i * dim + e0 + 16 * j);      \
-        for (int64_t p = 0; p < count; p++) {                                                        \
-            if (p < ahead_n) fetch_row(ahead[p], dim * 4); /* the first pass asks for rows ahead */ \
-            const float *y = v[p] + e0;                                                              \
-            __m512 y0 = _mm512_loadu_ps(y), y1 = _mm512_loadu_ps(y + 16), y2 = _mm512_loadu_ps(y + 32), \
-                   y3 = _mm512_loadu_ps(y + 48);                                                     \
-            for (int i = 0; i < QB; i++) {                                                           \
-                __m512 x = _mm512_set1_ps(w[i * CHUNK + p]);                                         \
-                c[i][0] = _mm512_fmadd_ps(x, y0, c[i][0]), c[i][1] = _mm512_fmadd_ps(x, y1, c[i][1]); \
-                c[i][2] = _mm512_fmadd_ps(x, y2, c[i][2]), c[i][3] = _mm512_fmadd_ps(x, y3, c[i][3]); \
-            }                                                                                        \
-        }                                                                                            \
-        for (int i = 0; i < QB; i++)                                                                 \
-            for (int j = 0; j < 4; j++) _mm512_storeu_ps(acc + i * dim + e0 + 16 * j, c[i][j]);      \
-    }
-DEFINE_VALUES512(1)
-DEFINE_VALUES512(2)
-DEFINE_VALUES512(3)
-DEFINE_VALUES512(4)
-DEFINE_VALUES512(5)
-
-static void values_512(const float *w, int nq, int dim, const float *const *values, int64_t count, float *acc) {
-    memset(acc, 0, sizeof(float) * nq * dim);
-    for (int64_t p = 0; p < count; p += SUB) {
-        int64_t m = count - p < SUB ? count - p : SUB;
-        for (int i = 0; i < nq; i += 5)
-            for (int e = 0; e < dim; e += 64) {
-                const float *wi = w + i * CHUNK + p;
-                const float *const *vp = values + p;
-                float *ai = acc + i * dim;
-                int64_t an = i || e ? 0 : rows_ahead(count, p, m);
-                const float *const *ah = an ? vp + AHEAD_VALUES : vp;
-                switch (nq - i < 5 ? nq - i : 5) {
-                case 1: values512_1(wi, vp, m, e, ai, dim, ah, an); break;
-                case 2: values512_2(wi, vp, m, e, ai, dim, ah, an); break;
-                case 3: values512_3(wi, vp, m, e, ai, dim, ah, an); break;
-                case 4: values512_4(wi, vp, m, e, ai, dim, ah, an); break;
-                default: values512_5(wi, vp, m, e, ai, dim, ah, an);
-                }
-            }
-    }
-}
 #endif
 
-static void scores_f32(const float *qs, int nq, int dim, const float *const *keys, int64_t count, float scale,
-                       float *scores) {
-#ifdef __AVX512F__
-    if (dim % 16 == 0) {
-        scores_512(qs, nq, dim, keys, count, scale, scores);
-        return;
-    }
-#endif
-    if (dim % 8) {
-        plain_f32_scores(qs, nq, dim, keys, count, scale, scores);
-        return;
-    }
-    __m128 s = _mm_set1_ps(scale);
-    float spare[8], tail[3][4];
-    for (int i = 0; i < nq; i += 3) { /* missing queries of the last triple repeat the first; results dropped */
-        const float *q0 = qs + i * dim, *q1 = i + 1 < nq ? q0 + dim : q0, *q2 = i + 2 < nq ? q0 + 2 * dim : q0;
-        float *d0 = scores + i * CHUNK;
-        int64_t p = 0;
-        for (; p + 4 <= count; p += 4) {
-            for (int64_t a = p + AHEAD_KEYS; i == 0 && a < p + AHEAD_KEYS + 4 && a < count; a++)
-                fetch_row(keys[a], dim * 4);
-            scores_3x4(q0, q1, q2, keys + p, dim, s, d0 + p, i + 1 < nq ? d0 + CHUNK + p : spare,
-                       i + 2 < nq ? d0 + 2 * CHUNK + p : spare + 4);
-        }
-        if (p < count) { /* the last 1-3 keys, with the first of them repeated */
-            const float *k[4];
-            for (int j = 0; j < 4; j++) k[j] = keys[p + j < count ? p + j : p];
-            scores_3x4(q0, q1, q2, k, dim, s, tail[0], tail[1], tail[2]);
-            for (int r = 0; r < 3 && i + r < nq; r++)
-                for (int64_t j = 0; p + j < count; j++) d0[r * CHUNK + p + j] = tail[r][j];
-        }
-    }
-}
+/* The loops for float32 and for bfloat16 keys and values (attend_loops.h, once per type). */
+#define S float
+#define SK f32
+#define LOAD1 PLAIN_LOAD
+#define LOAD256(p) _mm256_loadu_ps(p)
+#define LOAD512(p) _mm512_loadu_ps(p)
+#include "attend_loops.h"
 
-/* acc[i][e0 .. e0 + 32) += sum_p w[i * CHUNK + p] v_p[e0 ..] for QB queries (eight accumulators for QB = 2),
- * asking for rows ahead[0 .. ahead_n) on the way. */
-#define DEFINE_VALUES(QB)                                                                            \
-    static inline void values_##QB##x32(const float *w, const float *const *v, int64_t count, int e0, \
-                                        float *acc, int dim, const float *const *ahead, int64_t ahead_n) {                                       \
-        __m256 c[QB][4];                                                                             \
-        for (int i = 0; i < QB; i++)                                                                 \
-            for (int j = 0; j < 4; j++) c[i][j] = _mm256_loadu_ps(acc + i * dim + e0 + 8 * j);       \
-        for (int64_t p = 0; p < count; p++) {                                                        \
-            if (p < ahead_n) fetch_row(ahead[p], dim * 4); /* the first pass asks for rows ahead */ \
-            const float *y = v[p] + e0;                                                              \
-            __m256 y0 = _mm256_loadu_ps(y), y1 = _mm256_loadu_ps(y + 8), y2 = _mm256_loadu_ps(y + 16), \
-                   y3 = _mm256_loadu_ps(y + 24);                                                     \
-            for (int i = 0; i < QB; i++) {                                                           \
-                __m256 x = _mm256_broadcast_ss(w + i * CHUNK + p);                                   \
-                c[i][0] = _mm256_fmadd_ps(x, y0, c[i][0]), c[i][1] = _mm256_fmadd_ps(x, y1, c[i][1]); \
-                c[i][2] = _mm256_fmadd_ps(x, y2, c[i][2]), c[i][3] = _mm256_fmadd_ps(x, y3, c[i][3]); \
-            }                                                                                        \
-        }                                                                                            \
-        for (int i = 0; i < QB; i++)                                                                 \
-            for (int j = 0; j < 4; j++) _mm256_storeu_ps(acc + i * dim + e0 + 8 * j, c[i][j]);       \
-    }
-DEFINE_VALUES(1)
-DEFINE_VALUES(2)
-
-static void values_f32(const float *w, int nq, int dim, const float *const *values, int64_t count, float *acc) {
-#ifdef __AVX512F__
-    if (dim % 64 == 0) {
-        values_512(w, nq, dim, values, count, acc);
-        return;
-    }
-#endif
-    if (dim % 32) {
-        plain_f32_values(w, nq, dim, values, count, acc);
-        return;
-    }
-    memset(acc, 0, sizeof(float) * nq * dim);
-    for (int64_t p = 0; p < count; p += SUB) {
-        int64_t m = count - p < SUB ? count - p : SUB;
-        for (int i = 0; i < nq; i += 2)
-            for (int e = 0; e < dim; e += 32) {
-                int64_t an = i || e ? 0 : rows_ahead(count, p, m);
-                const float *const *ah = an ? values + p + AHEAD_VALUES : values;
-                if (nq - i == 1)
-                    values_1x32(w + i * CHUNK + p, values + p, m, e, acc + i * dim, dim, ah, an);
-                else
-                    values_2x32(w + i * CHUNK + p, values + p, m, e, acc + i * dim, dim, ah, an);
-            }
-    }
-}
-#else
-#define scores_f32 plain_f32_scores
-#define values_f32 plain_f32_values
-#endif
+#define S uint16_t
+#define SK bf16
+#define LOAD1 BF16_LOAD
+#define LOAD256(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
+#define LOAD512(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
+#include "attend_loops.h"
 
 /* A row's own buffer: the last of its segments (shared prefix views come first). */
 #define OWN(segs, row) ((segs) + (row)->first_segment + (row)->segments - 1)
@@ -412,13 +234,28 @@ static int plan_items(int rows, const row_t *row, int heads_kv, int groups, int6
     return widest;
 }
 
-/* The entry points, specdec_attend_f32 and specdec_attend_f64 (attend_impl.h, once per type). */
+/* The entry points, specdec_attend_f32, specdec_attend_f64 and specdec_attend_bf16 (attend_impl.h, once
+ * per type). */
+#define S float
 #define T float
 #define KIND f32
 #define EXP expf
+#define TO_T(x) (x)
+#define TO_S(x) (x)
 #include "attend_impl.h"
 
+#define S double
 #define T double
 #define KIND f64
 #define EXP exp
+#define TO_T(x) (x)
+#define TO_S(x) (x)
+#include "attend_impl.h"
+
+#define S uint16_t
+#define T float
+#define KIND bf16
+#define EXP expf
+#define TO_T(x) bf16_to_f32(x)
+#define TO_S(x) f32_to_bf16(x)
 #include "attend_impl.h"
