@@ -209,7 +209,7 @@ class ModelServiceConfig(RedisClientOptions, ServiceConfig, DeviceOption):
         "all threads; built "
         "on first use with the machine's C compiler, or taken from $SPECDEC_PREBUILT_KERNELS), torch (torch's "
         "operators: attention row by row, projections through oneDNN/MKL), auto (native where they build and run: a "
-        "CPU, float32/float64; see bench/engine.py)."
+        "CPU, float32/float64/bfloat16, bfloat16 summed in float32; see bench/engine.py)."
     )
     native_linear_rows: Literal["auto"] | Annotated[int, Field(ge=0, le=LINEAR_MAX_ROWS)] = Field(
         "auto", description="The most rows of a pass (decode and verify positions over all its sessions) whose "
