@@ -22,8 +22,8 @@
  * compiler vectorises. float64 is there so that tests can compare with an exact reference.
  * bfloat16 (a model loaded with --dtype bfloat16) is stored as it comes and computed in float32:
  * the same loops widen each key and value as they load it (exact: a bfloat16 is a float32's top
- * half), and the output is rounded once to bfloat16. torch's bfloat16 attention read 4-8x slower
- * than the float32 kernel on a CPU without AMX (see docs/benchmarks.md).
+ * half), and the output is rounded once to bfloat16. torch's bfloat16 attention ran 5-8x slower
+ * than its float32 attention on a CPU without AMX (see docs/benchmarks.md).
  *
  * This file holds what does not depend on the element type; the loops over keys and values are in
  * attend_loops.h (once per stored type), the work items, the merge and the entry points
