@@ -10,10 +10,8 @@
 #define LOOPS_CAT(a, b) LOOPS_CAT_(a, b)
 #define LFN(name) LOOPS_CAT(name, SK)
 
-DEFINE_LOOPS(float, S, LOAD1, LFN(plain_scores), LFN(plain_values))
-
 #if defined(__AVX2__) && defined(__FMA__)
-#include "simd.h"
+DEFINE_LOOPS(float, S, LOAD1, LFN(plain_scores), LFN(plain_values)) /* for head sizes the vectors do not divide */
 
 /* Scores of 3 queries against 4 keys (twelve accumulators; dim a multiple of 8). */
 static inline void LFN(scores_3x4)(const float *q0, const float *q1, const float *q2, const S *const *k,
@@ -224,14 +222,7 @@ static void LFN(values)(const float *w, int nq, int dim, const S *const *values,
     }
 }
 #else
-static void LFN(scores)(const float *qs, int nq, int dim, const S *const *keys, int64_t count, float scale,
-                        float *scores) {
-    LFN(plain_scores)(qs, nq, dim, keys, count, scale, scores);
-}
-
-static void LFN(values)(const float *w, int nq, int dim, const S *const *values, int64_t count, float *acc) {
-    LFN(plain_values)(w, nq, dim, values, count, acc);
-}
+DEFINE_LOOPS(float, S, LOAD1, LFN(scores), LFN(values)) /* the plain loops are the only ones */
 #endif
 
 #undef DEFINE_VALUES
