@@ -354,7 +354,10 @@ static inline zf table16(int kind, zf d, zf mn) {
 }
 
 /* Cache lines of `bytes` (the next block's share) to prefetch each run of 32 weights along k. */
-static inline int prefetch_lines(int64_t bytes, int k) { return (int)((bytes + 64 * (k / RUN) - 1) / (64 * (k / RUN))); }
+static inline int prefetch_stride(int64_t bytes, int k) { return (int)((bytes + k / RUN - 1) / (k / RUN)); }
+/* Each run prefetches the lines at ahead, ahead + 64 (and + 128 for sym8), ahead stepping by the
+ * stride: 4 rows' share of a run is at most 80 bytes for the 4-bit kinds, 136 for sym8, so every
+ * line of the next block is touched. */
 
 /* QB input rows against NR of the 4 weight rows at w (rows r0 .. r0 + NR - 1, `w_t` bytes apart),
  * all k, de-quantizing each weight once in registers and using it for every row: part[i][r0 + j]
@@ -369,7 +372,7 @@ static inline int prefetch_lines(int64_t bytes, int k) { return (int)((bytes + 6
 #define DEFINE_SWEEP512(QB, NR, NAME, STORE)                                                          \
     static inline __attribute__((always_inline)) void NAME(                                           \
         int kind, int group, const float *x, int64_t x_t, const uint8_t *w, int64_t w_t, int k,       \
-        const float *sc, int r0, float *keep, const char *ahead, int lines, __m256 part[][ROWS]) {    \
+        const float *sc, int r0, float *keep, const char *ahead, int stride, __m256 part[][ROWS]) {    \
         zf a[QB][NR];                                                                                 \
         for (int i = 0; i < QB; i++)                                                                  \
             for (int j = 0; j < NR; j++) a[i][j] = z_zero();                                          \
@@ -379,7 +382,10 @@ static inline int prefetch_lines(int64_t bytes, int k) { return (int)((bytes + 6
         const float *xe = x, *scale = sc + 2 * r0;          /* this run's inputs; its group's scales */ \
         float *kept = keep + r0 * (int64_t)k;                                                         \
         for (int e = 0, s = 0; e < k; e += RUN, xe += RUN, kept += RUN) {                             \
-            for (int l = 0; l < lines; l++, ahead += 64) _mm_prefetch(ahead, _MM_HINT_T0);           \
+            _mm_prefetch(ahead, _MM_HINT_T0);                                                         \
+            _mm_prefetch(ahead + 64, _MM_HINT_T0);                                                    \
+            if (kind == SYM8) _mm_prefetch(ahead + 128, _MM_HINT_T0);                                 \
+            ahead += stride;                                                                          \
             _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++) {                                    \
                 zf d = z_set1(scale[2 * j]);                                                          \
                 zf table = kind == SYM8 ? d : table16(kind, d, z_set1(scale[2 * j + 1]));             \
@@ -418,7 +424,7 @@ DEFINE_SWEEP512(8, 2, sweep512_8_pair, 0)
         __m256 part[QB][ROWS];                                                                        \
         scales4(kind, group, w, w_t, k, sc);                                                          \
         SWEEP(kind, group, x, x_t, w, w_t, k, sc, 0, keep, (const char *)(w + AHEAD_512 * ROWS * w_t), \
-              prefetch_lines(ROWS * w_t, k), part);                                                   \
+              prefetch_stride(ROWS * w_t, k), part);                                                   \
         for (int i = 0; i < QB; i++) _mm_storeu_ps(y + i * y_t, sum4(part[i][0], part[i][1], part[i][2], part[i][3])); \
     }
 DEFINE_DIRECT512(1, direct512_1, sweep512_1)
@@ -440,7 +446,7 @@ DEFINE_DIRECT512(6, direct512_6_keep, sweep512_6_keep)
                                      int64_t w_t, int k, float *y, int64_t y_t, float *sc) {          \
         __m256 part[QB][ROWS];                                                                        \
         scales4(kind, group, w, w_t, k, sc);                                                          \
-        int half = (int)(ROWS * w_t / 2), lines = prefetch_lines(half, k);                            \
+        int half = (int)(ROWS * w_t / 2), lines = prefetch_stride(half, k);                            \
         for (int r0 = 0; r0 < ROWS; r0 += 2)                                                          \
             sweep512_##QB##_pair(kind, group, x, x_t, w, w_t, k, sc, r0, 0,                           \
                                  (const char *)(w + ROWS * w_t) + r0 / 2 * half, lines, part);        \
