@@ -49,7 +49,7 @@ from specdec.runtime.engine_options import LINEAR_MAX_ROWS
 log = logging.getLogger(__name__)
 
 SOURCES = ("attend.c", "linear.c", "quant.c", "layer.c", "stack.c", "park.c")  # compiled and linked into one library
-HEADERS = ("simd.h", "status.h", "kernels.h", "attend_impl.h", "attend_loops.h")  # included by them
+HEADERS = ("simd.h", "status.h", "kernels.h", "bf16.h", "attend_impl.h", "attend_loops.h")  # included by them
 _FLAGS = ["-O3", "-ffast-math", "-fopenmp", "-fPIC", "-std=gnu11"]
 NATIVE = ["-march=native", "-mtune=generic"]
 """This machine's instructions, generic scheduling: a compiler older than the CPU tunes for the
@@ -241,12 +241,12 @@ def load(path: Path) -> Any:
     lib.specdec_linear_f32.restype = i32
     lib.specdec_linear_f32.argtypes = [i32, i32, i32, ptr, i64, i64, ptr, i64, ptr, i64, i64, i32]
     f32 = ctypes.c_float
-    lib.specdec_rms_norm_f32.restype = i32
-    lib.specdec_rms_norm_f32.argtypes = [i32, i32, ptr, i64, ptr, i64, ptr, f32, ptr, i64, i32]
-    lib.specdec_rope_f32.restype = i32
-    lib.specdec_rope_f32.argtypes = [i32, i32, i32, ptr, i64, ptr, ptr, i64, i32]
-    lib.specdec_silu_mul_f32.restype = i32
-    lib.specdec_silu_mul_f32.argtypes = [i32, i32, ptr, i64, ptr, i64, i32]
+    for kind in ("f32", "bf16"):
+        for name, argtypes in (("rms_norm", [i32, i32, ptr, i64, ptr, i64, ptr, f32, ptr, i64, i32]),
+                               ("rope", [i32, i32, i32, ptr, i64, ptr, ptr, i64, i32]),
+                               ("silu_mul", [i32, i32, ptr, i64, ptr, i64, i32])):
+            fn = getattr(lib, f"specdec_{name}_{kind}")
+            fn.restype, fn.argtypes = i32, argtypes
     lib.specdec_llama_layers_f32.restype = i32
     lib.specdec_llama_layers_f32.argtypes = [i32, ptr, *[i32] * 6, *[ptr] * 9, i32, ptr, i32, ptr, ctypes.c_double,
                                              i32]
@@ -363,19 +363,27 @@ def parking() -> Parking | None:
 
 
 class LayerOps:
-    """The elementwise work of a Llama layer in float32 (`csrc/layer.c`), one C call each, on
-    tensors the caller shaped and laid out (rows `[t, n]`, features contiguous: checked by the
-    pass once, not here on every call)."""
+    """The elementwise work of a Llama layer in float32 or bfloat16 (`csrc/layer.c`, the `dtype` given
+    here), one C call each, on tensors of that dtype the caller shaped and laid out (rows `[t, n]`,
+    features contiguous: checked by the pass once, not here on every call)."""
 
-    def __init__(self) -> None:
+    DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
+    def __init__(self, dtype: torch.dtype = torch.float32) -> None:
         lib, why = library()
         if lib is None:
             raise RuntimeError(why)
-        self._norm, self._rope, self._silu = lib.specdec_rms_norm_f32, lib.specdec_rope_f32, lib.specdec_silu_mul_f32
+        kind = self.DTYPES.get(dtype)
+        if kind is None:
+            raise ValueError(f"the native layer kernels take {' or '.join(map(str, self.DTYPES))}, not {dtype}")
+        self.dtype = dtype
+        self._norm, self._rope, self._silu = (getattr(lib, f"specdec_{name}_{kind}")
+                                              for name in ("rms_norm", "rope", "silu_mul"))
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor,
                  delta: torch.Tensor | None = None) -> torch.Tensor:
-        """`x += delta` (in place, when given), then `out` = RMSNorm(x) * weight; all `[t, n]` float32."""
+        """`x += delta` (in place, when given), then `out` = RMSNorm(x) * weight; all `[t, n]` of the ops'
+        dtype (`weight` `[n]`)."""
         t, n = x.shape
         rc = self._norm(t, n, x.data_ptr(), x.stride(0), delta.data_ptr() if delta is not None else None,
                         delta.stride(0) if delta is not None else 0, weight.data_ptr(), eps, out.data_ptr(),

@@ -118,6 +118,7 @@ class PackedForward:
         self._measure_rows = plan.measure_rows
         self._set_linear_rows(plan.linear_rows)
         self.compiled = CompiledLayers(self) if plan.torch_compile else None
+        self._final: tuple[torch.Tensor, float] | None = None  # the last norm's weight and epsilon, for `ops`
         self.ops = self._layer_ops(plan)
         self.stack = self._layer_stack()
         self._pass_plan: tuple[list[PackedRow] | None, AttentionPlan | None, list[bool]] = (None, None, [])
@@ -129,11 +130,20 @@ class PackedForward:
         for row in rows:
             row.kv.reserve(row.kv.length + len(row.tokens))
         self._pass_plan = (None, None, [])  # the native kernel's plan is built at the first layer (buffers are final)
+        # the pass's token ids, their positions and the rows whose logits are kept, as plain lists first:
+        # one tensor each (per-row aranges and cats cost several operator calls a row)
+        positions_list: list[int] = []
+        picks_list: list[int] = []
+        end = 0
+        for row in rows:
+            n = len(row.tokens)
+            positions_list.extend(range(row.kv.length, row.kv.length + n))
+            end += n
+            picks_list.extend(range(end - row.keep, end))
         ids = torch.tensor([t for row in rows for t in row.tokens], dtype=torch.long)  # [T]
-        positions = torch.cat([torch.arange(row.kv.length, row.kv.length + len(row.tokens)) for row in rows])
-        ends = torch.tensor([len(row.tokens) for row in rows]).cumsum(0)
-        picks = torch.cat([torch.arange(int(end) - row.keep, int(end)) for row, end in zip(rows, ends)])
-        ids, positions, picks = (t.to(device) for t in (ids, positions, picks))
+        positions, picks = torch.tensor(positions_list), torch.tensor(picks_list)
+        if device.type != "cpu":
+            ids, positions, picks = (t.to(device) for t in (ids, positions, picks))
         x = self.base.embed_tokens(ids)[None]  # [1, T, hidden]
         cos, sin = self.base.rotary_emb(x, positions[None])  # [1, T, D] each
         if self.compiled is not None:
@@ -146,7 +156,7 @@ class PackedForward:
             for index, layer in enumerate(self.base.layers):
                 x = x + self._attention(index, layer.self_attn, layer.input_layernorm(x), cos, sin, rows)
                 x = x + layer.mlp(layer.post_attention_layernorm(x))
-        h = self.base.norm(x[0, picks])  # [sum keep, hidden]
+        h = self._final_norm(x[0, picks])  # [sum keep, hidden]
         logits = self.head(h)[0] if self.head is not None else self.model.lm_head(h)  # [sum keep, V]
         for row in rows:
             row.kv.length += len(row.tokens)
@@ -178,17 +188,23 @@ class PackedForward:
         return x
 
     def _layer_ops(self, plan: EnginePlan) -> native.LayerOps | None:
-        """The native elementwise kernels, where the layers run in float32 on a CPU with the native
-        kernels through the fused projections, with SiLU MLPs and RMSNorms of float32 weights."""
-        if not (plan.native and self.layers and self.dtype == torch.float32 and self.device.type == "cpu"):
+        """The native elementwise kernels, where the layers run in float32 or bfloat16 on a CPU with the
+        native kernels through the fused projections, with SiLU MLPs and RMSNorms of weights in that
+        dtype."""
+        if not (plan.native and self.layers and self.dtype in native.LayerOps.DTYPES and self.device.type == "cpu"):
             return None
         if getattr(self.model.config, "hidden_act", None) != "silu":
             return None
         norms = [(layer.input_layernorm, layer.post_attention_layernorm) for layer in self.base.layers]
-        if any(n.weight.dtype != torch.float32 or not n.weight.is_contiguous() for pair in norms for n in pair):
+        if any(n.weight.dtype != self.dtype or not n.weight.is_contiguous() for pair in norms for n in pair):
             return None
         self._norms = [(a.weight, b.weight, float(a.variance_epsilon), float(b.variance_epsilon)) for a, b in norms]
-        return native.LayerOps()
+        final = getattr(self.base, "norm", None)
+        weight, eps = getattr(final, "weight", None), getattr(final, "variance_epsilon", None)
+        if (isinstance(weight, torch.Tensor) and weight.dtype == self.dtype and weight.is_contiguous()
+                and eps is not None):
+            self._final = (weight, float(eps))
+        return native.LayerOps(self.dtype)
 
     def _layer_stack(self) -> LayerStack | None:
         """The layers as one native call (`stack.LayerStack`), where the native layer kernels run and
@@ -215,7 +231,8 @@ class PackedForward:
         elementwise work in the native kernels (`native.LayerOps`: RMSNorm with the residual add
         before it, the rotary embedding of q and k in place, SiLU times up) and every product written
         into buffers made once per pass: a layer is 9 calls into C and no tensor allocated. The same
-        arithmetic as `_fused_layers` to float32 rounding. `cos`, `sin` `[T, D]`. Where the layer stack
+        arithmetic as `_fused_layers` to the rounding of the pass's dtype (float32 or bfloat16; the
+        projections of a bfloat16 model stay oneDNN's). `cos`, `sin` `[T, D]`. Where the layer stack
         runs (`_layer_stack`) and the native attention kernel takes every row, the same calls are made
         from C in one (`LayerStack.run`)."""
         ops, t, d, heads, hkv = self.ops, x.shape[0], self.head_dim, self.heads, self.kv_heads
@@ -250,6 +267,14 @@ class PackedForward:
             else:
                 x.add_(delta)
         return x
+
+    def _final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        """The model's last RMSNorm of the kept rows `x` `[n, hidden]`: one native call where the layers'
+        norms are native (the module is several operator calls, ~60 us a decode step), else the module."""
+        if self.ops is None or self._final is None:
+            return self.base.norm(x)
+        weight, eps = self._final
+        return self.ops.rms_norm(x, weight, eps, torch.empty_like(x))
 
     @staticmethod
     def _norm(norm: Any, x: torch.Tensor) -> torch.Tensor:

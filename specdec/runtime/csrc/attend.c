@@ -41,6 +41,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
 #include "kernels.h"
 #include "status.h"
 
@@ -115,20 +116,6 @@ static void *scratch_bytes(int slot, size_t bytes) {
             }                                                                                       \
     }
 
-/* bfloat16 is the top half of a float32: widening is exact; narrowing rounds to nearest, ties to even
- * (as torch does; the kernel never makes a NaN or an infinity, see above). */
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
-}
 
 #define PLAIN_LOAD(p) (*(p))
 #define BF16_LOAD(p) bf16_to_f32(*(p))

@@ -1,0 +1,23 @@
+/* bfloat16 as the kernels store it: the top half of a float32. Widening is exact; narrowing rounds
+ * to nearest, ties to even, as torch does, and keeps a NaN a (quiet) NaN. */
+#ifndef SPECDEC_BF16_H
+#define SPECDEC_BF16_H
+
+#include <stdint.h>
+#include <string.h>
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((bits >> 16) | 0x40u);
+    return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
+#endif
