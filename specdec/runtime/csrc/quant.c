@@ -353,18 +353,19 @@ static inline zf table16(int kind, zf d, zf mn) {
     return kind == ASYM4 ? z_fma(z_iota(0), d, mn) : z_mul(d, z_iota(-8));
 }
 
-/* Cache lines of `bytes` (the next block's share) to prefetch each run of 32 weights along k. */
+/* The bytes of `bytes` (the block ahead's share) to prefetch each run of 32 weights along k. Each run
+ * prefetches the lines at ahead, ahead + 64 (and + 128 for sym8), ahead stepping by this stride: 4
+ * rows' share of a run is at most 80 bytes for the 4-bit kinds, 136 for sym8, so every line of the
+ * block is touched, with no loop in the run (against a loop over a line count: the step's 211
+ * matrices at 5 rows 4.4-5.0 -> 4.2-4.3 ms, 1 row alike; EPYC, 2 threads, alternated twice). */
 static inline int prefetch_stride(int64_t bytes, int k) { return (int)((bytes + k / RUN - 1) / (k / RUN)); }
-/* Each run prefetches the lines at ahead, ahead + 64 (and + 128 for sym8), ahead stepping by the
- * stride: 4 rows' share of a run is at most 80 bytes for the 4-bit kinds, 136 for sym8, so every
- * line of the next block is touched. */
 
 /* QB input rows against NR of the 4 weight rows at w (rows r0 .. r0 + NR - 1, `w_t` bytes apart),
  * all k, de-quantizing each weight once in registers and using it for every row: part[i][r0 + j]
  * becomes row i's sum against weight row r0 + j, its 16 lanes folded to 8 (sum4 adds them up in
  * linear.c's order). Each accumulator sums its elements in order, so the bits do not depend on NR.
  * With STORE the de-quantized weights also go to `keep` (4 rows of k floats). Each run prefetches
- * `lines` cache lines from `ahead`. Always inlined: the callers' `kind` is a constant there. One
+ * its share of the block ahead, `stride` bytes from `ahead` on (see prefetch_stride). Always inlined: the callers' `kind` is a constant there. One
  * loop over the runs, the tables made in it and the pointers stepped: against a loop over groups
  * holding each group's tables across an inner loop over its runs (which left GCC short of
  * registers at 5 rows: spills in the group loop), 5 rows 7.7-7.8 -> 7.0-7.2 ms and 1 row 4.1 ->
