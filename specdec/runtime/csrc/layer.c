@@ -35,125 +35,67 @@
  * computes q * cos + rotate_half(q) * sin (a fused multiply-add would round once less). */
 #pragma GCC optimize("fp-contract=off")
 
-int specdec_rms_norm_f32(int t, int n, float *x, int64_t x_t, const float *delta, int64_t delta_t, const float *w,
-                         float eps, float *out, int64_t out_t, int threads) {
-    if (t < 0 || n < 1) return SPECDEC_BAD_SHAPE;
-#pragma omp parallel for schedule(static) num_threads(threads) if (t >= PARALLEL_ROWS)
-    for (int r = 0; r < t; r++) {
-        float *u = x + r * x_t, *y = out + r * out_t;
-        if (delta) {
-            const float *e = delta + r * delta_t;
-#pragma omp simd
-            for (int j = 0; j < n; j++) u[j] = u[j] + e[j];
-        }
-        double squares = 0;
-#pragma omp simd reduction(+ : squares)
-        for (int j = 0; j < n; j++) squares += (double)u[j] * (double)u[j];
-        float scale = 1.0f / sqrtf((float)(squares / n) + eps);
-#pragma omp simd
-        for (int j = 0; j < n; j++) y[j] = w[j] * (u[j] * scale);
+/* The three entry points for elements of type S (float32 or bfloat16's uint16_t), computed in float:
+ * LD widens an element, RND rounds an intermediate to S's precision (float32: nothing to do), ST
+ * narrows a result. With float32 these are the plain expressions, each product and sum rounded once. */
+#define DEFINE_LAYER_OPS(KIND, S, LD, RND, ST)                                                        \
+    int specdec_rms_norm_##KIND(int t, int n, S *x, int64_t x_t, const S *delta, int64_t delta_t, const S *w, \
+                                float eps, S *out, int64_t out_t, int threads) {                      \
+        if (t < 0 || n < 1) return SPECDEC_BAD_SHAPE;                                                 \
+        _Pragma("omp parallel for schedule(static) num_threads(threads) if (t >= PARALLEL_ROWS)")     \
+        for (int r = 0; r < t; r++) {                                                                 \
+            S *u = x + r * x_t, *y = out + r * out_t;                                                 \
+            if (delta) {                                                                              \
+                const S *e = delta + r * delta_t;                                                     \
+                _Pragma("omp simd") for (int j = 0; j < n; j++) u[j] = ST(LD(u[j]) + LD(e[j]));       \
+            }                                                                                         \
+            double squares = 0;                                                                       \
+            _Pragma("omp simd reduction(+ : squares)") for (int j = 0; j < n; j++)                    \
+                squares += (double)LD(u[j]) * (double)LD(u[j]);                                       \
+            float scale = 1.0f / sqrtf((float)(squares / n) + eps);                                   \
+            _Pragma("omp simd") for (int j = 0; j < n; j++) y[j] = ST(LD(w[j]) * RND(LD(u[j]) * scale)); \
+        }                                                                                             \
+        return SPECDEC_OK;                                                                            \
+    }                                                                                                 \
+                                                                                                      \
+    /* Rows of `heads` heads of d elements (row r's head h at qk + r * row_t + h * d), rotated in      \
+     * place by row r's cos and sin (`[t, d]` rows `cs_t` apart). */                                  \
+    int specdec_rope_##KIND(int t, int heads, int d, S *qk, int64_t row_t, const S *cos, const S *sin, \
+                            int64_t cs_t, int threads) {                                              \
+        if (t < 0 || heads < 1 || d < 2 || d % 2 || d > 1024) return SPECDEC_BAD_SHAPE;               \
+        int half = d / 2;                                                                             \
+        _Pragma("omp parallel for schedule(static) num_threads(threads) if (t >= PARALLEL_ROWS)")     \
+        for (int r = 0; r < t; r++) {                                                                 \
+            const S *c = cos + r * cs_t, *s = sin + r * cs_t;                                         \
+            for (int h = 0; h < heads; h++) {                                                         \
+                S *v = qk + r * row_t + (int64_t)h * d;                                               \
+                float lo[512];                                                                        \
+                _Pragma("omp simd") for (int j = 0; j < half; j++) lo[j] = LD(v[j]);                  \
+                _Pragma("omp simd") for (int j = 0; j < half; j++)                                    \
+                    v[j] = ST(RND(lo[j] * LD(c[j])) + RND(-LD(v[j + half]) * LD(s[j])));              \
+                _Pragma("omp simd") for (int j = 0; j < half; j++)                                    \
+                    v[j + half] = ST(RND(LD(v[j + half]) * LD(c[j + half])) + RND(lo[j] * LD(s[j + half]))); \
+            }                                                                                         \
+        }                                                                                             \
+        return SPECDEC_OK;                                                                            \
+    }                                                                                                 \
+                                                                                                      \
+    /* out[r, j] = silu(gu[r, j]) * gu[r, n + j]: the gate's activation times the up projection. */  \
+    int specdec_silu_mul_##KIND(int t, int n, const S *gu, int64_t gu_t, S *out, int64_t out_t, int threads) { \
+        if (t < 0 || n < 1) return SPECDEC_BAD_SHAPE;                                                 \
+        _Pragma("omp parallel for schedule(static) num_threads(threads) if (t >= PARALLEL_ROWS)")     \
+        for (int r = 0; r < t; r++) {                                                                 \
+            const S *g = gu + r * gu_t, *u = g + n;                                                   \
+            S *y = out + r * out_t;                                                                   \
+            _Pragma("omp simd") for (int j = 0; j < n; j++) {                                         \
+                float a = LD(g[j]);                                                                   \
+                y[j] = ST(RND(a / (1.0f + expf(-a))) * LD(u[j]));                                     \
+            }                                                                                         \
+        }                                                                                             \
+        return SPECDEC_OK;                                                                            \
     }
-    return SPECDEC_OK;
-}
 
-/* Rows of `heads` heads of d floats (row r's head h at qk + r * row_t + h * d), rotated in place by
- * row r's cos and sin (`[t, d]` rows `cs_t` apart). */
-int specdec_rope_f32(int t, int heads, int d, float *qk, int64_t row_t, const float *cos, const float *sin,
-                     int64_t cs_t, int threads) {
-    if (t < 0 || heads < 1 || d < 2 || d % 2 || d > 1024) return SPECDEC_BAD_SHAPE;
-    int half = d / 2;
-#pragma omp parallel for schedule(static) num_threads(threads) if (t >= PARALLEL_ROWS)
-    for (int r = 0; r < t; r++) {
-        const float *c = cos + r * cs_t, *s = sin + r * cs_t;
-        for (int h = 0; h < heads; h++) {
-            float *v = qk + r * row_t + (int64_t)h * d;
-            float lo[512];
-#pragma omp simd
-            for (int j = 0; j < half; j++) lo[j] = v[j];
-#pragma omp simd
-            for (int j = 0; j < half; j++) v[j] = v[j] * c[j] + (-v[j + half]) * s[j];
-#pragma omp simd
-            for (int j = 0; j < half; j++) v[j + half] = v[j + half] * c[j + half] + lo[j] * s[j + half];
-        }
-    }
-    return SPECDEC_OK;
-}
-
-/* out[r, j] = silu(gu[r, j]) * gu[r, n + j]: the gate's activation times the up projection. */
-int specdec_silu_mul_f32(int t, int n, const float *gu, int64_t gu_t, float *out, int64_t out_t, int threads) {
-    if (t < 0 || n < 1) return SPECDEC_BAD_SHAPE;
-#pragma omp parallel for schedule(static) num_threads(threads) if (t >= PARALLEL_ROWS)
-    for (int r = 0; r < t; r++) {
-        const float *g = gu + r * gu_t, *u = g + n;
-        float *y = out + r * out_t;
-#pragma omp simd
-        for (int j = 0; j < n; j++) y[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
-    }
-    return SPECDEC_OK;
-}
-
-int specdec_rms_norm_bf16(int t, int n, uint16_t *x, int64_t x_t, const uint16_t *delta, int64_t delta_t,
-                          const uint16_t *w, float eps, uint16_t *out, int64_t out_t, int threads) {
-    if (t < 0 || n < 1) return SPECDEC_BAD_SHAPE;
-#pragma omp parallel for schedule(static) num_threads(threads) if (t >= PARALLEL_ROWS)
-    for (int r = 0; r < t; r++) {
-        uint16_t *u = x + r * x_t, *y = out + r * out_t;
-        if (delta) {
-            const uint16_t *e = delta + r * delta_t;
-#pragma omp simd
-            for (int j = 0; j < n; j++) u[j] = f32_to_bf16(bf16_to_f32(u[j]) + bf16_to_f32(e[j]));
-        }
-        double squares = 0;
-#pragma omp simd reduction(+ : squares)
-        for (int j = 0; j < n; j++) squares += (double)bf16_to_f32(u[j]) * (double)bf16_to_f32(u[j]);
-        float scale = 1.0f / sqrtf((float)(squares / n) + eps);
-#pragma omp simd
-        for (int j = 0; j < n; j++)
-            y[j] = f32_to_bf16(bf16_to_f32(w[j]) * bf16_to_f32(f32_to_bf16(bf16_to_f32(u[j]) * scale)));
-    }
-    return SPECDEC_OK;
-}
-
-int specdec_rope_bf16(int t, int heads, int d, uint16_t *qk, int64_t row_t, const uint16_t *cos, const uint16_t *sin,
-                      int64_t cs_t, int threads) {
-    if (t < 0 || heads < 1 || d < 2 || d % 2 || d > 1024) return SPECDEC_BAD_SHAPE;
-    int half = d / 2;
-#pragma omp parallel for schedule(static) num_threads(threads) if (t >= PARALLEL_ROWS)
-    for (int r = 0; r < t; r++) {
-        const uint16_t *c = cos + r * cs_t, *s = sin + r * cs_t;
-        for (int h = 0; h < heads; h++) {
-            uint16_t *v = qk + r * row_t + (int64_t)h * d;
-            float lo[512];
-#pragma omp simd
-            for (int j = 0; j < half; j++) lo[j] = bf16_to_f32(v[j]);
-#pragma omp simd
-            for (int j = 0; j < half; j++) {
-                float a = bf16_to_f32(f32_to_bf16(lo[j] * bf16_to_f32(c[j])));
-                float b = bf16_to_f32(f32_to_bf16(-bf16_to_f32(v[j + half]) * bf16_to_f32(s[j])));
-                v[j] = f32_to_bf16(a + b);
-            }
-#pragma omp simd
-            for (int j = 0; j < half; j++) {
-                float a = bf16_to_f32(f32_to_bf16(bf16_to_f32(v[j + half]) * bf16_to_f32(c[j + half])));
-                float b = bf16_to_f32(f32_to_bf16(lo[j] * bf16_to_f32(s[j + half])));
-                v[j + half] = f32_to_bf16(a + b);
-            }
-        }
-    }
-    return SPECDEC_OK;
-}
-
-int specdec_silu_mul_bf16(int t, int n, const uint16_t *gu, int64_t gu_t, uint16_t *out, int64_t out_t, int threads) {
-    if (t < 0 || n < 1) return SPECDEC_BAD_SHAPE;
-#pragma omp parallel for schedule(static) num_threads(threads) if (t >= PARALLEL_ROWS)
-    for (int r = 0; r < t; r++) {
-        const uint16_t *g = gu + r * gu_t, *u = g + n;
-        uint16_t *y = out + r * out_t;
-#pragma omp simd
-        for (int j = 0; j < n; j++) {
-            float x = bf16_to_f32(g[j]);
-            y[j] = f32_to_bf16(bf16_to_f32(f32_to_bf16(x / (1.0f + expf(-x)))) * bf16_to_f32(u[j]));
-        }
-    }
-    return SPECDEC_OK;
-}
+#define F32_SAME(x) (x)
+#define BF16_ROUND(x) bf16_to_f32(f32_to_bf16(x))
+DEFINE_LAYER_OPS(f32, float, F32_SAME, F32_SAME, F32_SAME)
+DEFINE_LAYER_OPS(bf16, uint16_t, bf16_to_f32, BF16_ROUND, f32_to_bf16)
