@@ -357,7 +357,8 @@ static inline zf table16(int kind, zf d, zf mn) {
  * prefetches the lines at ahead, ahead + 64 (and + 128 for sym8), ahead stepping by this stride: 4
  * rows' share of a run is at most 80 bytes for the 4-bit kinds, 136 for sym8, so every line of the
  * block is touched, with no loop in the run (against a loop over a line count: the step's 211
- * matrices at 5 rows 4.4-5.0 -> 4.2-4.3 ms, 1 row alike; EPYC, 2 threads, alternated twice). */
+ * matrices at 5 rows 4.39-4.44 -> 4.16-4.27 ms, 1 row 2.34-2.79 -> 2.27-2.29; EPYC, 2 threads,
+ * alternated twice). */
 static inline int prefetch_stride(int64_t bytes, int k) { return (int)((bytes + k / RUN - 1) / (k / RUN)); }
 
 /* QB input rows against NR of the 4 weight rows at w (rows r0 .. r0 + NR - 1, `w_t` bytes apart),
