@@ -339,6 +339,12 @@ def test_bfloat16_layer_ops_round_where_torchs_bfloat16_operators_round(t):
     # (a missed rounding of SiLU before the product would move about one element in ten)
     assert _bf16_ulps(out, want) <= 1 and int((out != want).sum()) <= 1 + out.numel() // 100
 
+    poisoned = gate_up.clone()
+    poisoned[0, 0], poisoned[0, n + 1] = float("nan"), float("inf")  # a NaN gate; an infinite up
+    out = ops.silu_mul(poisoned, torch.empty(t, n, dtype=torch.bfloat16))
+    want = torch.nn.functional.silu(poisoned[:, :n]) * poisoned[:, n:]
+    assert out[0, 0].isnan() and want[0, 0].isnan() and out[0, 1] == want[0, 1]  # NaN stays NaN, inf stays inf
+
     with pytest.raises(ValueError, match="float16"):
         native.LayerOps(torch.float16)
 
