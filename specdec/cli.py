@@ -83,7 +83,7 @@ def _misplaced_flags(args: argparse.Namespace) -> str:
 def cmd_up(args: argparse.Namespace) -> int:
     require_serving("specdec up")
     from specdec.launcher import Pipeline, PipelineSpec, Stopped, state_file
-    from specdec.runtime.models import prepare_model
+    from specdec.runtime.models import prepare_model, resolve_device, resolve_dtype
 
     misplaced = _misplaced_flags(args)
     if misplaced:
@@ -98,9 +98,14 @@ def cmd_up(args: argparse.Namespace) -> int:
         return 1
     # Prepare packaged models once, here, with a progress bar, before the services load them: a GGUF
     # is described (config, tokenizer), and converted to float32 only where dense weights will load.
-    target_dense = plan.target_weights == "dense" or plan.target_dtype != "float32"
-    draft_dense = plan.proposer in ("model", "hybrid") and (plan.draft_quantize != "none"
-                                                            or plan.draft_dtype != "float32")
+    try:
+        target_dtype = resolve_dtype(plan.target_dtype, resolve_device(plan.target_device))
+        draft_dtype = resolve_dtype(plan.draft_dtype, resolve_device(plan.draft_device))
+    except ValueError as exc:  # a device this machine lacks, an unknown dtype: said before anything starts
+        print(f"specdec up: {exc}", file=sys.stderr)
+        return 2
+    target_dense = plan.target_weights == "dense" or target_dtype != "float32"
+    draft_dense = plan.proposer in ("model", "hybrid") and (plan.draft_quantize != "none" or draft_dtype != "float32")
     for spec, dense in ((plan.target_model, target_dense), (plan.draft_model, draft_dense)):
         prepare_model(spec, dense, progress=True)
     pipeline = Pipeline(plan, tied_to_parent=not args.detach)

@@ -37,7 +37,7 @@ class PipelineSpec:
     """What `specdec up` starts; every field has a matching CLI flag."""
 
     target_model: str = DEFAULT_MODEL
-    target_dtype: str = "float32"
+    target_dtype: str = "auto"  # auto: bfloat16 on a CUDA GPU with native bfloat16, else float32
     target_threads: int | None = None
     target_device: str = "auto"  # auto, cpu, cuda or cuda:N
     draft_model: str = DEFAULT_MODEL

@@ -15,7 +15,9 @@ class TargetConfig(ModelServiceConfig):
     model: str = Field(
         DEFAULT_MODEL, description="Target model: the packaged default name, a local directory or a transformers id."
     )
-    dtype: Dtype = Field("float32", description="Weight dtype.")
+    dtype: Dtype = Field("auto", description="Weight dtype: auto is bfloat16 on a CUDA GPU that computes it natively "
+                         "(Ampere and later), float32 elsewhere (a CPU, where the packaged GGUF's blocks run with "
+                         "float32 activations; an older GPU).")
     max_batch: MaxBatch = Field(16, description="Most requests verified in one forward pass (1 = no batching).")
     batch_window_ms: BatchWindowMs = Field(
         200.0,

@@ -288,7 +288,22 @@ def parse_dtype(dtype: str) -> torch.dtype:
     try:
         return DTYPES[dtype]
     except KeyError:
-        raise ValueError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}") from None
+        raise ValueError(f"unsupported dtype {dtype!r}; choose auto or one of {', '.join(DTYPES)}") from None
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> str:
+    """The dtype name a model loads in: `dtype` itself, or for "auto" bfloat16 on a CUDA GPU that computes
+    it natively (Ampere and later) and float32 elsewhere: on a CPU (where the packaged GGUF's blocks
+    run with float32 activations), and on an older GPU (float16's range is not every model's: pass
+    --dtype float16 to choose it)."""
+    if dtype != "auto":
+        parse_dtype(dtype)
+        return dtype
+    if device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False):
+        return "bfloat16"
+    if device.type == "cuda":
+        log.info("--dtype auto: float32 on %s, which has no native bfloat16", device)
+    return "float32"
 
 
 def resolve_device(name: str) -> torch.device:
@@ -429,11 +444,11 @@ def load_model(spec: str, dtype: str = "float32", threads: int | None = None, pr
                device: str = "cpu", weights: str = "auto", quantize: str = "none",
                quantize_group: int = 32) -> LoadedModel:
     """Load a causal LM for inference on `device` (see `resolve_device`), in eval mode: a GGUF's blocks
-    as stored or float weights in `dtype` (`choose_weights`), the latter quantized at load with
+    as stored or float weights in `dtype` (`choose_weights`; "auto": `resolve_dtype`), the latter quantized at load with
     `quantize` "int4" / "int8" in groups of `quantize_group` (then the activations run float32, or
     float64 for a float64 model)."""
-    torch_dtype = parse_dtype(dtype)
     torch_device = resolve_device(device)
+    torch_dtype = parse_dtype(resolve_dtype(dtype, torch_device))
     if threads is not None:
         if threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")

@@ -150,7 +150,7 @@ class DeviceOption(BaseModel):
         return device
 
 
-Dtype = Literal["float32", "bfloat16", "float16", "float64"]
+Dtype = Literal["auto", "float32", "bfloat16", "float16", "float64"]
 MaxBatch = Annotated[int, Field(ge=1, le=256)]
 BatchWindowMs = Annotated[float, Field(ge=0, le=1000)]
 
@@ -283,17 +283,16 @@ class ModelServiceConfig(RedisClientOptions, ServiceConfig, DeviceOption):
     def _engine_options_hold_together(self):
         """Refused at start, with the flags named: what `EngineOptions` refuses, and what a model of
         --dtype could not honour."""
+        from specdec.runtime.models import resolve_device, resolve_dtype
+
         options = self.engine_options
-        options.check_dtype(self.dtype)
+        device = resolve_device(self.device)
+        options.check_dtype(resolve_dtype(self.dtype, device))
         if "quantize_group" in self.model_fields_set and self.quantize == "none":
             raise ValueError("--quantize-group sizes the groups of --quantize: add --quantize int4 or int8")
-        if options.quantized:
-            from specdec.runtime.models import resolve_device
-
-            device = resolve_device(self.device)
-            if device.type != "cpu":
-                raise ValueError(f"{options.quantized} runs in the CPU kernels, not on --device {self.device} "
-                                 f"({device}): pass --device cpu")
+        if options.quantized and device.type != "cpu":
+            raise ValueError(f"{options.quantized} runs in the CPU kernels, not on --device {self.device} "
+                             f"({device}): pass --device cpu")
         return self
 
     @property

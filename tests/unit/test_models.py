@@ -16,6 +16,7 @@ from specdec.runtime.models import (
     load_model,
     load_tokenizer,
     resolve_device,
+    resolve_dtype,
     resolve_model_path,
     tokenizer_fingerprint,
 )
@@ -245,6 +246,35 @@ def test_device_auto_takes_the_current_gpu(monkeypatch: pytest.MonkeyPatch) -> N
     assert resolve_device("cuda:0") == torch.device("cuda", 0)
     with pytest.raises(ValueError, match=r"only 2 CUDA GPU\(s\) are visible \(cuda:0 to cuda:1\)"):
         resolve_device("cuda:2")
+
+
+def test_dtype_auto_is_bfloat16_on_a_gpu_that_computes_it_and_float32_elsewhere(monkeypatch: pytest.MonkeyPatch,
+                                                                                 caplog) -> None:
+    """--dtype auto (the target's default): float32 on a CPU (the packaged GGUF's blocks run with float32
+    activations), bfloat16 on a CUDA GPU with native bfloat16, float32 on one without (said in the log);
+    a dtype named is taken as it is, an unknown one refused naming the choices."""
+    native_bf16 = []
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported",
+                        lambda including_emulation=True: native_bf16.append(including_emulation) or bf16[0])
+    bf16 = [True]
+    assert resolve_dtype("auto", torch.device("cpu")) == "float32" and native_bf16 == []
+    assert resolve_dtype("auto", torch.device("cuda", 0)) == "bfloat16" and native_bf16 == [False]
+    bf16[0] = False
+    with caplog.at_level("INFO", logger="specdec.runtime.models"):
+        assert resolve_dtype("auto", torch.device("cuda", 0)) == "float32"
+    assert "no native bfloat16" in caplog.text
+    assert resolve_dtype("float16", torch.device("cuda", 0)) == "float16"
+    assert resolve_dtype("bfloat16", torch.device("cpu")) == "bfloat16"
+    with pytest.raises(ValueError, match="choose auto or one of float32"):
+        resolve_dtype("int8", torch.device("cpu"))
+
+
+def test_the_target_loads_its_default_auto_dtype_as_float32_on_a_cpu(models: dict[str, Path]) -> None:
+    from target_service.config import TargetConfig
+
+    assert TargetConfig().dtype == "auto"
+    loaded = load_model(str(models["base"]), dtype="auto", progress=False, device="cpu")
+    assert {p.dtype for p in loaded.model.parameters()} == {torch.float32}
 
 
 def test_a_gpu_asked_for_without_one_says_what_to_pass(monkeypatch: pytest.MonkeyPatch) -> None:
