@@ -9,9 +9,13 @@ import signal
 import sys
 import time
 from dataclasses import fields
+from typing import TYPE_CHECKING
 
 from specdec.errors import SpecdecError, Unauthenticated, Unavailable
 from specdec.extras import SERVE_HINT, require_serving
+
+if TYPE_CHECKING:  # the serving extra, imported where a command needs it
+    from specdec.launcher import PipelineSpec
 
 DEFAULT_ADDRESS = os.environ.get("SPECDEC_ADDRESS", "127.0.0.1:50051")
 # Flags of `specdec up` whose default differs from the PipelineSpec's (one made in code starts no gateway).
@@ -80,10 +84,23 @@ def _misplaced_flags(args: argparse.Namespace) -> str:
             f"or choose --proposer {wanted}")
 
 
+def _prepare_models(plan: PipelineSpec) -> None:
+    """Prepare `plan`'s packaged models once, with a progress bar, before the services load them: a GGUF
+    is described (config, tokenizer), and converted to float32 only where dense weights will load.
+    ValueError for a device this machine lacks or an unknown dtype."""
+    from specdec.runtime.models import prepare_model, resolve_device, resolve_dtype
+
+    target_dtype = resolve_dtype(plan.target_dtype, resolve_device(plan.target_device))
+    draft_dtype = resolve_dtype(plan.draft_dtype, resolve_device(plan.draft_device))
+    target_dense = plan.target_weights == "dense" or target_dtype != "float32"
+    draft_dense = plan.proposer in ("model", "hybrid") and (plan.draft_quantize != "none" or draft_dtype != "float32")
+    for spec, dense in ((plan.target_model, target_dense), (plan.draft_model, draft_dense)):
+        prepare_model(spec, dense, progress=True)
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     require_serving("specdec up")
     from specdec.launcher import Pipeline, PipelineSpec, Stopped, state_file
-    from specdec.runtime.models import prepare_model, resolve_device, resolve_dtype
 
     misplaced = _misplaced_flags(args)
     if misplaced:
@@ -96,18 +113,11 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(f"a detached pipeline may already be running ({state_file()}); run `specdec down` first",
               file=sys.stderr)
         return 1
-    # Prepare packaged models once, here, with a progress bar, before the services load them: a GGUF
-    # is described (config, tokenizer), and converted to float32 only where dense weights will load.
     try:
-        target_dtype = resolve_dtype(plan.target_dtype, resolve_device(plan.target_device))
-        draft_dtype = resolve_dtype(plan.draft_dtype, resolve_device(plan.draft_device))
+        _prepare_models(plan)
     except ValueError as exc:  # a device this machine lacks, an unknown dtype: said before anything starts
         print(f"specdec up: {exc}", file=sys.stderr)
         return 2
-    target_dense = plan.target_weights == "dense" or target_dtype != "float32"
-    draft_dense = plan.proposer in ("model", "hybrid") and (plan.draft_quantize != "none" or draft_dtype != "float32")
-    for spec, dense in ((plan.target_model, target_dense), (plan.draft_model, draft_dense)):
-        prepare_model(spec, dense, progress=True)
     pipeline = Pipeline(plan, tied_to_parent=not args.detach)
 
     def on_signal(signum: int, _frame) -> None:

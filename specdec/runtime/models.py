@@ -444,9 +444,9 @@ def load_model(spec: str, dtype: str = "float32", threads: int | None = None, pr
                device: str = "cpu", weights: str = "auto", quantize: str = "none",
                quantize_group: int = 32) -> LoadedModel:
     """Load a causal LM for inference on `device` (see `resolve_device`), in eval mode: a GGUF's blocks
-    as stored or float weights in `dtype` (`choose_weights`; "auto": `resolve_dtype`), the latter quantized at load with
-    `quantize` "int4" / "int8" in groups of `quantize_group` (then the activations run float32, or
-    float64 for a float64 model)."""
+    as stored or float weights in `dtype` (`choose_weights`; "auto": `resolve_dtype`), the latter
+    quantized at load with `quantize` "int4" / "int8" in groups of `quantize_group` (then the
+    activations run float32, or float64 for a float64 model)."""
     torch_device = resolve_device(device)
     torch_dtype = parse_dtype(resolve_dtype(dtype, torch_device))
     if threads is not None:
