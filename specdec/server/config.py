@@ -225,8 +225,8 @@ class ModelServiceConfig(RedisClientOptions, ServiceConfig, DeviceOption):
         "auto", description="Which weights are served: gguf (a GGUF file's quantized blocks, the packaged default's "
         "q4_1 / q8_0, run as stored by the native kernels with float32 activations: the bytes the model ships in, "
         "the same weights as its float32 copy), dense (float weights in --dtype; a GGUF de-quantized once into a "
-        "cached float32 checkpoint), auto (gguf where the model is a GGUF, --dtype float32, on a CPU with the native "
-        "kernels and no --quantize; else dense). GetInfo reports what is served (format and fingerprint)."
+        "cached float32 checkpoint), auto (gguf where the model is a GGUF, --dtype float32 or auto, on a CPU with "
+        "the native kernels and no --quantize; else dense). GetInfo reports what is served (format and fingerprint)."
     )
     quantize: Literal["none", "int8", "int4"] = Field(
         "none", description="Weight-only quantization of the model's linear layers at load, run by the native "
