@@ -367,7 +367,7 @@ class LayerOps:
     here), one C call each, on tensors of that dtype the caller shaped and laid out (rows `[t, n]`,
     features contiguous: checked by the pass once, not here on every call)."""
 
-    DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
+    DTYPES = {dtype: kind for dtype, kind in KINDS.items() if kind != "f64"}  # layer.c has no float64 entry points
 
     def __init__(self, dtype: torch.dtype = torch.float32) -> None:
         lib, why = library()

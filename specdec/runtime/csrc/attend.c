@@ -116,7 +116,6 @@ static void *scratch_bytes(int slot, size_t bytes) {
             }                                                                                       \
     }
 
-
 #define PLAIN_LOAD(p) (*(p))
 #define BF16_LOAD(p) bf16_to_f32(*(p))
 DEFINE_LOOPS(double, double, PLAIN_LOAD, scores_f64, values_f64)
