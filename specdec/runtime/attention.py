@@ -1,7 +1,7 @@
 """Attention of one row's new block to its keys and values, through torch's operators.
 
-The packed pass (`packed.PackedForward`) sends a row here when the native kernel does not take it
-(`native_attention`: no kernels here, or a block too long for it, such as a prefill chunk). A row's
+The packed pass (`packed.PackedForward`) sends its rows here when the native kernel does not run
+(`native_attention`: no kernels built here, `--kernels torch`, a GPU). A row's
 keys and values lie in segments (shared prefix views, then its own buffer), read in place; grouped
 query heads share their key/value head without repeating it.
 

@@ -37,7 +37,7 @@ class EnginePlan:
     packed: bool  # the packed pass runs the model (else transformers' forward, a session at a time)
     prepack: bool = False  # projections through weights pre-packed for oneDNN
     torch_compile: bool = False  # each layer's dense part through torch.compile
-    native: bool = False  # short rows' attention through the native kernel
+    native: bool = False  # attention through the native kernel
     linear: bool = False  # projections of passes of a few rows through the native linear kernel
     linear_rows: int = LINEAR_MAX_ROWS  # the most rows it takes (until measured)
     measure_rows: bool = False  # `warm_up` measures `linear_rows` against the pre-packed weights

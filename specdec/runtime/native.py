@@ -3,7 +3,7 @@
 Two loops that torch's CPU operators leave far from the memory bandwidth on the shapes of decode
 and verify passes, where a pass is a read of bytes (weights, then keys/values), not arithmetic:
 `linear.c` (a projection of 1-48 rows: each weight read once for every row) and `attend.c` (all of
-a pass's short rows at one layer, each key/value read once for its grouped query heads; see
+a pass's rows at one layer, each key/value read once for its grouped query heads; see
 `native_attention`). Both run on torch's OpenMP threads.
 
 Where the library comes from, in order:

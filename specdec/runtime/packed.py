@@ -10,8 +10,8 @@ rows. Only attention is per row, and it reads the row's keys/values where they l
                             attend to keys/values [Hkv, L_i + n_i, D] (a view of the buffer)
 
 so grouped-query attention needs no repeated K/V heads, and the causal mask only concerns the
-new block (query j of row i sees keys 0 .. L_i + j). Long blocks (a prefill) attend in chunks
-of `QUERY_CHUNK` positions so the score matrix stays small. Logits are computed only for the
+new block (query j of row i sees keys 0 .. L_i + j). On torch's path long blocks (a prefill)
+attend in chunks of `QUERY_CHUNK` positions so the score matrix stays small. Logits are computed only for the
 positions a row asks for.
 
 This wires the model's own modules (embeddings, norms, projections, rotary embedding, MLP, LM
@@ -23,7 +23,8 @@ Other architectures take `GenericForward`: one session at a time through transfo
 
 Which options the pass runs with (pre-packed weights, the compiled layers, the native kernels)
 comes decided in an `engine_plan.EnginePlan`; the projections are `projection.Projection`s, the
-attention of the rows the native kernel does not take is `attention.attend`.
+attention is the native kernel's (`native_attention`, every row of a pass in one call a layer) or,
+where it does not run, `attention.attend`.
 """
 
 from __future__ import annotations
@@ -121,7 +122,7 @@ class PackedForward:
         self._final: tuple[torch.Tensor, float] | None = None  # the last norm's weight and epsilon, for `ops`
         self.ops = self._layer_ops(plan)
         self.stack = self._layer_stack()
-        self._pass_plan: tuple[list[PackedRow] | None, AttentionPlan | None, list[bool]] = (None, None, [])
+        self._pass_plan: tuple[list[PackedRow] | None, AttentionPlan | None] = (None, None)
 
     def __call__(self, rows: list[PackedRow]) -> list[torch.Tensor]:
         """Feed every row's tokens into its cache; each row's last `keep` logits `[keep, V]` (views of
@@ -129,7 +130,7 @@ class PackedForward:
         device = self.device
         for row in rows:
             row.kv.reserve(row.kv.length + len(row.tokens))
-        self._pass_plan = (None, None, [])  # the native kernel's plan is built at the first layer (buffers are final)
+        self._pass_plan = (None, None)  # the native kernel's plan is built at the first layer (buffers are final)
         # the pass's token ids, their positions and the rows whose logits are kept, as plain lists first:
         # one tensor each (per-row aranges and cats cost several operator calls a row)
         positions_list: list[int] = []
@@ -238,8 +239,8 @@ class PackedForward:
         ops, t, d, heads, hkv = self.ops, x.shape[0], self.head_dim, self.heads, self.kv_heads
         assert ops is not None
         if self.stack is not None and self.stack.takes(t):
-            plan, short = self._native_plan(rows)
-            if plan is not None and all(short):
+            plan = self._native_plan(rows)
+            if plan is not None:
                 return self.stack.run(x, cos, sin, plan, self.scaling)
         q_width, qk_width = heads * d, (heads + hkv) * d
         qkv_p, _, gate_up_p, _ = self.layers[0]
@@ -299,40 +300,40 @@ class PackedForward:
                      scaling: float, into: torch.Tensor | None = None) -> torch.Tensor:
         """Write each row's new keys/values (`k`, `v` `[T, Hkv, D]`) into its cache at layer `index`
         and attend its queries (`q` `[T, H, D]`) to its whole past; `[T, H * D]` (`into`, when given:
-        a contiguous buffer of that shape). Short rows (decode, verify) go through the native kernel
-        when it runs, all in one call, which also stores their keys/values; the others through
-        `SessionKV.write` and `attend`."""
+        a contiguous buffer of that shape). Where the native kernel runs, every row goes through it in
+        one call, which also stores their keys/values; elsewhere each row through `SessionKV.write`
+        and `attend`."""
         t, d, hkv, g = q.shape[0], self.head_dim, self.kv_heads, self.groups
         out = q.new_empty((t, hkv, g, d)) if into is None else into.view(t, hkv, g, d)  # head kv * G + g: [:, kv, g]
-        kernel_plan, short_rows = self._native_plan(rows)
-        start = 0
-        for row, short in zip(rows, short_rows):
-            n, past = len(row.tokens), row.kv.length
-            span = slice(start, start + n)
-            if not short:
-                row.kv.write(index, past, k[span].transpose(0, 1), v[span].transpose(0, 1))
-                queries = q[span].view(n, hkv, g, d).permute(1, 2, 0, 3)  # [Hkv, G, n, D]
-                o = attend(queries, row.kv.segments(index, past + n), past, scaling)
-                out[span] = o.permute(2, 0, 1, 3)  # [n, Hkv, G, D]
-            start += n
+        kernel_plan = self._native_plan(rows)
         if kernel_plan is not None:
             native_attention.attend(kernel_plan, index, q, out.view(t, self.heads, d), hkv, scaling, new=(k, v))
+            return out.view(t, self.heads * d)
+        start = 0
+        for row in rows:
+            n, past = len(row.tokens), row.kv.length
+            span = slice(start, start + n)
+            row.kv.write(index, past, k[span].transpose(0, 1), v[span].transpose(0, 1))
+            queries = q[span].view(n, hkv, g, d).permute(1, 2, 0, 3)  # [Hkv, G, n, D]
+            o = attend(queries, row.kv.segments(index, past + n), past, scaling)
+            out[span] = o.permute(2, 0, 1, 3)  # [n, Hkv, G, D]
+            start += n
         return out.view(t, self.heads * d)
 
-    def _native_plan(self, rows: list[PackedRow]) -> tuple[AttentionPlan | None, list[bool]]:
-        """The native kernel's plan for this pass's short rows (built at its first layer), and which
-        rows it covers."""
+    def _native_plan(self, rows: list[PackedRow]) -> AttentionPlan | None:
+        """The native kernel's plan for every row of this pass (a prefill chunk in pieces,
+        `AttentionPlan`), built at its first layer; None where the kernel does not run."""
         if self._pass_plan[0] is rows:
-            return self._pass_plan[1], self._pass_plan[2]
-        short = [self.native and len(row.tokens) * self.groups <= native_attention.MAX_QUERIES for row in rows]
-        described, start = [], 0
-        for row, take in zip(rows, short):
-            if take:
-                described.append((row.kv, start, len(row.tokens), row.kv.length))
-            start += len(row.tokens)
-        plan = AttentionPlan(described) if described else None
-        self._pass_plan = (rows, plan, short)
-        return plan, short
+            return self._pass_plan[1]
+        plan = None
+        if self.native and rows and self.groups <= native_attention.MAX_QUERIES:
+            starts = [0]
+            for row in rows[:-1]:
+                starts.append(starts[-1] + len(row.tokens))
+            plan = AttentionPlan([(row.kv, start, len(row.tokens), row.kv.length)
+                                  for row, start in zip(rows, starts)], self.groups)
+        self._pass_plan = (rows, plan)
+        return plan
 
     def _projections(self) -> list[Projection]:
         return [*(p for layer in self.layers for p in layer), *([self.head] if self.head is not None else [])]

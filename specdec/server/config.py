@@ -203,8 +203,8 @@ class ModelServiceConfig(RedisClientOptions, ServiceConfig, DeviceOption):
         "compile (auto: where it can run, a C++ compiler on a CPU or CUDA; see bench/engine.py for what it gains)."
     )
     kernels: Literal["auto", "native", "torch"] = Field(
-        "auto", description="The engine's C kernels for decode and verify passes: native (attention of all of a "
-        "pass's short rows in one call per layer, each key/value read once for its grouped query heads; in float32 "
+        "auto", description="The engine's C kernels: native (attention of all of a pass's rows in one call per "
+        "layer, prefill chunks in pieces, each key/value read once for its grouped query heads; in float32 "
         "also the projections of passes of a few rows (--native-linear-rows), each weight read once for all rows; on "
         "all threads; built "
         "on first use with the machine's C compiler, or taken from $SPECDEC_PREBUILT_KERNELS), torch (torch's "

@@ -53,16 +53,23 @@ def test_decode_verify_and_mixed_passes_equal_the_loop_bit_for_bit(quantized_tar
     assert max(runs) > 1
 
 
-def test_a_pass_the_attention_kernel_does_not_take_runs_the_loop(quantized_target, monkeypatch, one_torch_thread):
+def test_a_prefill_runs_the_stack_and_a_pass_of_more_rows_than_it_takes_runs_the_loop(quantized_target, monkeypatch,
+                                                                                     one_torch_thread):
+    from specdec.runtime.quantized import CHUNK_ROWS
+
     stacked, looped = _pair(quantized_target)
     runs = _count_runs(monkeypatch)
-    prompt = list(range(3, 3 + 40))  # one row of 40 new positions: more queries than the kernel takes
+    prompt = list(range(3, 3 + 40))  # 40 new positions: more queries than the attention kernel takes at once
     a, _ = stacked.score("p", prompt, [])
     b, _ = looped.score("p", prompt, [])
-    assert runs == [] and torch.equal(a, b)
-    a, _ = stacked.score("p", prompt + [7], [8, 9])
-    b, _ = looped.score("p", prompt + [7], [8, 9])
-    assert runs == [3] and torch.equal(a, b)
+    assert runs == [40] and torch.equal(a, b)
+    long = list(range(5, 5 + CHUNK_ROWS + 12))  # more rows than the stack's projections take in one call
+    a, _ = stacked.score("q", long, [])
+    b, _ = looped.score("q", long, [])
+    assert runs == [40] and torch.equal(a, b)
+    a, _ = stacked.score("q", long + [7], [8, 9])
+    b, _ = looped.score("q", long + [7], [8, 9])
+    assert runs == [40, 3] and torch.equal(a, b)
 
 
 def test_models_whose_projections_are_not_all_quantized_have_no_stack(tiny_models):
@@ -94,8 +101,8 @@ def test_a_call_the_kernels_refuse_raises_and_leaves_nothing_behind(quantized_ta
     stacked, looped = _pair(quantized_target)
     built = native_attention.AttentionPlan.__init__
 
-    def corrupted(self, rows):
-        built(self, rows)
+    def corrupted(self, rows, groups):
+        built(self, rows, groups)
         self.rows[0].past += 1 << 40
 
     monkeypatch.setattr(native_attention.AttentionPlan, "__init__", corrupted)

@@ -74,6 +74,39 @@ def test_one_call_over_uneven_rows_equals_exact_attention_in_float64(hkv, groups
         start += n
 
 
+@pytest.mark.parametrize("hkv, groups, d", [(3, 3, 64), (1, 4, 32), (2, 1, 8), (1, 64, 16)])
+def test_rows_longer_than_the_kernel_takes_attend_in_pieces_as_exact_attention(hkv, groups, d):
+    """Prefill chunks (more positions than MAX_QUERIES // groups), beside short rows, with shared
+    prefixes and across the 1024-key chunk edge, their new keys and values stored by the same call:
+    each piece sees the pieces before it, as exact attention over the whole row does, in float64."""
+    gen = torch.Generator().manual_seed(groups)
+    rows = [(0, 200, ()), (5, 3, ()), (37, 130, (20,)), (1000, 70, (300,)), (60, native_attention.MAX_QUERIES, ())]
+    sessions = [_session(gen, past, n, hkv, d, torch.float64, widths) for past, n, widths in rows]
+    t, heads, layer, scale = sum(n for _, n, _ in rows), hkv * groups, 2, d**-0.5
+    qkv = torch.randn(t, heads + 2 * hkv, d, generator=gen, dtype=torch.float64)
+    q, k, v = qkv[:, :heads], qkv[:, heads:heads + hkv], qkv[:, heads + hkv:]
+    described, start = [], 0
+    for kv, (past, n, _) in zip(sessions, rows):
+        described.append((kv, start, n, past))
+        start += n
+    plan = native_attention.AttentionPlan(described, groups)
+    assert plan.count == sum(-(-n // (native_attention.MAX_QUERIES // groups)) for _, n, _ in rows)
+    out = torch.full((t, heads, d), float("nan"), dtype=torch.float64)
+    native_attention.attend(plan, layer, q, out, hkv, scale, new=(k, v))
+    for kv, (past, n, _), (_, first, _, _) in zip(sessions, rows, described):
+        keys, values = kv.joined(layer, past + n)
+        assert torch.equal(keys[:, past:], k[first:first + n].transpose(0, 1))
+        expected = _exact(q[first:first + n], keys, values, past, scale)
+        torch.testing.assert_close(out[first:first + n], expected, rtol=0, atol=1e-12)
+
+
+def test_a_plan_for_more_query_heads_a_key_value_head_than_the_kernel_takes_is_refused():
+    gen = torch.Generator().manual_seed(0)
+    kv = _session(gen, 4, 2, 1, 8, torch.float64, ())
+    with pytest.raises(ValueError, match="query heads per key/value head"):
+        native_attention.AttentionPlan([(kv, 0, 2, 4)], native_attention.MAX_QUERIES + 1)
+
+
 @pytest.mark.parametrize("d", [64, 32, 48])
 @pytest.mark.parametrize("n", [1, 3, 5, 7])
 def test_float32_stays_within_rounding_of_exact(n, d, kernel_build):
@@ -191,8 +224,8 @@ def test_a_block_longer_than_the_kernel_takes_is_refused():
 
 
 def test_a_pass_mixing_decode_rows_and_a_prefill_equals_torchs_path_and_a_plain_forward(tiny_model):
-    """Short rows through the kernel, the prefill (too many queries for it) through `attend`, with
-    shared prefixes: the same logits as torch's attention and as transformers, in float64."""
+    """Short rows and the prefill (in pieces) through the kernel, with shared prefixes: the same
+    logits as torch's attention (`attend`) and as transformers, in float64."""
     rng, vocab = random.Random(3), tiny_model.config.vocab_size
     engines = {way: SessionCaches(tiny_model, 2048, prefix_cache=PrefixCache(16), engine=EngineOptions(kernels=way))
                for way in ("native", "torch")}
@@ -202,7 +235,7 @@ def test_a_pass_mixing_decode_rows_and_a_prefill_equals_torchs_path_and_a_plain_
     requests = [ScoreRequest(sid, history, [rng.randrange(3, vocab) for _ in range(width)])
                 for (sid, history), width in zip(histories.items(), (0, 2, 4))]
     requests.append(ScoreRequest("fresh", system + [5] * 40, [7] * 40))  # a prefill beside the steps
-    assert 41 * engines["native"].forward.groups > native_attention.MAX_QUERIES  # too long for the kernel
+    assert 41 * engines["native"].forward.groups > native_attention.MAX_QUERIES  # in pieces
     results = {}
     for way, caches in engines.items():
         for sid, history in histories.items():
