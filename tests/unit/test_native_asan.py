@@ -27,6 +27,7 @@ SANITIZED = [
     "tests/unit/test_native_kernels.py",
     "tests/unit/test_kv_integrity.py",
     "tests/unit/test_layer_stack.py",
+    "tests/unit/test_quant_kernels.py",
 ]
 NOT_UNDER_ASAN = (  # about processes and loading, not memory: slow under a preloaded runtime, nothing to find
     "not test_a_service_asked_for_what_its_machine_cannot_run and not test_prebuilt_kernels_load_without_a_compiler")

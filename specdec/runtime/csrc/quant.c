@@ -365,16 +365,16 @@ static inline int prefetch_stride(int64_t bytes, int k) { return (int)((bytes + 
  * all k, de-quantizing each weight once in registers and using it for every row: part[i][r0 + j]
  * becomes row i's sum against weight row r0 + j, its 16 lanes folded to 8 (sum4 adds them up in
  * linear.c's order). Each accumulator sums its elements in order, so the bits do not depend on NR.
- * With STORE the de-quantized weights also go to `keep` (4 rows of k floats). Each run prefetches
- * its share of the block ahead, `stride` bytes from `ahead` on (see prefetch_stride). Always inlined: the callers' `kind` is a constant there. One
+ * Each run prefetches its share of the block ahead, `stride` bytes from `ahead` on (see
+ * prefetch_stride). Always inlined: the callers' `kind` is a constant there. One
  * loop over the runs, the tables made in it and the pointers stepped: against a loop over groups
  * holding each group's tables across an inner loop over its runs (which left GCC short of
  * registers at 5 rows: spills in the group loop), 5 rows 7.7-7.8 -> 7.0-7.2 ms and 1 row 4.1 ->
  * 3.7-3.8 for the step's 121 projections (`bench/quant_step.c`, alternated twice). */
-#define DEFINE_SWEEP512(QB, NR, NAME, STORE)                                                          \
+#define DEFINE_SWEEP512(QB, NR, NAME)                                                                 \
     static inline __attribute__((always_inline)) void NAME(                                           \
         int kind, int group, const float *x, int64_t x_t, const uint8_t *w, int64_t w_t, int k,       \
-        const float *sc, int r0, float *keep, const char *ahead, int stride, __m256 part[][ROWS]) {    \
+        const float *sc, int r0, const char *ahead, int stride, __m256 part[][ROWS]) {                 \
         zf a[QB][NR];                                                                                 \
         for (int i = 0; i < QB; i++)                                                                  \
             for (int j = 0; j < NR; j++) a[i][j] = z_zero();                                          \
@@ -382,8 +382,7 @@ static inline int prefetch_stride(int64_t bytes, int k) { return (int)((bytes + 
         const int64_t bytes = block_bytes(kind, group);                                               \
         const uint8_t *block = w + header(kind) + r0 * w_t, *q = block; /* row r0's run */           \
         const float *xe = x, *scale = sc + 2 * r0;          /* this run's inputs; its group's scales */ \
-        float *kept = keep + r0 * (int64_t)k;                                                         \
-        for (int e = 0, s = 0; e < k; e += RUN, xe += RUN, kept += RUN) {                             \
+        for (int e = 0, s = 0; e < k; e += RUN, xe += RUN) {                                          \
             _mm_prefetch(ahead, _MM_HINT_T0);                                                         \
             _mm_prefetch(ahead + 64, _MM_HINT_T0);                                                    \
             if (kind == SYM8) _mm_prefetch(ahead + 128, _MM_HINT_T0);                                 \
@@ -393,7 +392,6 @@ static inline int prefetch_stride(int64_t bytes, int k) { return (int)((bytes + 
                 zf table = kind == SYM8 ? d : table16(kind, d, z_set1(scale[2 * j + 1]));             \
                 _Pragma("GCC unroll 2") for (int t = 0; t < 2; t++) {                                 \
                     zf v = weights16(kind, q + j * w_t, t, d, table);                                 \
-                    if (STORE) z_store(kept + j * (int64_t)k + 16 * t, v);                            \
                     _Pragma("GCC unroll 8") for (int i = 0; i < QB; i++)                              \
                         a[i][j] = z_fma(v, z_loadu(xe + i * x_t + 16 * t), a[i][j]);                  \
                 }                                                                                     \
@@ -407,25 +405,23 @@ static inline int prefetch_stride(int64_t bytes, int k) { return (int)((bytes + 
         for (int i = 0; i < QB; i++)                                                                  \
             for (int j = 0; j < NR; j++) part[i][r0 + j] = z_fold(a[i][j]);                           \
     }
-DEFINE_SWEEP512(1, 4, sweep512_1, 0)
-DEFINE_SWEEP512(2, 4, sweep512_2, 0)
-DEFINE_SWEEP512(3, 4, sweep512_3, 0)
-DEFINE_SWEEP512(4, 4, sweep512_4, 0)
-DEFINE_SWEEP512(5, 4, sweep512_5, 0)
-DEFINE_SWEEP512(6, 4, sweep512_6, 0)
-DEFINE_SWEEP512(6, 4, sweep512_6_keep, 1)
-DEFINE_SWEEP512(7, 2, sweep512_7_pair, 0)
-DEFINE_SWEEP512(8, 2, sweep512_8_pair, 0)
+DEFINE_SWEEP512(1, 4, sweep512_1)
+DEFINE_SWEEP512(2, 4, sweep512_2)
+DEFINE_SWEEP512(3, 4, sweep512_3)
+DEFINE_SWEEP512(4, 4, sweep512_4)
+DEFINE_SWEEP512(5, 4, sweep512_5)
+DEFINE_SWEEP512(6, 4, sweep512_6)
+DEFINE_SWEEP512(7, 2, sweep512_7_pair)
+DEFINE_SWEEP512(8, 2, sweep512_8_pair)
 
 /* QB input rows against the block's 4 weight rows in one sweep (up to 6 rows: 24 accumulators of
- * the 32 registers), prefetching AHEAD_512 blocks ahead. With SWEEP = sweep512_6_keep, the first 6
- * rows of a larger pass, keeping the de-quantized weights in `keep`. */
+ * the 32 registers), prefetching AHEAD_512 blocks ahead. */
 #define DEFINE_DIRECT512(QB, NAME, SWEEP)                                                             \
     static FLATTEN void NAME(int kind, int group, const float *x, int64_t x_t, const uint8_t *w,       \
-                            int64_t w_t, int k, float *y, int64_t y_t, float *sc, float *keep) {      \
+                            int64_t w_t, int k, float *y, int64_t y_t, float *sc) {                   \
         __m256 part[QB][ROWS];                                                                        \
         scales4(kind, group, w, w_t, k, sc);                                                          \
-        SWEEP(kind, group, x, x_t, w, w_t, k, sc, 0, keep, (const char *)(w + AHEAD_512 * ROWS * w_t), \
+        SWEEP(kind, group, x, x_t, w, w_t, k, sc, 0, (const char *)(w + AHEAD_512 * ROWS * w_t),     \
               prefetch_stride(ROWS * w_t, k), part);                                                   \
         for (int i = 0; i < QB; i++) _mm_storeu_ps(y + i * y_t, sum4(part[i][0], part[i][1], part[i][2], part[i][3])); \
     }
@@ -435,7 +431,6 @@ DEFINE_DIRECT512(3, direct512_3, sweep512_3)
 DEFINE_DIRECT512(4, direct512_4, sweep512_4)
 DEFINE_DIRECT512(5, direct512_5, sweep512_5)
 DEFINE_DIRECT512(6, direct512_6, sweep512_6)
-DEFINE_DIRECT512(6, direct512_6_keep, sweep512_6_keep)
 
 /* QB = 7 or 8 input rows against the block's 4 weight rows, 2 weight rows at a time (16
  * accumulators; 32 would not fit the registers), each weight still de-quantized once in registers
@@ -450,12 +445,40 @@ DEFINE_DIRECT512(6, direct512_6_keep, sweep512_6_keep)
         scales4(kind, group, w, w_t, k, sc);                                                          \
         int half = (int)(ROWS * w_t / 2), lines = prefetch_stride(half, k);                            \
         for (int r0 = 0; r0 < ROWS; r0 += 2)                                                          \
-            sweep512_##QB##_pair(kind, group, x, x_t, w, w_t, k, sc, r0, 0,                           \
+            sweep512_##QB##_pair(kind, group, x, x_t, w, w_t, k, sc, r0,                              \
                                  (const char *)(w + ROWS * w_t) + r0 / 2 * half, lines, part);        \
         for (int i = 0; i < QB; i++) _mm_storeu_ps(y + i * y_t, sum4(part[i][0], part[i][1], part[i][2], part[i][3])); \
     }
 DEFINE_PAIRS512(7)
 DEFINE_PAIRS512(8)
+
+/* The block's 4 weight rows de-quantized into `keep` (4 rows of k floats, 64-byte aligned), as the
+ * sweeps de-quantize them, prefetching AHEAD_512 blocks ahead as they do. */
+static FLATTEN void dequant512(int kind, int group, const uint8_t *w, int64_t w_t, int k, float *sc, float *keep) {
+    scales4(kind, group, w, w_t, k, sc);
+    const int runs = group / RUN, rb = run_bytes(kind), stride = prefetch_stride(ROWS * w_t, k);
+    const int64_t bytes = block_bytes(kind, group);
+    const char *ahead = (const char *)(w + AHEAD_512 * ROWS * w_t);
+    const uint8_t *block = w + header(kind), *q = block;
+    const float *scale = sc;
+    for (int e = 0, s = 0; e < k; e += RUN) {
+        _mm_prefetch(ahead, _MM_HINT_T0);
+        _mm_prefetch(ahead + 64, _MM_HINT_T0);
+        if (kind == SYM8) _mm_prefetch(ahead + 128, _MM_HINT_T0);
+        ahead += stride;
+        _Pragma("GCC unroll 4") for (int j = 0; j < ROWS; j++) {
+            zf d = z_set1(scale[2 * j]);
+            zf table = kind == SYM8 ? d : table16(kind, d, z_set1(scale[2 * j + 1]));
+            z_store(keep + j * (int64_t)k + e, weights16(kind, q + j * w_t, 0, d, table));
+            z_store(keep + j * (int64_t)k + e + 16, weights16(kind, q + j * w_t, 1, d, table));
+        }
+        if (++s < runs) {
+            q += rb;
+        } else {
+            s = 0, block += bytes, q = block, scale += 8;
+        }
+    }
+}
 
 /* linear.c's AVX-512 block over the de-quantized rows in cache. */
 #define DEFINE_FLOAT512(QB)                                                                           \
@@ -482,26 +505,30 @@ DEFINE_FLOAT512(5)
 DEFINE_FLOAT512(6)
 /* Passes of up to 6 rows de-quantize each weight once in registers for all of them (6 rows: 24
  * accumulators of the 32 registers), 7-8 rows too, 2 weight rows at a time (pairs512); larger ones
- * run the first 6 so, keeping the de-quantized block in `buf`, and the rest in passes of up to 6
- * rows over `buf`, from cache. Against de-quantizing
- * in registers for up to 3 rows only, the rest from `buf` de-quantized first (the step's 211
- * matrices, Xeon with AVX-512, 2 threads, `bench/quant_kernels.py --step-rows`): 5 rows 14.5 ->
- * 9.4 ms, 8 rows 19.3 -> 16.4, 16 rows 30.4 -> 23.3, 1 row 6.9 either way. */
+ * de-quantize the block into `buf` first (dequant512) and run every row in passes of up to 6 over
+ * it, from cache. Against de-quantizing in registers for up to 3 rows only, the rest from `buf`
+ * (the step's 211 matrices, Xeon with AVX-512, 2 threads, `bench/quant_kernels.py --step-rows`): 5
+ * rows 14.5 -> 9.4 ms, 8 rows 19.3 -> 16.4, 16 rows 30.4 -> 23.3, 1 row 6.9 either way. From 9 rows
+ * on, de-quantizing into `buf` alone and running all rows from it beat running the first 6 in
+ * registers while storing the weights (that loop spilled pointers and stored as it computed; EPYC,
+ * `bench/quant_step.c`, 2 threads, alternated twice): 9 rows 10.4 -> 8.9-9.8 ms, 10 rows
+ * 10.1-10.4 -> 8.3, 16 rows 13.7 -> 11.2-12.0, 48 rows 33.6-34.3 -> 31.8-32.4 (a 200-row prefill's
+ * layers 102 -> 97 ms); 7-8 rows gained less there (5 %, 12 %) and stay as measured on the Xeon. */
 static FLATTEN void rows_block512(int kind, int group, int m, const float *x, int64_t x_t, const uint8_t *w, int64_t w_t,
                           int k, float *y, int64_t y_t, float *buf) {
     float *sc = buf + ROWS * (int64_t)k;
     switch (m) {
-    case 1: direct512_1(kind, group, x, x_t, w, w_t, k, y, y_t, sc, 0); return;
-    case 2: direct512_2(kind, group, x, x_t, w, w_t, k, y, y_t, sc, 0); return;
-    case 3: direct512_3(kind, group, x, x_t, w, w_t, k, y, y_t, sc, 0); return;
-    case 4: direct512_4(kind, group, x, x_t, w, w_t, k, y, y_t, sc, 0); return;
-    case 5: direct512_5(kind, group, x, x_t, w, w_t, k, y, y_t, sc, 0); return;
-    case 6: direct512_6(kind, group, x, x_t, w, w_t, k, y, y_t, sc, 0); return;
+    case 1: direct512_1(kind, group, x, x_t, w, w_t, k, y, y_t, sc); return;
+    case 2: direct512_2(kind, group, x, x_t, w, w_t, k, y, y_t, sc); return;
+    case 3: direct512_3(kind, group, x, x_t, w, w_t, k, y, y_t, sc); return;
+    case 4: direct512_4(kind, group, x, x_t, w, w_t, k, y, y_t, sc); return;
+    case 5: direct512_5(kind, group, x, x_t, w, w_t, k, y, y_t, sc); return;
+    case 6: direct512_6(kind, group, x, x_t, w, w_t, k, y, y_t, sc); return;
     case 7: pairs512_7(kind, group, x, x_t, w, w_t, k, y, y_t, sc); return;
     case 8: pairs512_8(kind, group, x, x_t, w, w_t, k, y, y_t, sc); return;
     }
-    direct512_6_keep(kind, group, x, x_t, w, w_t, k, y, y_t, sc, buf);
-    for (int i = 6, most = 6; i < m; i += most) {
+    dequant512(kind, group, w, w_t, k, sc, buf);
+    for (int i = 0, most = 6; i < m; i += most) {
         const float *xi = x + i * x_t;
         float *yi = y + i * y_t;
         switch (m - i < most ? m - i : most) {
