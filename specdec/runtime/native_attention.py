@@ -77,7 +77,10 @@ class AttentionPlan:
     its past; `groups`: query heads per key/value head. A row of more than `MAX_QUERIES // groups`
     positions (a prefill chunk) is described as consecutive pieces of at most that many, each
     piece's past holding the pieces before it: a call stores every row's new keys and values
-    before it attends, so each piece sees them. Every segment must be a view with a contiguous
+    before it attends, so each piece sees them. (Each piece reads its keys once for its queries, as
+    a flash kernel's block of 64 queries does; the kernel's partial-softmax scratch grows with the
+    pieces times their key chunks: ~10 MB for a 512-position chunk at 8,192 keys of the packaged
+    model, whose keys and values there are 38 MB.) Every segment must be a view with a contiguous
     head_dim (`SessionKV`'s buffers are), of the session's own buffer's dtype, device and geometry:
     checked here (a shared prefix a session took from elsewhere is checked when it joins the
     session, `SessionKV`), and by the kernel once more against each view's sizes and storage, so a
