@@ -341,16 +341,30 @@ static inline __m256 z_fold(zf a) {
  * so against 7.5-8.3 (1 row, alternated 3 times, medians of 25); 2-6 rows alike. */
 #define AHEAD_512 4
 
-/* Weights 16t .. 16t + 15 (t < 2) of the run at q; `table`: the 16 values of a nibble in this block. */
-static inline zf weights16(int kind, const uint8_t *q, int t, zf d, zf table) {
-    if (kind == SYM8) return z_mul(z_cvt(z_i8(q + 16 * t)), d);
+/* The loops' pieces below are always inlined like the loops (as calls, returning vectors, the step's
+ * matrices took twice as long). Weights 16t .. 16t + 15 (t < 2) of the run at q; `table`: its block's
+ * `block_table`. */
+static FLATTEN zf weights16(int kind, const uint8_t *q, int t, zf table) {
+    if (kind == SYM8) return z_mul(z_cvt(z_i8(q + 16 * t)), table);
     zi v = z_u8(q);
     return z_perm(t ? z_srl4(v) : v, table);
 }
 
-/* w for q = 0 .. 15: d * (q - 8) (sym4) or fma(q, d, m) (asym4), as the de-quantizer computes them. */
-static inline zf table16(int kind, zf d, zf mn) {
-    return kind == ASYM4 ? z_fma(z_iota(0), d, mn) : z_mul(d, z_iota(-8));
+/* What `weights16` needs of a block whose converted scales are at `scale` (d, m): for the 4-bit kinds
+ * the 16 values a nibble can take, d * (q - 8) (sym4) or fma(q, d, m) (asym4) for q = 0 .. 15, as the
+ * de-quantizer computes them; for sym8, d. */
+static FLATTEN zf block_table(int kind, const float *scale) {
+    zf d = z_set1(scale[0]);
+    if (kind == SYM8) return d;
+    return kind == ASYM4 ? z_fma(z_iota(0), d, z_set1(scale[1])) : z_mul(d, z_iota(-8));
+}
+
+/* Prefetch a run's share of the block ahead, from `ahead` (see prefetch_stride); where the next run's starts. */
+static FLATTEN const char *prefetch_run(int kind, const char *ahead, int stride) {
+    _mm_prefetch(ahead, _MM_HINT_T0);
+    _mm_prefetch(ahead + 64, _MM_HINT_T0);
+    if (kind == SYM8) _mm_prefetch(ahead + 128, _MM_HINT_T0);
+    return ahead + stride;
 }
 
 /* The bytes of `bytes` (the block ahead's share) to prefetch each run of 32 weights along k. Each run
@@ -383,15 +397,11 @@ static inline int prefetch_stride(int64_t bytes, int k) { return (int)((bytes + 
         const uint8_t *block = w + header(kind) + r0 * w_t, *q = block; /* row r0's run */           \
         const float *xe = x, *scale = sc + 2 * r0;          /* this run's inputs; its group's scales */ \
         for (int e = 0, s = 0; e < k; e += RUN, xe += RUN) {                                          \
-            _mm_prefetch(ahead, _MM_HINT_T0);                                                         \
-            _mm_prefetch(ahead + 64, _MM_HINT_T0);                                                    \
-            if (kind == SYM8) _mm_prefetch(ahead + 128, _MM_HINT_T0);                                 \
-            ahead += stride;                                                                          \
+            ahead = prefetch_run(kind, ahead, stride);                                                \
             _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++) {                                    \
-                zf d = z_set1(scale[2 * j]);                                                          \
-                zf table = kind == SYM8 ? d : table16(kind, d, z_set1(scale[2 * j + 1]));             \
+                zf table = block_table(kind, scale + 2 * j);                                          \
                 _Pragma("GCC unroll 2") for (int t = 0; t < 2; t++) {                                 \
-                    zf v = weights16(kind, q + j * w_t, t, d, table);                                 \
+                    zf v = weights16(kind, q + j * w_t, t, table);                                    \
                     _Pragma("GCC unroll 8") for (int i = 0; i < QB; i++)                              \
                         a[i][j] = z_fma(v, z_loadu(xe + i * x_t + 16 * t), a[i][j]);                  \
                 }                                                                                     \
@@ -462,15 +472,11 @@ static FLATTEN void dequant512(int kind, int group, const uint8_t *w, int64_t w_
     const uint8_t *block = w + header(kind), *q = block;
     const float *scale = sc;
     for (int e = 0, s = 0; e < k; e += RUN) {
-        _mm_prefetch(ahead, _MM_HINT_T0);
-        _mm_prefetch(ahead + 64, _MM_HINT_T0);
-        if (kind == SYM8) _mm_prefetch(ahead + 128, _MM_HINT_T0);
-        ahead += stride;
+        ahead = prefetch_run(kind, ahead, stride);
         _Pragma("GCC unroll 4") for (int j = 0; j < ROWS; j++) {
-            zf d = z_set1(scale[2 * j]);
-            zf table = kind == SYM8 ? d : table16(kind, d, z_set1(scale[2 * j + 1]));
-            z_store(keep + j * (int64_t)k + e, weights16(kind, q + j * w_t, 0, d, table));
-            z_store(keep + j * (int64_t)k + e + 16, weights16(kind, q + j * w_t, 1, d, table));
+            zf table = block_table(kind, scale + 2 * j);
+            z_store(keep + j * (int64_t)k + e, weights16(kind, q + j * w_t, 0, table));
+            z_store(keep + j * (int64_t)k + e + 16, weights16(kind, q + j * w_t, 1, table));
         }
         if (++s < runs) {
             q += rb;
