@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -327,9 +328,7 @@ class PackedForward:
             return self._pass_plan[1]
         plan = None
         if self.native and rows and self.groups <= native_attention.MAX_QUERIES:
-            starts = [0]
-            for row in rows[:-1]:
-                starts.append(starts[-1] + len(row.tokens))
+            starts = accumulate((len(row.tokens) for row in rows[:-1]), initial=0)
             plan = AttentionPlan([(row.kv, start, len(row.tokens), row.kv.length)
                                   for row, start in zip(rows, starts)], self.groups)
         self._pass_plan = (rows, plan)
