@@ -190,7 +190,8 @@ def start_specdec(name: str, args, logs: Path) -> Server:
     spec = PipelineSpec(http_port=free_port(), orchestrator_port=base, draft_port=free_port(),
                         target_port=free_port(), redis_port=free_port(), log_dir=str(logs / name),
                         extra_target_args=list(args.specdec_target_args),
-                        extra_orchestrator_args=["--no-verify-ahead"] if name.endswith(SERIAL) else [])
+                        extra_orchestrator_args=list(args.specdec_orchestrator_args)
+                        + (["--no-verify-ahead"] if name.endswith(SERIAL) else []))
     pipeline = Pipeline(spec)
     pipeline.start(echo=lambda *_: None)
     k = 0 if name.removesuffix(SERIAL) == "specdec-k0" else "auto"
@@ -365,6 +366,8 @@ def main() -> None:
     parser.add_argument("--reference", default="vllm", help="the server whose outputs the others are compared with")
     parser.add_argument("--specdec-target-args", nargs="*", default=[],
                         help="extra target-service flags for the specdec servers (e.g. --weights float32)")
+    parser.add_argument("--specdec-orchestrator-args", nargs="*", default=[],
+                        help="extra orchestrator flags for the specdec servers (e.g. --decode-steps=1)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "peers.json")
     parser.add_argument("--recount", type=Path, default=None, metavar="JSON",
                         help="count the tokens of a written run's servers whose streams reported none, from "

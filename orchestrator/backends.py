@@ -64,10 +64,12 @@ class VerifyReply:
     prefill_tokens: int = 0  # history tokens the target (re-)prefilled before verifying
     logprobs: list = field(default_factory=list)  # common_pb2.TokenLogprobs per emitted token, when asked
     decoded_ahead: bool = False  # answered from a pass the target ran before the request came
+    decoded: list[int] = field(default_factory=list)  # tokens of the further passes a request at k = 0 asked
 
     def emitted(self, draft_tokens: list[int]) -> list[int]:
-        """The round's tokens: the accepted draft prefix, then the target's own token."""
-        return draft_tokens[:self.num_accepted] + [self.token_id]
+        """The round's tokens: the accepted draft prefix, then the target's own token (and at k = 0
+        those of its further passes, `decode_steps`)."""
+        return draft_tokens[:self.num_accepted] + [self.token_id] + self.decoded
 
 
 @dataclass
@@ -384,24 +386,26 @@ class TargetBackend(_ModelBackend):
     async def verify(self, session_id: str, history: list[int], proposal: DraftReply, params: SamplingParams,
                      seed: int, timeout: float | None = None, top_logprobs: int | None = None,
                      limit_s: float | None = None, continues: bool = False,
-                     followers: frozenset[int] | None = None) -> VerifyReply:
+                     followers: frozenset[int] | None = None, decode_steps: int = 1) -> VerifyReply:
         """`top_logprobs`: None for no log-probabilities, else how many alternatives with each;
         `limit_s`: this call's own time limit (default --target-timeout-s); `continues`: the next
         round follows this one's answer at k = 0 (the target may verify it ahead); `followers`: the
-        draft's followers of the block (the next round drafts nothing after any other token)."""
+        draft's followers of the block (the next round drafts nothing after any other token);
+        `decode_steps`: with no draft tokens, up to this many k = 0 rounds' tokens in this call."""
         start = time.perf_counter_ns()
         request = target_pb2.VerifyRequest(
             session_id=session_id, history=history, draft_tokens=proposal.tokens,
             draft_probs=b"".join(proposal.probs), sampling=self._sampling(session_id, params), seed=seed,
             sent_unix_ns=time.time_ns(), logprobs=top_logprobs is not None, top_logprobs=top_logprobs or 0,
-            continues=continues,
+            continues=continues, decode_steps=decode_steps if decode_steps > 1 else 0,
         )
         if followers is not None:
             followers_to_pb(request, followers)
         reply = await self._unary(self._verify_call, request, params, timeout, limit_s, "the target verified")
         return VerifyReply(reply.num_accepted, reply.token_id, reply.bonus,
                        time.perf_counter_ns() - start, reply.compute_ns, reply.queue_ns, max(1, reply.batch_size),
-                       reply.batch_positions, reply.prefill_tokens, list(reply.logprobs), reply.decoded_ahead)
+                       reply.batch_positions, reply.prefill_tokens, list(reply.logprobs), reply.decoded_ahead,
+                       list(reply.decoded))
 
     async def score(self, session_id: str, tokens: list[int], start: int, top: int, params: SamplingParams | None,
                     timeout: float | None = None, limit_s: float | None = None) -> ScoreReply:

@@ -82,6 +82,13 @@ class OrchestratorConfig(RedisClientOptions, ServiceConfig):
         "of the block say so), so that a target with nothing else to run verifies it while the answer travels "
         "(VerifyRequest.continues, VerifyRequest.followers).",
     )
+    decode_steps: int = Field(
+        4, ge=1, le=64,
+        description="Rounds at k = 0 (plain decoding, but for a generation's first round) ask the target for up to "
+        "this many tokens in one call (VerifyRequest.decode_steps): the same tokens as one round each, their passes "
+        "run back to back, the round's work around them (the calls, the session save, the chunk) done once. The "
+        "client then gets them as one chunk; 1: a round a token.",
+    )
     verify_stream: Literal["auto", "on", "off"] = Field(
         "auto",
         description="Send each round's verify over a long-lived VerifyStream call to the target (saves a call's "

@@ -55,12 +55,16 @@ class DraftLengthController(Protocol):
 
 def observation(stats: pb.RoundStats, loop_s: float = 0.0) -> Observation:
     """What the controller learns from one round (`loop_s`: the orchestrator's own time since
-    the previous round)."""
+    the previous round). A verify of several passes (`decode_steps`) is seen as one of them with the
+    call's round trip: its compute and queue per pass, its wall time less the other passes'."""
+    passes = max(1, stats.verify_passes)
+    compute, queue = stats.verify_compute_ns / passes, min(stats.verify_queue_ns, stats.verify_ns) / passes
+    wall = stats.verify_ns - (passes - 1) * (compute + queue)
     return Observation(
         k=stats.draft_length if not stats.draft_fallback else 0, proposed=stats.proposed, accepted=stats.accepted,
         draft_wall_s=stats.draft_ns / 1e9, draft_compute_s=stats.draft_compute_ns / 1e9,
-        verify_wall_s=stats.verify_ns / 1e9, verify_compute_s=stats.verify_compute_ns / 1e9,
-        draft_failed=stats.draft_fallback, verify_queue_s=min(stats.verify_queue_ns, stats.verify_ns) / 1e9,
+        verify_wall_s=wall / 1e9, verify_compute_s=compute / 1e9,
+        draft_failed=stats.draft_fallback, verify_queue_s=queue / 1e9,
         batch_size=max(1, stats.verify_batch_size), batch_positions=stats.verify_batch_positions,
         drafted=stats.drafted, draft_prefill_tokens=stats.draft_prefill_tokens,
         verify_prefill_tokens=stats.verify_prefill_tokens, loop_s=max(0.0, loop_s),
@@ -82,14 +86,15 @@ def within_budget(wanted: int, upcoming: int, remaining: int, first: bool, draft
     return k, max(0, min(upcoming, remaining - k - 2))
 
 
-def continues_at_k0(k: int, k_next: int, remaining: int, drafting: bool, guess: bool = False) -> bool:
+def continues_at_k0(k: int, k_next: int, remaining: int, drafting: bool, guess: bool = False, steps: int = 1) -> bool:
     """Whether the target may verify the round after a round at draft length `k` (`k_next`: its own
     from `within_budget`) at k = 0 before it is asked (VerifyRequest.continues): the tokens still
-    wanted (`remaining`) outlast the at most k + 1 it emits, and either no block is planned after it
+    wanted (`remaining`) outlast the at most k + `steps` it emits (`steps`: the passes a round at k = 0
+    asks, else 1), and either no block is planned after it
     or `guess` (a greedy session whose draft proposes nothing often enough that the pass pays when
     it does: `specdec.core.policy.guess_ahead_pays`; a block that comes is answered from that pass
     when the pass's token refutes the block's first)."""
-    return remaining > k + 1 and (not drafting or k_next == 0 or guess)
+    return remaining > k + steps and (not drafting or k_next == 0 or guess)
 
 
 class DraftLength:

@@ -60,7 +60,8 @@ class Orchestrator:
                                       learns_outputs=lambda: self.draft is not None and self.draft.learns_outputs)
         self.sessions = Sessions(store, config.session_lease_s, self.max_context, self.eos_ids, spawn=self._spawn)
         self.policy_config = PolicyConfig(k_max=config.max_draft_length, ewma=config.policy_ewma,
-                                          explore_every=config.policy_explore_every, overlap=config.overlap)
+                                          explore_every=config.policy_explore_every, overlap=config.overlap,
+                                          decode_steps=config.decode_steps)
         self.corpus_groups = CorpusGroups.parse(config.corpus_groups)  # whose outputs may draft whose requests
         self.probes = BackendProbes(self.backends, config.status_cache_s)  # GetStatus's look at the replicas
 
@@ -201,8 +202,11 @@ class Orchestrator:
             # ahead: a block sent now (the controller changed its mind on the new measures) would wait for
             # that pass, then run its own.
             k = 0
+        # At k = 0 a round may emit several tokens, one pass each, within the tokens still wanted; the first
+        # round's one (its prefill) is the time to first token.
+        steps = min(self.config.decode_steps, remaining) if k == 0 and not first else 1
         ahead = self.config.verify_ahead
-        continues = ahead and continues_at_k0(k, k_next, remaining, drafting)
+        continues = ahead and continues_at_k0(k, k_next, remaining, drafting, steps=steps)
         # Kept whatever the request emits: the controller's own k = 0. The budget's k = 0 holds only if every
         # draft token is accepted; emitting fewer leaves room for a block after all.
         speculator.promised = continues and lengths.upcoming == 0
@@ -211,7 +215,7 @@ class Orchestrator:
         # makes none: the first asked round after it comes when the controller expects a block.
         guess = (follow and k > 0 and speculator.params.greedy and lengths.policy is not None
                  and guess_ahead_pays(lengths.policy))
-        return speculator.round(state.tokens, k, k_next, continues, lengths.sources, guess, follow)
+        return speculator.round(state.tokens, k, k_next, continues, lengths.sources, guess, follow, steps)
 
     async def _prompt_chunk(self, state: SessionState, top: int, deadline: float | None) -> pb.GenerateChunk:
         """The input's log-probabilities (raw), scored in one target pass that also prefills its cache."""

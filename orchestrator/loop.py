@@ -77,10 +77,11 @@ class Speculator:
         return left
 
     @traced("orchestrator.round", lambda self, history, k, k_next, continues=False, sources=(), guess=False,
-            follow=False: {"specdec.k": k, "specdec.history": len(history)})
+            follow=False, steps=1: {"specdec.k": k, "specdec.history": len(history)})
     async def round(self, history: list[int], k: int, k_next: int, continues: bool = False,
-                    sources: tuple[str, ...] = (), guess: bool = False, follow: bool = False) -> Round:
+                    sources: tuple[str, ...] = (), guess: bool = False, follow: bool = False, steps: int = 1) -> Round:
         """One round at draft length k; with overlap, start drafting the next block (of k_next).
+        `steps`: at k = 0, the tokens (passes) the target may emit in this round's one call;
         `continues`: the next round is at k = 0 (the target may verify it ahead); `guess`: it asks
         the draft, which proposes nothing often enough that verifying it ahead anyway pays; `follow`:
         the next round may be verified ahead on the draft's followers of this block when it lists
@@ -106,7 +107,8 @@ class Speculator:
         followers = proposal.followers if follow and not continues else None
         verifying = self.target.verify(self.session_id, history, proposal, self.params, self.seed,
                                        timeout=self._remaining(), top_logprobs=self.top_logprobs,
-                                       continues=continues or (guess and followers is None), followers=followers)
+                                       continues=continues or (guess and followers is None), followers=followers,
+                                       decode_steps=steps if k == 0 else 1)
         try:
             if self.overlap and k_next > 0 and self.draft is not None and self.draft.available:
                 verify = asyncio.ensure_future(verifying)  # sent first: the next block is drafted meanwhile
@@ -124,7 +126,7 @@ class Speculator:
             overlapped=overlapped, verify_queue_ns=reply.queue_ns, verify_batch_size=reply.batch_size,
             verify_batch_positions=reply.batch_positions, draft_prefill_tokens=proposal.prefill_tokens,
             verify_prefill_tokens=reply.prefill_tokens, drafted=proposal.drafted,
-            verify_decoded_ahead=reply.decoded_ahead,
+            verify_decoded_ahead=reply.decoded_ahead, verify_passes=1 + len(reply.decoded),
         )
         asked = sources if k > 0 and not overlapped else ()  # a block drafted ahead was asked of any source
         return Round(reply.emitted(proposal.tokens), stats, reply.logprobs,

@@ -131,7 +131,8 @@ class Targets(Pool, Protocol):
 
     async def verify(self, session_id: str, history: list[int], proposal: DraftReply, params: SamplingParams,
                      seed: int, timeout: float | None = None, top_logprobs: int | None = None,
-                     continues: bool = False, followers: frozenset[int] | None = None) -> VerifyReply: ...
+                     continues: bool = False, followers: frozenset[int] | None = None,
+                     decode_steps: int = 1) -> VerifyReply: ...
 
     async def score(self, session_id: str, tokens: list[int], start: int, top: int, params: SamplingParams | None,
                     timeout: float | None = None) -> ScoreReply: ...
@@ -427,9 +428,11 @@ class TargetPool(ReplicaPool[TargetBackend]):
 
     async def verify(self, session_id: str, history: list[int], proposal: DraftReply, params: SamplingParams,
                      seed: int, timeout: float | None = None, top_logprobs: int | None = None,
-                     continues: bool = False, followers: frozenset[int] | None = None) -> VerifyReply:
+                     continues: bool = False, followers: frozenset[int] | None = None,
+                     decode_steps: int = 1) -> VerifyReply:
         return await self._call(session_id, "verify", lambda backend, limit: backend.verify(
-            session_id, history, proposal, params, seed, timeout, top_logprobs, limit, continues, followers))
+            session_id, history, proposal, params, seed, timeout, top_logprobs, limit, continues, followers,
+            decode_steps))
 
     async def score(self, session_id: str, tokens: list[int], start: int, top: int, params: SamplingParams | None,
                     timeout: float | None = None) -> ScoreReply:

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 from dataclasses import replace
 
 from specdec.core.logprobs import MAX_TOP_LOGPROBS
-from specdec.errors import InvalidArgument
+from specdec.errors import DeadlineExceeded, InvalidArgument
 from specdec.rpc_errors import grpc_errors
 from specdec.runtime.batching import Batcher
 from specdec.runtime.grammars import prepare
@@ -17,6 +17,8 @@ from specdec.server.model_service import ModelServicer
 from specdec.server.wire import followers_from_pb, logprobs_to_pb, probs_from_bytes
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
 from target_service.ahead import DecodeAhead
+
+MAX_DECODE_STEPS = 64  # k = 0 rounds one Verify may run (VerifyRequest.decode_steps)
 
 
 class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
@@ -73,12 +75,16 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
                                   f"got {request.top_logprobs}")
         logprobs = LogprobRequest(request.top_logprobs, self.logprobs_mode) if request.logprobs else None
         draft_tokens = list(request.draft_tokens)
+        steps = max(1, request.decode_steps)
+        if steps > MAX_DECODE_STEPS or (steps > 1 and draft_tokens):
+            raise InvalidArgument(f"decode_steps must be 0..{MAX_DECODE_STEPS} and at most 1 with draft tokens, got "
+                                  f"{request.decode_steps} with {len(draft_tokens)}: send the block alone")
         q = probs_from_bytes(request.draft_probs, len(draft_tokens), self.info.vocab_size)
         deadline = deadline_of(context, request.timeout_ms, arrived)
         history = list(request.history)
         listed = followers_from_pb(request)  # (checked even when `continues` makes it moot)
-        followers = None if request.continues else listed  # `continues` follows whatever is emitted
-        follow = request.continues or followers is not None
+        followers = None if request.continues or steps > 1 else listed  # `continues` follows whatever is emitted
+        follow = request.continues or followers is not None or steps > 1  # further passes follow this one
         async with self.admission.slot(deadline, context):
             await prepare(self.verifier.grammars, params)  # compiled off the model thread
             job = self.verifier.job(request.session_id, history, draft_tokens, q, params, request.seed, deadline,
@@ -94,10 +100,47 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
             else:
                 verified, step = guessed
                 step = replace(step, queue_ns=0)  # it ran before the request came
-        verdict = verified.verdict
-        return target_pb2.VerifyResponse(
-            num_accepted=verdict.num_accepted, token_id=verdict.token, bonus=verdict.bonus,
-            compute_ns=step.compute_ns, prefill_tokens=verified.prefilled, batch_size=step.batch_size,
-            queue_ns=step.queue_ns, batch_positions=step.positions,
-            logprobs=[logprobs_to_pb(entry) for entry in verified.logprobs], decoded_ahead=guessed is not None,
-        )
+            verdict = verified.verdict
+            reply = target_pb2.VerifyResponse(
+                num_accepted=verdict.num_accepted, token_id=verdict.token, bonus=verdict.bonus,
+                compute_ns=step.compute_ns, prefill_tokens=verified.prefilled, batch_size=step.batch_size,
+                queue_ns=step.queue_ns, batch_positions=step.positions,
+                logprobs=[logprobs_to_pb(entry) for entry in verified.logprobs], decoded_ahead=guessed is not None,
+            )
+            if steps > 1:
+                await self._decode_more(request, reply, history + [verdict.token], steps - 1, params, logprobs,
+                                        deadline)
+        return reply
+
+    async def _decode_more(self, request: target_pb2.VerifyRequest, reply: target_pb2.VerifyResponse,
+                           history: list[int], steps: int, params, logprobs: LogprobRequest | None,
+                           deadline: float | None) -> None:
+        """The further passes of a request with decode_steps, into `reply`: up to `steps` k = 0 rounds
+        after `history` (which ends with the reply's token), each the job its own request would make,
+        submitted by the batcher the moment the pass before it ends (`DecodeAhead`; when the batcher
+        has other sessions' work, in turn with it)."""
+        ends = self.ahead.end_tokens | frozenset(params.end_token_ids)
+        for left in range(steps, 0, -1):
+            if history[-1] in ends or len(history) > self.info.max_context:
+                return
+            follows = left > 1 or request.continues
+            guessed = await self.ahead.take(request.session_id, history, [], params, request.seed, logprobs,
+                                            follows, request.sent_unix_ns)
+            if guessed is None:
+                job = self.verifier.job(request.session_id, history, [], None, params, request.seed, deadline,
+                                        logprobs)
+                job.sent_unix_ns = request.sent_unix_ns  # a Release sent after the request drops it
+                if follows:
+                    self.ahead.plan(job, request.sent_unix_ns)
+                try:
+                    verified, step = await self.batcher.run(job)
+                except DeadlineExceeded:
+                    return  # the request's time is up: it has the tokens so far
+            else:
+                verified, step = guessed
+            token = verified.verdict.token
+            reply.decoded.append(token)
+            reply.logprobs.extend(logprobs_to_pb(entry) for entry in verified.logprobs)
+            reply.compute_ns += step.compute_ns
+            reply.queue_ns += 0 if guessed is not None else step.queue_ns
+            history = history + [token]

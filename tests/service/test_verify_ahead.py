@@ -268,3 +268,58 @@ def test_too_many_followers_are_refused_naming_the_field(target, reference):
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "followers lists 257 tokens; at most 256" in refused.value.details()
     assert cached_sessions(address) == 0
+
+
+def flat(replies: list[target_pb2.VerifyResponse]) -> tuple[list[int], list[tuple]]:
+    """The tokens of `replies` in order (each token_id, then its decoded ones) and their log-probabilities."""
+    tokens = [t for r in replies for t in [r.token_id, *r.decoded]]
+    return tokens, [(e.token_id, round(e.logprob, 9), list(e.top_token_ids)) for r in replies for e in r.logprobs]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_request_of_several_decode_steps_emits_the_tokens_of_rounds_verified_one_by_one(
+        target, reference, temperature):
+    """decode_steps 4, then 5 from where it ended: 9 tokens in two answers, with the tokens and
+    log-probabilities of 9 rounds verified one by one (greedy and sampled: each pass draws as its own
+    request would); the second answer came from passes run back to back, its first ahead of it
+    (the first said `continues`)."""
+    address, metrics_port = target
+    prompt = reference.encode(PROMPT)
+    sampling = common_pb2.SamplingParams(temperature=temperature)
+    plain = asyncio.run(rounds(address, f"one-by-one-{temperature}", prompt, False, sampling, count=9))
+    tokens, entries = flat(plain)
+
+    def ask(history: list[int], steps: int, continues: bool) -> target_pb2.VerifyRequest:
+        return target_pb2.VerifyRequest(session_id=f"steps-{temperature}", history=history, sampling=sampling, seed=7,
+                                        logprobs=True, top_logprobs=3, decode_steps=steps, continues=continues)
+
+    used, _ = used_and_dropped(metrics_port)
+    replies = on_one_call(address, [ask(prompt, 4, True), ask(prompt + tokens[:4], 5, False)])
+    assert flat(replies) == (tokens, entries)
+    assert [len(r.decoded) for r in replies] == [3, 4] and all(r.compute_ns > 0 for r in replies)
+    assert replies[1].decoded_ahead and used_and_dropped(metrics_port)[0] > used
+    for session in (f"one-by-one-{temperature}", f"steps-{temperature}"):
+        release(address, session)
+    assert cached_sessions(address) == 0
+
+
+def test_decode_steps_end_at_an_end_token_and_are_refused_with_draft_tokens_or_beyond_64(target, reference):
+    address, _ = target
+    prompt, g = reference.encode(PROMPT), reference.greedy(PROMPT, 6)
+    ended = on_one_call(address, [target_pb2.VerifyRequest(
+        session_id="steps-end", history=prompt, decode_steps=6,
+        sampling=common_pb2.SamplingParams(end_token_ids=[g[2]]))])[0]
+    assert [ended.token_id, *ended.decoded] == g[:3]
+
+    async def send(**fields):
+        async with grpc.aio.insecure_channel(address) as channel:
+            await target_pb2_grpc.TargetServiceStub(channel).Verify(target_pb2.VerifyRequest(
+                session_id="steps-refused", history=prompt, sampling=common_pb2.SamplingParams(), **fields))
+
+    for fields in ({"decode_steps": 2, "draft_tokens": g[:2]}, {"decode_steps": 65}):
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            asyncio.run(send(**fields))
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "decode_steps must be 0..64 and at most 1 with draft tokens" in refused.value.details()
+    release(address, "steps-end")
+    assert cached_sessions(address) == 0

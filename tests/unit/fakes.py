@@ -125,15 +125,18 @@ class FakeTarget(_FakePool):
     def __init__(self, reference: list[int], gate: asyncio.Event | None = None) -> None:
         super().__init__(reference)
         self.calls: list[tuple[int, list[int]]] = []  # (len(history), draft tokens)
+        self.steps: list[int] = []  # each call's `decode_steps`
         self.continues: list[bool] = []  # each call's `continues`
         self.followers: list[frozenset[int] | None] = []  # each call's `followers`
         self.gate = gate
         self.error: Exception | None = None  # raised by every verify when set
 
     async def verify(self, session_id, history, proposal, params, seed, timeout=None,
-                     top_logprobs=None, continues=False, followers=None) -> VerifyReply:
+                     top_logprobs=None, continues=False, followers=None, decode_steps=1) -> VerifyReply:
         assert history == self.reference[:len(history)], "the loop sent a history the target did not write"
+        assert decode_steps == 1 or not proposal.tokens, "decode_steps with draft tokens"
         self.calls.append((len(history), list(proposal.tokens)))
+        self.steps.append(decode_steps)
         self.continues.append(continues)
         self.followers.append(followers)
         if self.gate is not None:
@@ -146,7 +149,11 @@ class FakeTarget(_FakePool):
                 break
             accepted += 1
         token = self.expected(len(history) + accepted)
-        return VerifyReply(accepted, token, accepted == len(proposal.tokens), wall_ns=1000, compute_ns=500)
+        decoded = []  # the further passes' tokens, up to an end of sequence
+        while len(decoded) + 1 < decode_steps and (decoded or [token])[-1] != EOS:
+            decoded.append(self.expected(len(history) + 1 + len(decoded)))
+        return VerifyReply(accepted, token, accepted == len(proposal.tokens), wall_ns=1000, compute_ns=500,
+                           decoded=decoded)
 
 
 class FakeDraft(_FakePool):

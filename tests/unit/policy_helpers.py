@@ -60,7 +60,7 @@ def goodput(state: PolicyState, k: int, config: PolicyConfig) -> float | None:
     if t is None or t <= 0.0:
         return None
     if k == 0:
-        return 1.0 / t
+        return config.decode_steps / t
     if state.alpha is None:
         return None
     return (1.0 + proposal_rate(state) * (expected_tokens(state.alpha, k) - 1.0)) / t

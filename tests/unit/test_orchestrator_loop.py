@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from orchestrator.draft_length import continues_at_k0
+from orchestrator.draft_length import continues_at_k0, observation
 from orchestrator.loop import Speculator
 from specdec.core.policy import PolicyState
 from specdec.core.sampling import SamplingParams
@@ -116,9 +116,44 @@ async def test_a_failing_draft_falls_back_to_plain_decoding(failure):
 
 async def test_without_a_draft_every_round_is_plain_decoding():
     target = FakeTarget(REFERENCE)
-    chunks = await run(orchestrator(InMemorySessionStore(), target, None, draft_length=4), max_new_tokens=5)
+    chunks = await run(orchestrator(InMemorySessionStore(), target, None, draft_length=4, decode_steps=1),
+                       max_new_tokens=5)
     assert generated(chunks) == REFERENCE[START:START + 5]
     assert all(draft_tokens == [] for _, draft_tokens in target.calls) and len(target.calls) == 5
+
+
+@pytest.mark.parametrize("draft", [True, False])
+async def test_rounds_at_k0_ask_the_target_for_several_tokens_within_those_still_wanted(draft):
+    """--decode-steps 4: after the first round (its prefill alone: the time to first token), each round
+    at k = 0 asks for up to 4 tokens in its one call, never more than the generation still wants; the
+    client gets each round's tokens as one chunk, the round's stats count its passes."""
+    target = FakeTarget(REFERENCE)
+    orch = orchestrator(InMemorySessionStore(), target, FakeDraft(REFERENCE) if draft else None, draft_length=0,
+                        decode_steps=4)
+    chunks = [c for c in await run(orch, max_new_tokens=11) if c.token_ids]
+    assert generated(chunks) == REFERENCE[START:START + 11]
+    assert target.steps == [1, 4, 4, 2] and all(drafts == [] for _, drafts in target.calls)
+    assert [len(c.token_ids) for c in chunks] == [1, 4, 4, 2]
+    assert [c.round.verify_passes for c in chunks] == [1, 4, 4, 2]
+    assert chunks[-1].stats.rounds == 4 and chunks[-1].stats.completion_tokens == 11
+    assert target.continues == [True, True, True, False]
+
+
+async def test_a_round_of_several_tokens_ends_at_the_end_of_sequence_and_at_a_stop():
+    """The target stops a round's passes at the end of sequence; a stop string inside a round's tokens
+    ends the generation there, as it would one round a token."""
+    short = tokens(PROMPT + " the end")
+    target = FakeTarget(short)
+    chunks = await run(orchestrator(InMemorySessionStore(), target, None, draft_length=0, decode_steps=16),
+                       max_new_tokens=50)
+    assert generated(chunks) == tokens(" the end") + [EOS] and target.steps == [1, 16]
+    assert "".join(c.text for c in chunks) == " the end" and chunks[-1].finish_reason == pb.FINISH_REASON_EOS
+    runs = [await run(orchestrator(InMemorySessionStore(), FakeTarget(REFERENCE), None, draft_length=0,
+                                   decode_steps=steps), max_new_tokens=40, stop=["small"]) for steps in (1, 8)]
+    for chunks in runs:  # "small" ends in the third round of 1, 8, 8 tokens
+        assert "".join(c.text for c in chunks) == " there was a "
+        assert generated(chunks) == tokens(" there was a small")  # up to the token that completed it
+        assert chunks[-1].finish_reason == pb.FINISH_REASON_STOP
 
 
 @pytest.mark.parametrize("wrong_at", [set(), {START + 8, START + 20}])
@@ -305,7 +340,7 @@ def test_corpus_groups_that_do_not_parse_are_refused_at_start(spec, message):
 
 
 async def test_a_rounds_time_outside_the_model_is_in_its_stats_and_in_the_metrics():
-    orch = orchestrator(InMemorySessionStore(), FakeTarget(REFERENCE), None, draft_length=0)
+    orch = orchestrator(InMemorySessionStore(), FakeTarget(REFERENCE), None, draft_length=0, decode_steps=1)
     rounds = [c.round for c in await run(orch, max_new_tokens=4) if c.token_ids]
     assert len(rounds) == 4 and all(r.save_ns > 0 and r.detokenize_ns > 0 for r in rounds)
     assert rounds[0].between_ns == 0 and all(r.between_ns > 0 for r in rounds[1:])
@@ -319,7 +354,8 @@ async def test_rounds_at_k0_tell_the_target_that_the_next_one_follows_except_the
     """`continues` (the target may verify the next round ahead): every round at k = 0 whose next round
     is still wanted, with or without a draft pool; not the last round, which nothing follows."""
     target = FakeTarget(REFERENCE)
-    orch = orchestrator(InMemorySessionStore(), target, FakeDraft(REFERENCE) if draft else None, draft_length=0)
+    orch = orchestrator(InMemorySessionStore(), target, FakeDraft(REFERENCE) if draft else None, draft_length=0,
+                        decode_steps=1)
     assert generated(await run(orch, max_new_tokens=6)) == REFERENCE[START:START + 6]
     assert target.continues == [True] * 5 + [False]
 
@@ -333,7 +369,7 @@ async def test_a_round_followed_by_a_block_does_not_continue_and_the_switch_turn
     assert [len(drafts) for _, drafts in target.calls] == [0, 4, 4, 0]
     assert target.continues == [False, False, True, False]
     target = FakeTarget(REFERENCE)
-    orch = orchestrator(InMemorySessionStore(), target, None, draft_length=0, verify_ahead=False)
+    orch = orchestrator(InMemorySessionStore(), target, None, draft_length=0, verify_ahead=False, decode_steps=1)
     assert generated(await run(orch, max_new_tokens=6)) == REFERENCE[START:START + 6]
     assert target.continues == [False] * 6
 
@@ -442,3 +478,17 @@ async def test_a_round_the_budget_alone_would_follow_at_k0_does_not_hold_back_th
     assert generated(await run(orch, max_new_tokens=7)) == REFERENCE[START:START + 7]
     assert [len(drafts) for _, drafts in target.calls] == [0, 4, 3]
     assert target.continues == [False, True, False]
+
+
+def test_a_round_of_several_passes_is_observed_as_one_pass_with_its_calls_round_trip():
+    """The controller files one pass's compute under t_v(0) and keeps the call's round trip (wall less
+    compute less queue) whole; a round asking for 4 passes continues only if more than 4 tokens are
+    still wanted."""
+    one = observation(pb.RoundStats(verify_ns=9_000_000, verify_compute_ns=6_000_000, verify_queue_ns=400_000))
+    four = observation(pb.RoundStats(verify_ns=27_000_000, verify_compute_ns=24_000_000, verify_queue_ns=1_600_000,
+                                     verify_passes=4))
+    for seen in (one, four):
+        assert seen.verify_compute_s == pytest.approx(0.006) and seen.verify_queue_s == pytest.approx(0.0004)
+    assert one.verify_wall_s == pytest.approx(0.009)
+    assert four.verify_wall_s - four.verify_compute_s - four.verify_queue_s == pytest.approx(0.0014)
+    assert continues_at_k0(0, 0, 5, False, steps=4) and not continues_at_k0(0, 0, 4, False, steps=4)

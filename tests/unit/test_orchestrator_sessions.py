@@ -356,7 +356,7 @@ async def test_the_next_round_is_sent_during_a_save_but_a_round_is_streamed_only
 
 async def test_a_round_whose_save_failed_is_never_streamed_and_the_round_sent_ahead_is_dropped():
     store, target = HeldStore(failing=3), FakeTarget(REFERENCE)
-    orch = orchestrator(store, target, None, draft_length=0)
+    orch = orchestrator(store, target, None, draft_length=0, decode_steps=1)
     stream = orch.generate(orch.parse(request(max_new_tokens=8)))
     session = (await anext(stream)).session_id
     held: list[int] = []

@@ -73,6 +73,21 @@ def test_round_time_and_goodput_on_a_hand_computed_state(
     assert goodput_curve(state, config)[k] == pytest.approx(expected_e / expected_t, rel=1e-12)
 
 
+def test_a_round_at_k0_of_several_passes_pays_its_round_trip_once_for_its_tokens() -> None:
+    """`decode_steps` n: T(0) = L + rtt_t + n t_v(0) for n tokens; k > 0 is priced as before, so k = 2
+    (1.75 tokens in 80 ms) beats one pass a round (1 in 50 ms) and loses to 8 (8 in 260 ms)."""
+    state = replace(HAND, loop_s=0.001)
+    for steps, k0 in ((1, 1 / 0.051), (4, 4 / 0.141), (8, 8 / 0.261)):
+        config = PolicyConfig(decode_steps=steps)
+        assert round_time(state, 0, config) == pytest.approx(0.001 + 0.02 + steps * 0.03, rel=1e-12)
+        curve = goodput_curve(state, config)
+        assert curve[0] == pytest.approx(k0, rel=1e-12) == goodput(state, 0, config)
+        assert curve[2] == pytest.approx(1.75 / 0.081, rel=1e-12)
+    assert goodput_curve(state, PolicyConfig(decode_steps=1))[2] > goodput_curve(state, PolicyConfig())[0]
+    assert goodput_curve(state, PolicyConfig(decode_steps=8))[2] < goodput_curve(
+        state, PolicyConfig(decode_steps=8))[0]
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_goodput_curve_matches_goodput(overlap: bool) -> None:
     config = PolicyConfig(overlap=overlap)

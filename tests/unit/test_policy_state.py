@@ -81,6 +81,7 @@ def test_merge_prior_is_an_ewma() -> None:
         {"min_gain": 0.99},
         {"min_gain": math.inf},
         {"draft_failure_backoff": -1},
+        {"decode_steps": 0},
     ],
 )
 def test_invalid_configs_raise(fields: dict) -> None:

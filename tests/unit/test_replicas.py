@@ -30,7 +30,7 @@ class FakeTarget:
         self.timeout_s = 1.0
 
     async def verify(self, session_id, history, proposal, params, seed, timeout=None, top_logprobs=None,
-                     limit_s=None, continues=False, followers=None):
+                     limit_s=None, continues=False, followers=None, decode_steps=1):
         self.calls.append(session_id)
         self.limits.append(limit_s)
         if self.fail:
@@ -223,7 +223,7 @@ class DyingTarget(FakeTarget):
     fails the call and answers nothing after it."""
 
     async def verify(self, session_id, history, proposal, params, seed, timeout=None, top_logprobs=None,
-                     limit_s=None, continues=False, followers=None):
+                     limit_s=None, continues=False, followers=None, decode_steps=1):
         self.calls.append(session_id)
         self.answers = False
         raise Unavailable(f"{self.address}: UNAVAILABLE: Socket closed")

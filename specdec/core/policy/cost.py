@@ -171,7 +171,7 @@ def round_seconds(
         return None
     loop = state.loop_s or 0.0  # the orchestrator's own time per round, whatever k
     if k == 0:
-        return loop + state.rtt_target_s + t_v
+        return loop + state.rtt_target_s + config.decode_steps * t_v
     if state.rtt_draft_s is None or state.draft_token_s is None:
         return None
     rho = proposal_rate(state) if rho is None else rho
@@ -207,7 +207,8 @@ def curve_at(
             power *= alpha
             tokens += power
         t = round_seconds(state, config, k, alpha, t_v, rho)
-        curve.append(None if t is None or t <= 0.0 else (1.0 + rho * (tokens - 1.0)) / t)
+        made = 1.0 + rho * (tokens - 1.0) if k > 0 else float(config.decode_steps)
+        curve.append(None if t is None or t <= 0.0 else made / t)
     return curve
 
 

@@ -47,6 +47,9 @@ class PolicyConfig:
     fit_ewma: float = 0.05
     """Weight of a new (positions, compute) pair in the moments of the pass-cost line, in (0, 1]
     (slower than `ewma`: a slope needs many points)."""
+    decode_steps: int = 1
+    """Tokens a round at `k = 0` emits, one pass each, in its one verify call (>= 1): its round trip
+    and the orchestrator's work are paid once for them."""
 
     def __post_init__(self) -> None:
         _check_int("k_max", self.k_max, 0)
@@ -59,6 +62,7 @@ class PolicyConfig:
         if not (isinstance(gain, (int, float)) and math.isfinite(gain) and gain >= 1.0):
             raise ValueError(f"min_gain={gain!r} is invalid: must be a finite number >= 1")
         _check_int("draft_failure_backoff", self.draft_failure_backoff, 0)
+        _check_int("decode_steps", self.decode_steps, 1)
 
 
 @dataclass(frozen=True)
