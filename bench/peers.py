@@ -36,6 +36,7 @@ import functools
 import json
 import os
 import platform
+import shlex
 import signal
 import socket
 import subprocess
@@ -366,8 +367,9 @@ def main() -> None:
     parser.add_argument("--reference", default="vllm", help="the server whose outputs the others are compared with")
     parser.add_argument("--specdec-target-args", nargs="*", default=[],
                         help="extra target-service flags for the specdec servers (e.g. --weights float32)")
-    parser.add_argument("--specdec-orchestrator-args", nargs="*", default=[],
-                        help="extra orchestrator flags for the specdec servers (e.g. --decode-steps=1)")
+    parser.add_argument("--specdec-orchestrator-args", type=shlex.split, default=[], metavar="FLAGS",
+                        help="extra orchestrator flags for the specdec servers, one string (e.g. "
+                        "--specdec-orchestrator-args='--decode-steps 1')")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "peers.json")
     parser.add_argument("--recount", type=Path, default=None, metavar="JSON",
                         help="count the tokens of a written run's servers whose streams reported none, from "

@@ -402,6 +402,9 @@ class TargetBackend(_ModelBackend):
         if followers is not None:
             followers_to_pb(request, followers)
         reply = await self._unary(self._verify_call, request, params, timeout, limit_s, "the target verified")
+        if len(reply.decoded) >= max(decode_steps, 1) or (reply.decoded and proposal.tokens):
+            raise Unavailable(f"target service at {self.address} answered {len(reply.decoded)} further tokens to a "
+                              f"request of {len(proposal.tokens)} draft tokens and decode_steps {decode_steps}")
         return VerifyReply(reply.num_accepted, reply.token_id, reply.bonus,
                        time.perf_counter_ns() - start, reply.compute_ns, reply.queue_ns, max(1, reply.batch_size),
                        reply.batch_positions, reply.prefill_tokens, list(reply.logprobs), reply.decoded_ahead,

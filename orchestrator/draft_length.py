@@ -19,9 +19,12 @@ from specdec.core.policy import (
     choose_k,
     initial_state,
     merge_prior,
+    passes_before_exploration,
     step,
 )
 from specdec.v1 import orchestrator_pb2 as pb
+
+UNBOUNDED = 1 << 30  # `room` where no exploration is due
 
 
 class DraftLengthController(Protocol):
@@ -38,6 +41,11 @@ class DraftLengthController(Protocol):
     @property
     def upcoming(self) -> int:
         """What the controller would choose now: the length of a block drafted ahead (overlap)."""
+
+    @property
+    def room(self) -> int:
+        """The most passes the next round may run at k = 0 (`--decode-steps`) before an exploration
+        round of the controller is due (`passes_before_exploration`); unbounded with a fixed k."""
 
     @property
     def sources(self) -> tuple[str, ...]:
@@ -68,7 +76,7 @@ def observation(stats: pb.RoundStats, loop_s: float = 0.0) -> Observation:
         batch_size=max(1, stats.verify_batch_size), batch_positions=stats.verify_batch_positions,
         drafted=stats.drafted, draft_prefill_tokens=stats.draft_prefill_tokens,
         verify_prefill_tokens=stats.verify_prefill_tokens, loop_s=max(0.0, loop_s),
-        verified_ahead=stats.verify_decoded_ahead,
+        verified_ahead=stats.verify_decoded_ahead, passes=passes,
     )
 
 
@@ -123,6 +131,10 @@ class DraftLength:
     @property
     def wanted(self) -> int:
         return self.policy.k if self.policy is not None else self.fixed
+
+    @property
+    def room(self) -> int:
+        return passes_before_exploration(self.policy, self.config) if self.policy is not None else UNBOUNDED
 
     @property
     def sources(self) -> tuple[str, ...]:

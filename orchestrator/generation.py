@@ -202,9 +202,9 @@ class Orchestrator:
             # ahead: a block sent now (the controller changed its mind on the new measures) would wait for
             # that pass, then run its own.
             k = 0
-        # At k = 0 a round may emit several tokens, one pass each, within the tokens still wanted; the first
-        # round's one (its prefill) is the time to first token.
-        steps = min(self.config.decode_steps, remaining) if k == 0 and not first else 1
+        # At k = 0 a round may emit several tokens, one pass each, within the tokens still wanted and before
+        # the controller's next exploration round; the first round's one (its prefill) is the time to first token.
+        steps = min(self.config.decode_steps, remaining, lengths.room) if k == 0 and not first else 1
         ahead = self.config.verify_ahead
         continues = ahead and continues_at_k0(k, k_next, remaining, drafting, steps=steps)
         # Kept whatever the request emits: the controller's own k = 0. The budget's k = 0 holds only if every

@@ -43,7 +43,7 @@ from dataclasses import replace
 
 from orchestrator.draft_length import DraftLength, DraftLengthController, observation
 from orchestrator.store import SessionState, SessionStore
-from specdec.core.policy import PolicyConfig, PolicyState, choose_k, step
+from specdec.core.policy import PolicyConfig, PolicyState, choose_k, passes_before_exploration, step
 from specdec.v1 import orchestrator_pb2 as pb
 
 BY_SOURCE = "by_source"  # key of the other sources' states inside SessionState.policy
@@ -129,6 +129,10 @@ class SourcedDraftLength:
     @property
     def upcoming(self) -> int:
         return self.others_upcoming.get(self.next_source, self.main.upcoming)
+
+    @property
+    def room(self) -> int:
+        return min([self.main.room, *(passes_before_exploration(p, self.config) for p in self.others.values())])
 
     def observe(self, state: SessionState, stats: pb.RoundStats, loop_s: float, source: str = "",
                 asked: tuple[str, ...] = ()) -> None:

@@ -18,6 +18,7 @@ from orchestrator.backends import (
 )
 from specdec.core.sampling import SamplingParams
 from specdec.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
+from specdec.v1 import target_pb2
 
 C = grpc.StatusCode
 
@@ -94,3 +95,35 @@ def test_a_verify_reply_emits_the_accepted_draft_prefix_then_the_targets_token()
     assert VerifyReply(2, 9, False, 0, 0).emitted([4, 5, 6]) == [4, 5, 9]  # recovered at the third
     assert VerifyReply(3, 9, True, 0, 0).emitted([4, 5, 6]) == [4, 5, 6, 9]  # bonus
     assert VerifyReply(0, 9, True, 0, 0).emitted([]) == [9]  # k = 0: plain decoding
+    assert VerifyReply(0, 9, True, 0, 0, decoded=[7, 8]).emitted([]) == [9, 7, 8]  # k = 0, decode_steps 3
+
+
+class AnsweringStub:
+    """Answers every Verify with `reply`."""
+
+    def __init__(self, reply: target_pb2.VerifyResponse) -> None:
+        self.reply = reply
+
+    async def Verify(self, request, timeout=None):
+        return self.reply
+
+
+@pytest.mark.parametrize("drafts, steps, decoded, refused", [
+    ([], 4, [7, 8, 9], False),
+    ([], 4, [7, 8, 9, 10], True),  # more than asked
+    ([], 1, [7], True),
+    ([3], 1, [7], True),  # further passes after a block
+])
+async def test_a_target_answering_more_passes_than_asked_is_unavailable(drafts, steps, decoded, refused):
+    backend = TargetBackend("127.0.0.1:1", timeout_s=10.0, stream=False)
+    backend.stub = AnsweringStub(target_pb2.VerifyResponse(token_id=5, decoded=decoded))
+    try:
+        if refused:
+            with pytest.raises(Unavailable, match="further tokens"):
+                await backend.verify("s", [1, 2], DraftReply(tokens=drafts), SamplingParams(), 0, decode_steps=steps)
+        else:
+            reply = await backend.verify("s", [1, 2], DraftReply(tokens=drafts), SamplingParams(), 0,
+                                         decode_steps=steps)
+            assert reply.emitted(drafts) == [5, *decoded]
+    finally:
+        await backend.close()

@@ -420,6 +420,7 @@ class ScriptedLengths:
 
     policy = PolicyState(empty_ewma=0.9, rtt_draft_s=0.002, rtt_target_s=0.001, verify_s=(0.002,))
     sources = ()
+    room = 1  # a round at k = 0 runs one pass
 
     def __init__(self, script: list[tuple[int, int]]) -> None:
         self.script = list(script)

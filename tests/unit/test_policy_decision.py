@@ -8,7 +8,15 @@ import random
 
 import pytest
 
-from specdec.core.policy import Observation, PolicyConfig, choose_k, initial_state, step
+from specdec.core.policy import (
+    Observation,
+    PolicyConfig,
+    PolicyState,
+    choose_k,
+    initial_state,
+    passes_before_exploration,
+    step,
+)
 from tests.unit.policy_helpers import (
     CONFIG,
     Regime,
@@ -180,6 +188,42 @@ def test_learns_a_draft_it_has_never_seen() -> None:
     assert ks[: CONFIG.explore_every - 1] == [0] * (CONFIG.explore_every - 1)
     assert ks[CONFIG.explore_every - 1] == 1  # the first exploration round probes k = 1
     assert ks[-1] > 1 and state.draft_token_s == pytest.approx(0.003)
+
+
+def probed_tokens(decode_steps: int, tokens: int) -> list[tuple[int, int]]:
+    """(token, k) of the rounds at k > 0 over `tokens` tokens of a draft whose blocks are all rejected,
+    rounds at k = 0 running up to `decode_steps` passes, each bounded by `passes_before_exploration`."""
+    config = PolicyConfig(decode_steps=decode_steps)
+    state, token, probes = initial_state(config, k0=0), 0, []
+    k, state = next_k(state, None, config)
+    while token < tokens:
+        passes = min(decode_steps, passes_before_exploration(state, config)) if k == 0 else 1
+        if k > 0:
+            probes.append((token, k))
+        token += passes
+        k, state = next_k(state, obs(k, 0, passes=passes), config)
+    assert state.rounds == token + 1  # every pass counted as a round
+    return probes
+
+
+@pytest.mark.parametrize("decode_steps", [1, 3, 4, 16, 64])
+def test_rounds_of_several_passes_at_k0_explore_on_the_tokens_rounds_of_one_would(decode_steps: int) -> None:
+    """At k = 0, rounds of up to `decode_steps` passes: the exploration probes come on the same tokens
+    as with one pass a round (every `explore_every`-th), none swallowed by a round of several passes;
+    between them, the draft's rejected blocks keep the controller at k = 0."""
+    every = CONFIG.explore_every
+    probes = probed_tokens(decode_steps, 8 * every)
+    assert [t for t, _ in probes if t % every == every - 1] == [every * i - 1 for i in range(1, 9)]
+    assert all(t % every == every - 1 for t, _ in probes[3:])
+
+
+def test_observations_of_several_passes_are_at_k0() -> None:
+    with pytest.raises(ValueError, match="passes"):
+        obs(2, 0, passes=3)
+    with pytest.raises(ValueError, match="passes"):
+        obs(0, 0, passes=0)
+    assert [passes_before_exploration(PolicyState(rounds=r), CONFIG)
+            for r in (0, 1, 14, 15, 16, 17)] == [16, 15, 2, 1, 16, 15]
 
 
 def test_draft_failure_backs_off_then_probes_k1() -> None:

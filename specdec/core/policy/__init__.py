@@ -10,7 +10,7 @@ Modules: `state` (config, observation, state), `estimators` (learning), `cost` (
 """
 
 from specdec.core.policy.cost import expected_tokens, goodput_curve, guess_ahead_pays, pass_line
-from specdec.core.policy.decision import best_k, choose_k, is_exploration_round, step
+from specdec.core.policy.decision import best_k, choose_k, is_exploration_round, passes_before_exploration, step
 from specdec.core.policy.estimators import ALPHA_MAX, alpha_upper, update
 from specdec.core.policy.prior import initial_state, merge_prior
 from specdec.core.policy.state import Observation, PolicyConfig, PolicyState
@@ -30,6 +30,7 @@ __all__ = [
     "is_exploration_round",
     "merge_prior",
     "pass_line",
+    "passes_before_exploration",
     "step",
     "update",
 ]

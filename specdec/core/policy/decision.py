@@ -24,6 +24,13 @@ def is_exploration_round(rounds: int, config: PolicyConfig) -> bool:
     return rounds % config.explore_every == config.explore_every - 1
 
 
+def passes_before_exploration(state: PolicyState, config: PolicyConfig) -> int:
+    """The most passes (tokens) the round just chosen may run at `k = 0` (`PolicyConfig.decode_steps`)
+    before the next exploration round is due: its passes count as rounds (`Observation.passes`),
+    and none of them may stand in for an exploration round."""
+    return (config.explore_every - 1 - state.rounds) % config.explore_every + 1
+
+
 def best_k(state: PolicyState, config: PolicyConfig) -> int | None:
     """The estimated goodput argmax over `0..k_max` with hysteresis; None if nothing is known.
 
@@ -129,6 +136,8 @@ def advance(
     """`step` without `k_ahead`: `(k, next state, best_ks of the state the choice was made on
     (None: not fitted), that state's flag)`."""
     s = update(state, obs, config) if obs is not None else state
+    if obs is not None and obs.passes > 1:
+        s = replace(s, rounds=s.rounds + obs.passes - 1)  # the further passes count as rounds at k = 0
     # The fit, unless the choice will not consult it (no draft allowed, back-off, its probe).
     best = best_ks(s, config) if config.k_max > 0 and s.backoff <= 0 and not s.resume_probe else None
     k, speculating = choose(s, config, best)

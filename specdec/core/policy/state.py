@@ -107,6 +107,10 @@ class Observation:
     verified_ahead: bool = False
     """The verify was answered from a k = 0 pass the target ran before the request came (its
     compute is that pass's, whatever the block)."""
+    passes: int = 1
+    """Target passes the round ran: at `k = 0` with `decode_steps`, one a token it emitted (its
+    times are then one pass's, with the call's round trip); they count as rounds, so that
+    exploration comes every `explore_every` tokens at `k = 0` whatever the passes a round runs."""
 
     def __post_init__(self) -> None:
         if self.k < 0:
@@ -118,6 +122,9 @@ class Observation:
                 f"accepted={self.accepted} is invalid: need 0 <= accepted <= proposed={self.proposed}"
             )
         _check_int("batch_size", self.batch_size, 1)
+        _check_int("passes", self.passes, 1)
+        if self.passes > 1 and self.k > 0:
+            raise ValueError(f"passes={self.passes} is invalid with k={self.k}: a round of several passes is at k = 0")
         for name in ("batch_positions", "drafted", "draft_prefill_tokens", "verify_prefill_tokens"):
             _check_int(name, getattr(self, name), 0)
         for name in ("draft_wall_s", "draft_compute_s", "verify_wall_s", "verify_compute_s",
