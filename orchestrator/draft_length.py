@@ -67,7 +67,8 @@ def observation(stats: pb.RoundStats, loop_s: float = 0.0) -> Observation:
     call's round trip: its compute and queue per pass, its wall time less the other passes'."""
     passes = max(1, stats.verify_passes)
     compute, queue = stats.verify_compute_ns / passes, min(stats.verify_queue_ns, stats.verify_ns) / passes
-    wall = stats.verify_ns - (passes - 1) * (compute + queue)
+    # (passes run ahead of the call may have taken longer than its wall time: the trip is then 0)
+    wall = compute + queue + max(0, stats.verify_ns - stats.verify_compute_ns - passes * queue)
     return Observation(
         k=stats.draft_length if not stats.draft_fallback else 0, proposed=stats.proposed, accepted=stats.accepted,
         draft_wall_s=stats.draft_ns / 1e9, draft_compute_s=stats.draft_compute_ns / 1e9,

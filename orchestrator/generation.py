@@ -205,7 +205,9 @@ class Orchestrator:
         # At k = 0 a round may emit several tokens, one pass each, within the tokens still wanted and before
         # the controller's next exploration round; the first round's one (its prefill) is the time to first token.
         steps = min(self.config.decode_steps, remaining, lengths.room) if k == 0 and not first else 1
-        ahead = self.config.verify_ahead
+        # The round after one of several passes that takes all the room is the controller's exploration round
+        # (it may draft: nothing is verified ahead of it); `upcoming` priced the round after one pass.
+        ahead = self.config.verify_ahead and not 1 < steps == lengths.room
         continues = ahead and continues_at_k0(k, k_next, remaining, drafting, steps=steps)
         # Kept whatever the request emits: the controller's own k = 0. The budget's k = 0 holds only if every
         # draft token is accepted; emitting fewer leaves room for a block after all.
