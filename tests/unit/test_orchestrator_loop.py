@@ -492,4 +492,6 @@ def test_a_round_of_several_passes_is_observed_as_one_pass_with_its_calls_round_
         assert seen.verify_compute_s == pytest.approx(0.006) and seen.verify_queue_s == pytest.approx(0.0004)
     assert one.verify_wall_s == pytest.approx(0.009)
     assert four.verify_wall_s - four.verify_compute_s - four.verify_queue_s == pytest.approx(0.0014)
+    ahead = observation(pb.RoundStats(verify_ns=5_000_000, verify_compute_ns=24_000_000, verify_passes=4))
+    assert ahead.verify_wall_s == ahead.verify_compute_s == pytest.approx(0.006)  # passes run before the call
     assert continues_at_k0(0, 0, 5, False, steps=4) and not continues_at_k0(0, 0, 4, False, steps=4)
