@@ -3,6 +3,7 @@
     python bench/round_overhead.py --out bench/results/round_overhead.json
     python bench/round_overhead.py --config serial=--no-save-behind --config behind=--save-behind
     python bench/round_overhead.py --config ahead= --config serial=--no-verify-ahead --target-threads 1
+    python bench/round_overhead.py --config one=--decode-steps=1 --config four=--decode-steps=4
 
 Starts the real pipeline on the packaged default model (Redis, the target service, one
 orchestrator and one HTTP gateway per `--config`: NAME=ORCHESTRATOR-ARGS, all sharing the target
@@ -18,7 +19,8 @@ one round's verify and the next round's call (`between_ns`), of which the sessio
 (`save_ns`) and detokenizing (`detokenize_ns`). The client's time per output token
 (`(last chunk - first token) / (tokens - 1)`) is set against the step; the gateway's share is the
 HTTP client's time per output token minus the gRPC client's. Figures are medians over rounds
-(parts) and requests (time per token). A round the target verified ahead (`--verify-ahead`, the
+(parts) and requests (time per token); a round of several passes (`--decode-steps`) counts its
+parts a token (each divided by its passes: `step` is one pass). A round the target verified ahead (`--verify-ahead`, the
 default: `ahead` is the share of such rounds) reports the pass it ran before the request came:
 its `step` is that pass, its queue 0, and `tgt rpc` what was left of the call after the pass (it
 may fall below zero); the time per output token is the figure to compare, against the `step` of a
@@ -59,12 +61,15 @@ def cpu_name() -> str:
 
 
 def parts_of(rnd: dict) -> dict[str, float]:
-    """One round's parts in ms (RoundStats as the SDK gives it)."""
+    """One round's parts in ms a token (RoundStats as the SDK gives it): a round of several passes
+    (--decode-steps) spreads its parts over its tokens, one a pass; `step` is then a pass."""
+    passes = max(1, rnd.get("verify_passes", 1))
     step, queue, wall = rnd.get("verify_compute_ns", 0), rnd.get("verify_queue_ns", 0), rnd.get("verify_ns", 0)
-    return {"step": step / 1e6, "target_queue": queue / 1e6, "target_rpc": (wall - step - queue) / 1e6,
-            "between": rnd.get("between_ns", 0) / 1e6, "save": rnd.get("save_ns", 0) / 1e6,
-            "detokenize": rnd.get("detokenize_ns", 0) / 1e6, "verify_wall": wall / 1e6,
-            "ahead": 1.0 if rnd.get("verify_decoded_ahead") else 0.0}
+    return {"step": step / 1e6 / passes, "target_queue": queue / 1e6 / passes,
+            "target_rpc": (wall - step - queue) / 1e6 / passes, "between": rnd.get("between_ns", 0) / 1e6 / passes,
+            "save": rnd.get("save_ns", 0) / 1e6 / passes, "detokenize": rnd.get("detokenize_ns", 0) / 1e6 / passes,
+            "verify_wall": wall / 1e6 / passes, "ahead": 1.0 if rnd.get("verify_decoded_ahead") else 0.0,
+            "passes": float(passes)}
 
 
 def run_grpc(client: Client, messages, max_new: int) -> dict:

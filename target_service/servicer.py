@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -30,6 +31,7 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
         self.verifier = verifier
         self.batcher: Batcher = batcher
         self.ahead = DecodeAhead(batcher, verifier, info.eos_token_ids)
+        self._decoding: dict[str, set[asyncio.Event]] = {}  # `_decode_more` loops by session (a Release stops them)
         self.logprobs_mode = logprobs_mode
 
     @grpc_errors
@@ -65,6 +67,8 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
 
     async def Release(self, request: common_pb2.ReleaseRequest, context) -> common_pb2.ReleaseResponse:
         self.ahead.cancel(request.session_id)  # (its job goes with the session's other work)
+        for stop in self._decoding.get(request.session_id, ()):
+            stop.set()  # no further pass of a request with decode_steps
         return await super().Release(request, context)
 
     async def _verify(self, request: target_pb2.VerifyRequest, context) -> target_pb2.VerifyResponse:
@@ -119,13 +123,28 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
         after `history` (which ends with the reply's token), each the job its own request would make,
         submitted by the batcher the moment the pass before it ends (`DecodeAhead`; when the batcher
         has other sessions' work, in turn with it)."""
+        stop = asyncio.Event()
+        self._decoding.setdefault(request.session_id, set()).add(stop)
+        try:
+            await self._decode_passes(request, reply, history, steps, params, logprobs, deadline, stop)
+        finally:
+            loops = self._decoding[request.session_id]
+            loops.discard(stop)
+            if not loops:
+                del self._decoding[request.session_id]
+
+    async def _decode_passes(self, request: target_pb2.VerifyRequest, reply: target_pb2.VerifyResponse,
+                             history: list[int], steps: int, params, logprobs: LogprobRequest | None,
+                             deadline: float | None, stop: asyncio.Event) -> None:
         ends = self.ahead.end_tokens | frozenset(params.end_token_ids)
         for left in range(steps, 0, -1):
-            if history[-1] in ends or len(history) > self.info.max_context:
+            if history[-1] in ends or len(history) > self.info.max_context or stop.is_set():
                 return
             follows = left > 1 or request.continues
             guessed = await self.ahead.take(request.session_id, history, [], params, request.seed, logprobs,
                                             follows, request.sent_unix_ns)
+            if stop.is_set():
+                return  # released while the guess ran (it was cancelled): no pass after the Release
             if guessed is None:
                 job = self.verifier.job(request.session_id, history, [], None, params, request.seed, deadline,
                                         logprobs)
@@ -136,6 +155,8 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
                     verified, step = await self.batcher.run(job)
                 except DeadlineExceeded:
                     return  # the request's time is up: it has the tokens so far
+                if stop.is_set():
+                    return  # released while the pass ran
             else:
                 verified, step = guessed
             token = verified.verdict.token

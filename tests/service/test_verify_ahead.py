@@ -10,6 +10,7 @@ guesses are counted in /metrics."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 import pytest
@@ -323,3 +324,40 @@ def test_decode_steps_end_at_an_end_token_and_are_refused_with_draft_tokens_or_b
         assert "decode_steps must be 0..64 and at most 1 with draft tokens" in refused.value.details()
     release(address, "steps-end")
     assert cached_sessions(address) == 0
+
+
+def test_a_release_during_a_request_of_many_decode_steps_leaves_no_cache(target, reference):
+    """Released while the further passes of a request of 64 decode steps run: the request ends (with
+    the tokens so far, or CANCELLED), no pass after the Release keeps the session's cache, and the
+    service serves the next request."""
+    address, _ = target
+    prompt = reference.encode(PROMPT)
+    no_end = common_pb2.SamplingParams(logit_bias={t: -100.0 for t in reference.loaded.eos_token_ids})
+
+    async def go(sent: int):
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = target_pb2_grpc.TargetServiceStub(channel)
+            call = stub.Verify(target_pb2.VerifyRequest(session_id="steps-released", history=prompt, decode_steps=64,
+                                                        sampling=no_end, sent_unix_ns=sent))
+            for _ in range(5000):  # until its first pass ran
+                if (await stub.GetInfo(common_pb2.GetInfoRequest())).cached_sessions:
+                    break
+                await asyncio.sleep(0.001)
+            await stub.Release(common_pb2.ReleaseRequest(session_id="steps-released"))  # (no send time: stops anyway)
+            try:
+                return len((await call).decoded)
+            except grpc.aio.AioRpcError as error:
+                assert error.code() == grpc.StatusCode.CANCELLED, error
+                return None
+
+    decoded = asyncio.run(go(time.time_ns()))
+    assert decoded is None or decoded < 63  # cut short by the Release
+    for _ in range(50):
+        if cached_sessions(address) == 0:
+            break
+        asyncio.run(asyncio.sleep(0.02))
+    assert cached_sessions(address) == 0
+    replies = on_one_call(address, [target_pb2.VerifyRequest(session_id="after-steps", history=prompt, decode_steps=3,
+                                                             sampling=common_pb2.SamplingParams())])
+    assert len(replies[0].decoded) == 2
+    release(address, "after-steps")
