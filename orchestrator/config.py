@@ -5,7 +5,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from specdec.defaults import DEFAULT_MODEL
+from specdec.defaults import DEFAULT_MODEL, MAX_DECODE_STEPS
 from specdec.server.config import RedisClientOptions, ServiceConfig
 from specdec.server.redis import RedisSettings
 
@@ -83,7 +83,7 @@ class OrchestratorConfig(RedisClientOptions, ServiceConfig):
         "(VerifyRequest.continues, VerifyRequest.followers).",
     )
     decode_steps: int = Field(
-        4, ge=1, le=64,
+        4, ge=1, le=MAX_DECODE_STEPS,
         description="Rounds at k = 0 (plain decoding, but for a generation's first round) ask the target for up to "
         "this many tokens in one call (VerifyRequest.decode_steps): the same tokens as one round each, their passes "
         "run back to back, the round's work around them (the calls, the session save, the chunk) done once. The "

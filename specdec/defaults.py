@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+MAX_DECODE_STEPS = 64  # the most k = 0 rounds one Verify may run (VerifyRequest.decode_steps)
 
 
 def cache_dir() -> Path:

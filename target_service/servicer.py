@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from dataclasses import replace
 
 from specdec.core.logprobs import MAX_TOP_LOGPROBS
+from specdec.defaults import MAX_DECODE_STEPS
 from specdec.errors import DeadlineExceeded, InvalidArgument
 from specdec.rpc_errors import grpc_errors
 from specdec.runtime.batching import Batcher
@@ -18,8 +19,6 @@ from specdec.server.model_service import ModelServicer
 from specdec.server.wire import followers_from_pb, logprobs_to_pb, probs_from_bytes
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
 from target_service.ahead import DecodeAhead
-
-MAX_DECODE_STEPS = 64  # k = 0 rounds one Verify may run (VerifyRequest.decode_steps)
 
 
 class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
