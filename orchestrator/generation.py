@@ -203,8 +203,10 @@ class Orchestrator:
             # that pass, then run its own.
             k = 0
         # At k = 0 a round may emit several tokens, one pass each, within the tokens still wanted and before
-        # the controller's next exploration round; the first round's one (its prefill) is the time to first token.
-        steps = min(self.config.decode_steps, remaining, lengths.room) if k == 0 and not first else 1
+        # the controller's next exploration round, unless the controller wants a block next; the first
+        # round's one (its prefill) is the time to first token.
+        several = k == 0 and k_next == 0 and not first
+        steps = min(self.config.decode_steps, remaining, lengths.room) if several else 1
         # The round after one of several passes that takes all the room is the controller's exploration round
         # (it may draft: nothing is verified ahead of it); `upcoming` priced the round after one pass.
         ahead = self.config.verify_ahead and not 1 < steps == lengths.room

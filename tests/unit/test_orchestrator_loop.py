@@ -452,6 +452,24 @@ async def test_a_round_the_target_verifies_ahead_stays_at_k0_when_the_controller
     assert target.continues[:3] == [True, False, True]
 
 
+async def test_a_round_at_k0_runs_one_pass_when_the_controller_wants_a_block_next(monkeypatch):
+    """Rounds at k = 0 of up to 4 passes while the controller's next choice is k = 0 too; the round before
+    the block it wants next runs one pass, so the block is not held back."""
+    import orchestrator.generation as generation
+
+    class Unbounded(ScriptedLengths):
+        room = 64
+
+    async def scripted(*args, **kwargs):
+        return Unbounded([(0, 0), (0, 0), (0, 4), (4, 4)])
+
+    monkeypatch.setattr(generation, "controller_for", scripted)
+    target = FakeTarget(REFERENCE)
+    orch = orchestrator(InMemorySessionStore(), target, FakeDraft(REFERENCE), draft_length=4, decode_steps=4)
+    assert generated(await run(orch, max_new_tokens=16)) == REFERENCE[START:START + 16]
+    assert target.steps[:4] == [1, 4, 1, 1] and [len(drafts) for _, drafts in target.calls][:4] == [0, 0, 0, 4]
+
+
 async def test_a_round_that_asks_the_draft_nothing_guesses_nothing(monkeypatch):
     """A guess bets on the share of asked rounds the draft answers empty: the first round (k = 0) makes
     none although the controller's estimates make it pay and the next round asks for a block; that
