@@ -113,9 +113,12 @@ UNPAID_PRIOR = {"version": 1, "rounds": 90, "k": 1, "alpha": 0.0, "accepted_ewma
 
 def test_where_the_prior_says_the_model_does_not_pay_suffix_matches_still_draft(hybrid_pipeline, reference):
     """The session starts with the model at k = 0; its rounds are then asked of suffix speculation
-    alone (never the model's block), so a text that repeats is drafted from the start: before, such
-    a session asked for nothing and found its suffix matches only at exploration probes."""
+    alone (never the model's block), so a text the shared corpus holds is drafted from the start: before,
+    such a session asked for nothing and found its suffix matches only at exploration probes. (The text
+    goes into the corpus first, so the test does not depend on the tests before it.)"""
     assert initial_state(PolicyConfig(k_max=16), PolicyState.from_dict(UNPAID_PRIOR)).k == 0  # the premise
+    with Client(orchestrator_address(hybrid_pipeline)) as client:  # the text, once, into the shared corpus
+        client.generate(LOOP, max_new_tokens=48, draft_length=0)
     plan = hybrid_pipeline.plan
     with redis.Redis(host=plan.host, port=plan.redis_port) as connection:
         connection.set(PRIOR_KEY, json.dumps(UNPAID_PRIOR))
