@@ -81,7 +81,7 @@ class Speculator:
     async def round(self, history: list[int], k: int, k_next: int, continues: bool = False,
                     sources: tuple[str, ...] = (), guess: bool = False, follow: bool = False, steps: int = 1) -> Round:
         """One round at draft length k; with overlap, start drafting the next block (of k_next).
-        `steps`: at k = 0, the tokens (passes) the target may emit in this round's one call;
+        `steps`: at k = 0, the most tokens (one pass each) the target may emit in the one verify call;
         `continues`: the next round is at k = 0 (the target may verify it ahead); `guess`: it asks
         the draft, which proposes nothing often enough that verifying it ahead anyway pays; `follow`:
         the next round may be verified ahead on the draft's followers of this block when it lists
