@@ -120,6 +120,11 @@ class DecodeAhead:
             self._guess(job, sent_unix_ns, verified, followers=followers)
         return verified, step
 
+    def ends_text(self, token: int, params: SamplingParams) -> bool:
+        """Whether `token` ends the text: the model's end of sequence or one of the request's end
+        tokens (no round follows it)."""
+        return token in self.end_tokens or token in params.end_token_ids
+
     def _settles(self, params: SamplingParams, draft_tokens: list[int]) -> bool:
         """Whether a guess may answer a request with these draft tokens: greedy, and tokens the
         vocabulary has (others are refused by the request's own pass)."""
@@ -137,8 +142,7 @@ class DecodeAhead:
         (and the answer's token is not `unless`; with `followers`, if it accepted all of `job`'s draft
         tokens and emitted none of them)."""
         emitted = verified.verdict.emitted(job.draft_tokens)
-        if (job.cancelled or not self.batcher.idle or emitted[-1] in self.end_tokens or emitted[-1] == unless
-                or emitted[-1] in job.params.end_token_ids):
+        if job.cancelled or not self.batcher.idle or self.ends_text(emitted[-1], job.params) or emitted[-1] == unless:
             return
         whole = verified.verdict.num_accepted == len(job.draft_tokens)
         if followers is not None and (not whole or emitted[-1] in followers):

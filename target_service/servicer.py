@@ -135,9 +135,8 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
     async def _decode_passes(self, request: target_pb2.VerifyRequest, reply: target_pb2.VerifyResponse,
                              history: list[int], steps: int, params, logprobs: LogprobRequest | None,
                              deadline: float | None, stop: asyncio.Event) -> None:
-        ends = self.ahead.end_tokens | frozenset(params.end_token_ids)
         for left in range(steps, 0, -1):
-            if history[-1] in ends or len(history) > self.info.max_context or stop.is_set():
+            if self.ahead.ends_text(history[-1], params) or len(history) > self.info.max_context or stop.is_set():
                 return
             follows = left > 1 or request.continues
             guessed = await self.ahead.take(request.session_id, history, [], params, request.seed, logprobs,
